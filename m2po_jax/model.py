@@ -1,0 +1,353 @@
+"""Flax causal language model for the Llama 3.x, Qwen2 / Qwen2.5 and Qwen3 families.
+
+The model is a pure function of (params, tokens): `CausalLM(config).apply({"params": p}, ...)`.
+Every parameter carries logical axis names (`nn.with_logical_partitioning`) that
+`sharding.py` maps onto a device mesh.
+
+Layout conventions (shared with `sampling.py` and `rollout.py`):
+- Prompts are left-padded; `valid_BxT` marks real tokens, `positions_BxT` are RoPE
+  positions (`make_positions(valid_BxT)` by default).
+- With a `KVCache`, the T new tokens are written at columns
+  `cache_index .. cache_index + T - 1` of the cache; a query at column c attends to
+  cache columns <= c that hold real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(dtype: Any) -> jnp.dtype:
+    """A jnp dtype from a name or dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown name {dtype!r}; expected one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (names follow Hugging Face configs)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    model_type: str = "llama"  # llama | qwen2 | qwen3
+    rope_theta: float = 10000.0
+    # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    remat: bool = False  # rematerialise each layer in the backward pass
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type: {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        as_dtype(self.dtype)
+        as_dtype(self.param_dtype)
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
+        h, k = self.num_heads, self.num_kv_heads
+        attn = e * d * (h + 2 * k) + h * d * e
+        if self.attention_bias:
+            attn += d * (h + 2 * k)
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else e * self.vocab_size
+        return self.num_layers * layer + self.vocab_size * e + e + head
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value buffers [B, S, K, D] and which of the S columns hold real tokens."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    valid_BxS: jax.Array
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache of `max_len` columns."""
+    dtype = as_dtype(dtype or config.dtype)
+    shape = (batch, max_len, config.num_kv_heads, config.dim_per_head)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
+
+
+def make_positions(valid_BxT: jax.Array) -> jax.Array:
+    """RoPE positions that skip left padding: 0 at the first real token."""
+    return jnp.maximum(jnp.cumsum(valid_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies, with Llama 3 scaling when configured (float32)."""
+    d = config.dim_per_head
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if config.rope_scaling is None:
+        return inv_freq
+    scaling = dict(config.rope_scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported (llama3 only)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split layout used by Hugging Face."""
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :].astype(x_BxTxHxD.dtype)
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :].astype(x_BxTxHxD.dtype)
+    x1, x2 = jnp.split(x_BxTxHxD, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BxTxHxD * cos + rotated * sin
+
+
+def _param(module: nn.Module, name: str, shape, axes, init, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    axis_name: str
+    param_dtype: Any
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(
+            self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones, self.param_dtype
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS, cache_kv, cache_index):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.dim_per_head
+        init = nn.initializers.normal(0.02)
+
+        def proj(name, heads, axis):
+            w = _param(self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt)
+            y = jnp.einsum("bte,ehd->bthd", x_BxTxE, w.astype(dt))
+            if c.attention_bias:
+                bias = _param(
+                    self, f"{name}_bias", (heads, d), (axis, "head_dim"), nn.initializers.zeros, pdt
+                )
+                y = y + bias.astype(dt)
+            return y
+
+        q = proj("q", h, "q_heads")
+        key = proj("k", k, "kv_heads")
+        value = proj("v", k, "kv_heads")
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="q_norm")(q)
+            key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="k_norm")(key)
+        inv_freq = rope_inv_freq(c)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        key = apply_rope(key, positions_BxT, inv_freq)
+        new_kv = None
+        if cache_kv is not None:
+            cache_k, cache_v = cache_kv
+            key = jax.lax.dynamic_update_slice_in_dim(cache_k, key.astype(cache_k.dtype), cache_index, 1)
+            value = jax.lax.dynamic_update_slice_in_dim(
+                cache_v, value.astype(cache_v.dtype), cache_index, 1
+            )
+            new_kv = (key, value)
+        out = jax.nn.dot_product_attention(
+            q, key.astype(dt), value.astype(dt), mask=mask_BxTxS[:, None, :, :], scale=d**-0.5
+        )
+        o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
+        return jnp.einsum("bthd,hde->bte", out, o.astype(dt)), new_kv
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        e, f = c.hidden_size, c.intermediate_size
+        init = nn.initializers.normal(0.02)
+        gate = _param(self, "gate_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
+        up = _param(self, "up_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
+        down = _param(self, "down_kernel", (f, e), ("mlp", "embed"), init, pdt).astype(dt)
+        hidden = jax.nn.silu(x_BxTxE @ gate) * (x_BxTxE @ up)
+        return hidden @ down
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS, cache_kv, cache_index):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
+        attn, new_kv = Attention(c, name="attn")(
+            normed, positions_BxT, mask_BxTxS, cache_kv, cache_index
+        )
+        x_BxTxE = x_BxTxE + attn
+        normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
+        return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. Returns float32 logits, and the updated cache when one is given."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        valid_BxT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int = 0,
+    ):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        b, t = tokens_BxT.shape
+        if valid_BxT is None:
+            valid_BxT = jnp.ones((b, t), bool)
+        if positions_BxT is None:
+            positions_BxT = make_positions(valid_BxT)
+        embedding = _param(
+            self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+            nn.initializers.normal(0.02), pdt,
+        )
+        x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
+
+        q_col = cache_index + jnp.arange(t)
+        if cache is None:
+            key_valid_BxS = valid_BxT
+        else:
+            key_valid_BxS = jax.lax.dynamic_update_slice_in_dim(
+                cache.valid_BxS, valid_BxT, cache_index, 1
+            )
+        k_col = jnp.arange(key_valid_BxS.shape[1])
+        mask_BxTxS = (k_col[None, None, :] <= q_col[None, :, None]) & key_valid_BxS[:, None, :]
+
+        layer_cls = DecoderLayer
+        if c.remat:
+            layer_cls = nn.remat(DecoderLayer, static_argnums=())
+        new_k, new_v = [], []
+        for i in range(c.num_layers):
+            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = layer_cls(c, name=f"layers_{i}")(x, positions_BxT, mask_BxTxS, cache_kv, cache_index)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("bte,ve->btv", x, embedding.astype(dt))
+        else:
+            head = _param(
+                self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+                nn.initializers.normal(0.02), pdt,
+            )
+            logits = x @ head.astype(dt)
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+
+
+def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
+    """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata)."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    params = CausalLM(config).init(rng, tokens)["params"]
+    return params if boxed else nn.meta.unbox(params)
+
+
+def logical_axes(config: ModelConfig):
+    """Pytree of logical-axis PartitionSpecs matching `init_params(config, ...)`."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), boxed=True))
+    return nn.get_partition_spec(shapes)
+
+
+def apply(params, config: ModelConfig, tokens_BxT, positions_BxT=None, valid_BxT=None,
+          cache=None, cache_index=0):
+    """`CausalLM(config).apply` on bare params."""
+    return CausalLM(config).apply(
+        {"params": params}, tokens_BxT, positions_BxT, valid_BxT, cache, cache_index
+    )
+
+
+def token_logp(logits_BxTxV: jax.Array, tokens_BxT: jax.Array, temperature: float = 1.0):
+    """log p(tokens[:, t] | tokens[:, :t]) aligned with tokens; column 0 is 0.
+
+    logits at column t-1 predict the token at column t; `temperature` divides the
+    logits first, as the sampler does when it records behaviour log-probs.
+    """
+    logits = logits_BxTxV[:, :-1].astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def token_entropy(logits_BxTxV: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Entropy of the next-token distribution, aligned like `token_logp`."""
+    logits = logits_BxTxV[:, :-1].astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.pad(ent, ((0, 0), (1, 0)))

@@ -1,0 +1,40 @@
+"""Batches that flow from the sampler to the train step, as `flax.struct` dataclasses.
+
+Token layout: column t of every `_BxT` array refers to token `tokens_BxT[:, t]`;
+`behav_logp_BxT[:, t]` is log p(tokens[:, t] | tokens[:, :t]) under the behaviour
+policy (0 where `loss_mask_BxT` is False). Prompts are left-padded to a common
+width, completions follow, then right padding.
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+    """What the sampler produced, tagged with the policy version that produced it."""
+
+    tokens_BxT: jax.Array  # int32
+    valid_BxT: jax.Array  # bool: real tokens (prompt or completion), not padding
+    behav_logp_BxT: jax.Array  # float32
+    loss_mask_BxT: jax.Array  # bool: completion tokens that count in the loss
+    prompt_len_B: jax.Array  # int32: real prompt tokens
+    completion_len_B: jax.Array  # int32: generated tokens, stop token included
+    stopped_B: jax.Array  # bool: the row ended with a stop token
+    version_B: jax.Array  # int32: policy version (update count) that generated the row
+    group_id_B: jax.Array  # int32: rows with equal ids answer the same prompt
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """A rollout batch with rewards turned into per-token advantages."""
+
+    tokens_BxT: jax.Array
+    valid_BxT: jax.Array
+    behav_logp_BxT: jax.Array
+    loss_mask_BxT: jax.Array
+    advantages_BxT: jax.Array  # float32
+    version_B: jax.Array
+    ref_logp_BxT: jax.Array | None = None  # reference policy, when a KL penalty is used
