@@ -29,12 +29,11 @@ class RolloutBatch:
 
 @flax.struct.dataclass
 class TrainBatch:
-    """A rollout batch with rewards turned into per-token advantages."""
+    """What one train step consumes: a rollout batch and its rewards (advantages come in the step)."""
 
     tokens_BxT: jax.Array
     valid_BxT: jax.Array
     behav_logp_BxT: jax.Array
     loss_mask_BxT: jax.Array
-    advantages_BxT: jax.Array  # float32
+    rewards_B: jax.Array  # float32 raw task rewards, one per row
     version_B: jax.Array
-    ref_logp_BxT: jax.Array | None = None  # reference policy, when a KL penalty is used

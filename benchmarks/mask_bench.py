@@ -1,0 +1,126 @@
+"""Times the M2PO mask: method "sort", method "bisect", a bare jnp.sort, and AReaL's torch rule.
+
+    python benchmarks/mask_bench.py [--sizes 4096,16384,65536,262144,1048576] [--reps 15]
+
+Every JAX function is jitted and timed with block_until_ready after a warm-up; the
+torch rule (boolean indexing, one descending sort, suffix means by flip-cumsum, as in
+AReaL's actor) runs on the CPU under torch.no_grad. Times are medians in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from m2po_jax.masking import m2po_mask
+
+M2_THRESHOLD = 0.04
+
+
+@torch.no_grad()
+def torch_m2po_mask(old_logp, prox_logp, loss_mask, m2_threshold):
+    """AReaL's _apply_m2po_masking, restated (M2PO.md): the reference to beat."""
+    m2 = (old_logp - prox_logp) ** 2
+    mask_flat = loss_mask.reshape(-1)
+    m2_selected = m2.reshape(-1)[mask_flat]
+    n = m2_selected.numel()
+    if n == 0:
+        return loss_mask
+    sorted_m2, indices = torch.sort(m2_selected, descending=True)
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(
+        n, 0, -1, dtype=sorted_m2.dtype
+    )
+    below = torch.where(suffix_mean < m2_threshold)[0]
+    num_to_mask = int(below[0]) if len(below) > 0 else n - 1
+    keep_sorted = torch.ones(n, dtype=torch.bool)
+    keep_sorted[:num_to_mask] = False
+    keep_selected = torch.empty_like(keep_sorted)
+    keep_selected[indices] = keep_sorted
+    out = torch.zeros_like(mask_flat)
+    out[mask_flat] = keep_selected
+    return out.view_as(loss_mask)
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm-up (compiles for jax)
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3)
+
+
+def _inputs(num_tokens: int, seed: int = 0):
+    """[B, 1024] batch (or [T] when small): ~10% padding, log-ratio spread so ~1% is masked."""
+    rng = np.random.default_rng(seed)
+    shape = (num_tokens // 1024, 1024) if num_tokens >= 1024 else (num_tokens,)
+    behav = rng.normal(-1.0, 0.5, shape).astype(np.float32)
+    # Heavy-tailed staleness: most tokens barely moved, a few moved a lot.
+    prox = behav + (0.1 * rng.standard_t(3, shape)).astype(np.float32)
+    loss_mask = rng.random(shape) < 0.9
+    return behav, prox, loss_mask
+
+
+def run(sizes: list[int], reps: int) -> list[dict]:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    sort_fn = jax.jit(lambda b, p, m, t: m2po_mask(b, p, m, t, method="sort"))
+    bisect_fn = jax.jit(lambda b, p, m, t: m2po_mask(b, p, m, t, method="bisect"))
+    bare_sort = jax.jit(lambda x: jnp.sort(x.reshape(-1)))
+    rows = []
+    for num_tokens in sizes:
+        behav, prox, loss_mask = _inputs(num_tokens)
+        b, p, m = jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(loss_mask)
+        tau = jnp.float32(M2_THRESHOLD)
+        m2 = jnp.square(b - p)
+        tb, tp, tm = torch.from_numpy(behav), torch.from_numpy(prox), torch.from_numpy(loss_mask)
+        mask_sort = np.asarray(sort_fn(b, p, m, tau))
+        mask_bisect = np.asarray(bisect_fn(b, p, m, tau))
+        mask_torch = torch_m2po_mask(tb, tp, tm, M2_THRESHOLD).numpy()
+        row = {
+            "tokens": num_tokens,
+            "masked": int(loss_mask.sum() - mask_torch.sum()),
+            "agree": bool((mask_sort == mask_torch).all() and (mask_bisect == mask_torch).all()),
+            "sort": _median_ms(lambda: sort_fn(b, p, m, tau).block_until_ready(), reps),
+            "bisect": _median_ms(lambda: bisect_fn(b, p, m, tau).block_until_ready(), reps),
+            "jnp.sort": _median_ms(lambda: bare_sort(m2).block_until_ready(), reps),
+            "torch": _median_ms(lambda: torch_m2po_mask(tb, tp, tm, M2_THRESHOLD), reps),
+        }
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4096,16384,65536,262144,1048576")
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), tau={M2_THRESHOLD}, median of {args.reps} reps, ms"
+    )
+    header = (
+        f"{'tokens':>9} {'masked':>7} {'agree':>5} {'sort':>8} {'bisect':>8} {'jnp.sort':>9}"
+        f" {'torch':>8} | {'torch/best':>10} {'sort/jnp.sort':>13} {'torch/sort':>10}"
+        f" {'torch/bisect':>12}"
+    )
+    print(header)
+    for r in run(sizes, args.reps):
+        best = min(r["sort"], r["bisect"])
+        print(
+            f"{r['tokens']:>9} {r['masked']:>7} {str(r['agree']):>5} {r['sort']:>8.3f}"
+            f" {r['bisect']:>8.3f} {r['jnp.sort']:>9.3f} {r['torch']:>8.3f} |"
+            f" {r['torch'] / best:>10.2f} {r['sort'] / r['jnp.sort']:>13.2f}"
+            f" {r['torch'] / r['sort']:>10.2f} {r['torch'] / r['bisect']:>12.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

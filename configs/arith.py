@@ -1,0 +1,85 @@
+"""Presets on the built-in arithmetic task, selected by the config argument.
+
+  m2po-train --config=configs/arith.py:m2po        # the default: stale-4 rollouts, M2PO on
+  m2po-train --config=configs/arith.py:grpo        # on-policy GRPO (k = 0), no M2PO
+  m2po-train --config=configs/arith.py:stale_grpo  # stale-4 GRPO without M2PO
+  m2po-train --config=configs/arith.py:stale_grpo,tiny   # presets combine left to right
+
+Presets: m2po, grpo, stale_grpo, paper (the paper's variant: m2 against the current
+policy, <= rule, no epsilon clip, loss over all valid tokens), authors (the authors'
+code: harmful tokens, capped-mean clip range), tiny (a seconds-long smoke run for tests).
+"""
+
+import ml_collections
+
+from m2po_jax.configs import default
+
+
+def _m2po(c):
+    c.actor.m2_threshold = 0.04
+
+
+def _grpo(c):
+    c.actor.m2_threshold = None
+    c.rollout.max_head_offpolicyness = 0
+
+
+def _stale_grpo(c):
+    c.actor.m2_threshold = None
+    c.rollout.max_head_offpolicyness = 4
+
+
+def _paper(c):
+    c.actor.m2_threshold = 0.04
+    c.actor.m2po_second_moment = "current_behav"
+    c.actor.m2po_stop_rule = "le"
+    c.actor.eps_clip = 0.0
+    c.actor.loss_denominator = "valid"
+
+
+def _authors(c):
+    c.actor.m2_threshold = 0.04
+    c.actor.m2po_candidates = "harmful"
+    c.actor.m2po_stop_rule = "capped_clip"
+
+
+def _tiny(c):
+    c.total_steps = 4
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 1
+    c.model.num_heads = 2
+    c.model.num_kv_heads = 1
+    c.sft.max_steps = 4
+    c.sft.batch_size = 16
+    c.sft.eval_every = 2
+    c.gconfig.n_samples = 4
+    c.actor.reward_norm.group_size = 4
+    c.rollout.batch_size = 4
+    c.rollout.max_head_offpolicyness = min(c.rollout.max_head_offpolicyness, 2)
+    c.actor.ppo_n_minibatches = 2
+    c.eval.every = 2
+    c.eval.num_examples = 16
+    c.eval.batch_size = 16
+    c.checkpoint.every = 2
+    c.logging.progress = False
+    c.logging.plots = False
+
+
+PRESETS = {
+    "m2po": _m2po,
+    "grpo": _grpo,
+    "stale_grpo": _stale_grpo,
+    "paper": _paper,
+    "authors": _authors,
+    "tiny": _tiny,
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = default.get_config()
+    for name in filter(None, (arg or "m2po").split(",")):
+        if name not in PRESETS:
+            raise ValueError(f"configs/arith.py: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        PRESETS[name](c)
+    return c

@@ -1,0 +1,143 @@
+"""The built-in default: M2PO on a synthetic arithmetic task, rollouts 4 updates stale.
+
+A small causal LM learns 1-2 digit addition from scratch on a CPU: a short supervised
+warm-up makes it sometimes right, then GRPO-style RL with M2PO trains on rollouts that
+were generated `rollout.max_head_offpolicyness` updates earlier.
+
+Run:
+  m2po-train                                  # this config, workdir ./runs/default
+  m2po-train --config=configs/default.py --workdir=/tmp/run \
+      --config.actor.m2_threshold=0.04 --config.rollout.max_head_offpolicyness=8
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    del arg  # presets live in configs/arith.py
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # base PRNG seed; every step derives its keys with fold_in(seed, step)
+    c.total_steps = 60  # RL updates (policy versions) to run
+    c.max_nonfinite_steps = 3  # stop after this many consecutive non-finite steps
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""  # local Hugging Face checkpoint dir; "" = a new model from the fields below
+    c.model.vocab_size = 0  # 0 = the task tokenizer's vocabulary size
+    c.model.hidden_size = 128  # width of the residual stream
+    c.model.intermediate_size = 384  # SwiGLU hidden width
+    c.model.num_layers = 2  # decoder layers
+    c.model.num_heads = 4  # query heads
+    c.model.num_kv_heads = 2  # key/value heads (grouped-query attention)
+    c.model.head_dim = 0  # 0 = hidden_size // num_heads
+    c.model.model_type = "llama"  # llama | qwen2 | qwen3 (for a new model)
+    c.model.rope_theta = 10000.0  # RoPE base
+    c.model.tie_word_embeddings = True  # share input embedding and output head
+    c.model.dtype = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU/TPU
+    c.model.param_dtype = "float32"  # storage dtype of params and optimizer state
+    c.model.remat = False  # recompute each layer in the backward pass to save memory
+
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "arith"  # arith (built-in synthetic) | gsm8k (local JSONL)
+    c.task.seed = 1234  # problem generator seed (train and held-out split)
+    c.task.min_digits = 1  # arith: fewest digits per operand
+    c.task.max_digits = 2  # arith: most digits per operand
+    c.task.ops = "+"  # arith: operators to draw from, subset of "+-*"
+    c.task.train_path = ""  # gsm8k: training JSONL (question, answer ending in '#### n')
+    c.task.eval_path = ""  # gsm8k: held-out JSONL; "" = hold out the last eval_size records
+    c.task.eval_size = 200  # gsm8k: records held out when eval_path is ""
+    c.task.max_prompt_len = 8  # prompt tokens kept (left-padded to this width, longer cut)
+    c.task.reward_fn = ""  # "pkg.module:function" (completion, answer) -> float; "" = task's
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.max_steps = 400  # supervised warm-up steps before RL (0 = none)
+    c.sft.batch_size = 64  # warm-up sequences per step
+    c.sft.lr = 3e-3  # warm-up learning rate (AdamW, constant)
+    c.sft.stop_at_accuracy = 0.15  # end the warm-up once held-out greedy accuracy reaches this
+    c.sft.eval_every = 25  # warm-up steps between accuracy checks
+
+    c.gconfig = ml_collections.ConfigDict()
+    c.gconfig.n_samples = 8  # completions per prompt (the GRPO group)
+    c.gconfig.max_new_tokens = 4  # completion budget in tokens
+    c.gconfig.temperature = 1.0  # sampling temperature (behaviour log-probs use it too)
+    c.gconfig.greedy = False  # argmax decoding instead of sampling
+    c.gconfig.top_p = 1.0  # nucleus sampling mass (1.0 = off)
+    c.gconfig.top_k = 0  # top-k sampling (0 = off)
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.batch_size = 32  # prompts per step (rows = batch_size * n_samples)
+    c.rollout.max_head_offpolicyness = 4  # staleness k: train on the batch made k updates ago
+
+    c.actor = ml_collections.ConfigDict()
+    c.actor.m2_threshold = placeholder(float)
+    c.actor.m2_threshold = 0.04  # M2PO second-moment bound tau; None disables M2PO
+    c.actor.m2po_method = "sort"  # sort | bisect (sort-free, exact up to ties)
+    c.actor.m2po_second_moment = "behav_prox"  # behav_prox (AReaL) | current_behav (paper) | prox_current (authors' code)
+    c.actor.m2po_stop_rule = "lt"  # lt (AReaL, mean < tau) | le (paper) | capped_clip (authors' code: clip range)
+    c.actor.m2po_candidates = "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
+    c.actor.m2po_scope = "global"  # global (whole batch) | row (per sequence) | minibatch
+    c.actor.eps_clip = 0.2  # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]
+    c.actor.eps_clip_higher = placeholder(float)  # upper clip (clip-higher); None = eps_clip
+    c.actor.c_clip = placeholder(float)  # dual-clip bound (> 1) for negative advantages; None = off
+    c.actor.use_decoupled_loss = True  # decoupled PPO: ratio against the recomputed proximal policy
+    c.actor.recompute_logprob = True  # recompute proximal log-probs with the current params
+    c.actor.loss_denominator = "kept"  # kept (AReaL: tokens after M2PO) | valid (paper)
+    c.actor.rejection_sampling = ml_collections.ConfigDict()
+    c.actor.rejection_sampling.enabled = True  # behaviour correction of the decoupled loss
+    c.actor.rejection_sampling.level = "token"  # token | sequence
+    c.actor.rejection_sampling.action = "mask"  # mask (drop) | clamp (clamp the weight)
+    c.actor.rejection_sampling.metric = "ratio"  # ratio | kl_k1 | kl_k2 | kl_k3
+    c.actor.rejection_sampling.agg = "mean"  # sequence aggregation: sum | mean | max
+    c.actor.rejection_sampling.upper = 5.0  # upper bound on the metric (inclusive)
+    c.actor.rejection_sampling.lower = placeholder(float)  # lower bound (inclusive); None = none
+    c.actor.importance_sampling_level = "token"  # token (PPO) | sequence (GSPO)
+    c.actor.use_sapo_loss = False  # SAPO soft gate (needs use_decoupled_loss=False)
+    c.actor.sapo_tau_pos = 1.0  # SAPO temperature for positive advantages
+    c.actor.sapo_tau_neg = 1.05  # SAPO temperature for negative advantages
+    c.actor.ppo_n_minibatches = 4  # optimizer updates per step (lax.scan over minibatches)
+    c.actor.reward_scaling = 1.0  # R' = clip((R + reward_bias) * reward_scaling, +-reward_clip)
+    c.actor.reward_bias = 0.0  # added to the raw reward before scaling
+    c.actor.reward_clip = 20.0  # absolute bound on the transformed reward
+    c.actor.reward_norm = ml_collections.ConfigDict()
+    c.actor.reward_norm.mean_level = "group"  # group | batch | None: what the reward is centred on
+    c.actor.reward_norm.std_level = "group"  # group | batch | None: what it is scaled by
+    c.actor.reward_norm.group_size = 8  # completions per prompt (= gconfig.n_samples)
+    c.actor.reward_norm.mean_leave1out = False  # leave-one-out mean
+    c.actor.reward_norm.std_unbiased = True  # unbiased (n-1) standard deviation
+    c.actor.reward_norm.eps = 1e-5  # added to the std
+    c.actor.adv_norm = False  # normalise advantages over all tokens of the batch
+    c.actor.kl_ctl = 0.0  # KL penalty coefficient against the initial (reference) policy
+    c.actor.kl_estimator = "k1"  # k1 | k2 | k3
+    c.actor.temperature = 1.0  # logits / temperature when recomputing log-probs (= gconfig)
+    c.actor.optimizer = ml_collections.ConfigDict()
+    c.actor.optimizer.lr = 1e-3  # peak learning rate (AdamW)
+    c.actor.optimizer.weight_decay = 0.0  # decoupled weight decay
+    c.actor.optimizer.beta1 = 0.9  # Adam beta1
+    c.actor.optimizer.beta2 = 0.999  # Adam beta2
+    c.actor.optimizer.eps = 1e-8  # Adam epsilon
+    c.actor.optimizer.gradient_clipping = 1.0  # global-norm clip (0 = off)
+    c.actor.optimizer.lr_scheduler_type = "constant"  # constant | linear | cosine (after warm-up)
+    c.actor.optimizer.warmup_steps_proportion = 0.0  # fraction of updates spent warming up
+    c.actor.optimizer.min_lr_ratio = 0.0  # final lr / peak lr for linear and cosine decay
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 10  # RL steps between held-out greedy evaluations (0 = only first/last)
+    c.eval.num_examples = 256  # held-out problems per evaluation
+    c.eval.batch_size = 256  # prompts per greedy decoding call
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 20  # steps between orbax checkpoints (0 = only at the end)
+    c.checkpoint.keep = 2  # checkpoints kept
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True  # TensorBoard event files in the workdir
+    c.logging.wandb_project = ""  # Weights & Biases project ("" = off)
+    c.logging.progress = True  # progress bar on stderr
+    c.logging.plots = True  # PNG plots in the workdir at the end
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
+    c.mesh.fsdp = 1  # fully sharded data-parallel axis (params and optimizer state)
+    c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP)
+    c.mesh.m2po_per_shard = False  # M2PO mask per data shard (AReaL per-rank) instead of global
+    return c

@@ -1,0 +1,717 @@
+"""Load and save Hugging Face checkpoints (Llama 3.x, Qwen2 / Qwen2.5, Qwen3) from local dirs.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or a sharded
+`model.safetensors.index.json` with its shard files. Nothing here touches the network
+or needs torch: tensors are read with safetensors' numpy backend (bfloat16 through
+ml_dtypes) and mapped onto the `model.py` param tree:
+
+| Hugging Face tensor [shape]                      | param path [shape]                 |
+|--------------------------------------------------|------------------------------------|
+| model.embed_tokens.weight [V, E]                 | embedding [V, E]                   |
+| model.layers.i.self_attn.q_proj.weight [H*D, E]  | layers_i/attn/q_kernel [E, H, D]   |
+| model.layers.i.self_attn.{k,v}_proj.weight       | layers_i/attn/{k,v}_kernel [E,K,D] |
+| model.layers.i.self_attn.{q,k,v}_proj.bias       | layers_i/attn/{q,k,v}_bias [., D]  |
+| model.layers.i.self_attn.o_proj.weight [E, H*D]  | layers_i/attn/o_kernel [H, D, E]   |
+| model.layers.i.self_attn.{q,k}_norm.weight [D]   | layers_i/attn/{q,k}_norm/scale     |
+| model.layers.i.input_layernorm.weight [E]        | layers_i/input_norm/scale          |
+| model.layers.i.post_attention_layernorm.weight   | layers_i/post_attn_norm/scale      |
+| model.layers.i.mlp.{gate,up}_proj.weight [F, E]  | layers_i/mlp/{gate,up}_kernel [E,F]|
+| model.layers.i.mlp.down_proj.weight [E, F]       | layers_i/mlp/down_kernel [F, E]    |
+| model.norm.weight [E]                            | final_norm/scale                   |
+| lm_head.weight [V, E] (absent when tied)         | lm_head [E, V]                     |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from m2po_jax.model import (
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    apply,
+    as_dtype,
+    init_params,
+)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Buffers some exporters write that carry no learned weights.
+_BENIGN_EXTRA = re.compile(r".*rotary_emb\.inv_freq$|.*\.masked_bias$|.*\.attn\.bias$")
+# Tensors are only read from disk through these tags (see safetensors' dtype names).
+_FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
+PathLike = str | os.PathLike
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _dtype_name(dtype: Any) -> str:
+    return as_dtype(dtype).name
+
+
+def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling) from either the transformers 4 or the 5 layout.
+
+    transformers 4 writes `rope_theta` and `rope_scaling` at the top level; 5 writes one
+    `rope_parameters` dict holding `rope_theta` and `rope_type` (or one dict per layer
+    type). A non-empty legacy `rope_scaling` wins, as it does in transformers.
+    """
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"rope_parameters: expected a dict, got {rope!r}")
+    if rope and all(isinstance(v, Mapping) or v is None for v in rope.values()):
+        # Nested per layer type: every layer here is full attention.
+        per_type = {k: v for k, v in rope.items() if v is not None}
+        if set(per_type) != {"full_attention"}:
+            raise ValueError(
+                f"rope_parameters: per-layer-type RoPE {sorted(per_type)} is not supported; "
+                "expected only 'full_attention'"
+            )
+        rope = per_type["full_attention"]
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor: {partial} is not supported (only 1.0)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"rope_scaling: rope_type {rope_type!r} is not supported; supported: default, llama3"
+        )
+    scaling = {"rope_type": "llama3"}
+    for key in _LLAMA3_KEYS:
+        if key in rope:
+            scaling[key] = rope[key]
+        elif key == "original_max_position_embeddings" and "max_position_embeddings" in hf:
+            scaling[key] = hf["max_position_embeddings"]  # transformers' own fallback
+        else:
+            raise ValueError(f"rope_scaling: llama3 scaling needs {key!r}; got {dict(rope)}")
+    return theta, tuple(sorted(scaling.items()))
+
+
+def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: int) -> None:
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first = hf.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if sliding:
+        raise ValueError(
+            f"{model_type}: sliding-window attention (use_sliding_window=true, "
+            f"sliding_window={hf['sliding_window']}) on layers {sliding} is not supported"
+        )
+
+
+def config_from_hf(
+    hf_config: Mapping[str, Any], *, dtype: Any = "float32", param_dtype: Any = None
+) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face `config.json` dict (llama, qwen2, qwen3).
+
+    Args:
+      hf_config: the parsed `config.json`.
+      dtype: compute dtype (name or jnp dtype).
+      param_dtype: parameter dtype; None means the same as `dtype`.
+
+    Returns:
+      The config; raises ValueError for a model type or feature the model can't run.
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type: {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
+    missing = [k for k in required if hf_config.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json: missing {missing} for model_type {model_type!r}")
+    act = hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act: {act!r} is not supported (only 'silu')")
+    if hf_config.get("mlp_bias"):
+        raise ValueError("mlp_bias: true is not supported (MLP projections have no bias)")
+    num_layers = int(hf_config["num_hidden_layers"])
+    _check_sliding_window(hf_config, model_type, num_layers)
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim")
+    if head_dim is None:
+        # Qwen3Config defaults to 128 when the field is absent; the others to E / H.
+        head_dim = 128 if model_type == "qwen3" else int(hf_config["hidden_size"]) // heads
+    if model_type == "qwen2":
+        attention_bias = True  # Qwen2 always has q/k/v biases; the field is not read
+    else:
+        attention_bias = bool(hf_config.get("attention_bias", False))
+    rope_theta, rope_scaling = _rope_settings(hf_config)
+    dtype = _dtype_name(dtype)
+    return ModelConfig(
+        vocab_size=int(hf_config["vocab_size"]),
+        hidden_size=int(hf_config["hidden_size"]),
+        intermediate_size=int(hf_config["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        model_type=model_type,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else _dtype_name(param_dtype),
+    )
+
+
+def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A full `config.json` dict for `config`, keeping non-architecture keys of `base`.
+
+    Written for transformers 4 and 5 alike: both `rope_theta`/`rope_scaling` and
+    `rope_parameters`.
+    """
+    mt = config.model_type
+    if mt == "qwen2" and not config.attention_bias:
+        raise ValueError("attention_bias: qwen2 checkpoints always have q/k/v biases; got False")
+    if mt == "qwen3" and not config.qk_norm:
+        raise ValueError(f"qk_norm: {mt} checkpoints always have q/k norms; got False")
+    if mt != "qwen3" and config.qk_norm:
+        raise ValueError(f"qk_norm: {mt} checkpoints have no q/k norms; got True")
+    scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
+    if scaling is not None and scaling.get("rope_type", "default") == "default":
+        scaling = None
+    rope_parameters = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if scaling is not None:
+        rope_parameters = {**scaling, "rope_theta": config.rope_theta}
+    base = dict(base or {})
+    for stale in ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype"):
+        base.pop(stale, None)
+    hf = {
+        **base,
+        "architectures": [_ARCHITECTURES[mt]],
+        "model_type": mt,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.dim_per_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": base.get("initializer_range", 0.02),
+        "use_cache": True,
+        "torch_dtype": config.param_dtype,
+        "bos_token_id": base.get("bos_token_id"),
+        "eos_token_id": base.get("eos_token_id"),
+        "pad_token_id": base.get("pad_token_id"),
+    }
+    if mt == "llama":
+        hf.update(attention_bias=config.attention_bias, mlp_bias=False, pretraining_tp=1)
+    else:
+        hf.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=config.num_layers,
+            layer_types=["full_attention"] * config.num_layers,
+        )
+        if mt == "qwen3":
+            hf["attention_bias"] = config.attention_bias
+    return hf
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One checkpoint tensor and where it lives in the param tree."""
+
+    param_path: tuple[str, ...]
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    transpose: bool  # torch Linear weights are [out, in]; ours are [in, ...out]
+
+    def to_param(self, x: np.ndarray) -> np.ndarray:
+        if self.transpose:
+            x = x.T
+        return np.ascontiguousarray(x.reshape(self.shape))
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        if self.transpose:
+            return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T)
+        return np.ascontiguousarray(x.reshape(self.hf_shape))
+
+
+def tensor_layout(config: ModelConfig) -> list[_Tensor]:
+    """Every checkpoint tensor of `config`, in param-tree order."""
+    e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    h, k, d = config.num_heads, config.num_kv_heads, config.dim_per_head
+    out = [_Tensor(("embedding",), "model.embed_tokens.weight", (v, e), (v, e), False)]
+    for i in range(config.num_layers):
+        hf, p = f"model.layers.{i}.", f"layers_{i}"
+
+        def add(path, name, hf_shape, shape, transpose, hf=hf, p=p):
+            out.append(_Tensor((p, *path), hf + name, hf_shape, shape, transpose))
+
+        for proj, heads in (("q", h), ("k", k), ("v", k)):
+            add(("attn", f"{proj}_kernel"), f"self_attn.{proj}_proj.weight", (heads * d, e), (e, heads, d), True)
+            if config.attention_bias:
+                add(("attn", f"{proj}_bias"), f"self_attn.{proj}_proj.bias", (heads * d,), (heads, d), False)
+        add(("attn", "o_kernel"), "self_attn.o_proj.weight", (e, h * d), (h, d, e), True)
+        if config.qk_norm:
+            add(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,), (d,), False)
+            add(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,), (d,), False)
+        add(("input_norm", "scale"), "input_layernorm.weight", (e,), (e,), False)
+        add(("post_attn_norm", "scale"), "post_attention_layernorm.weight", (e,), (e,), False)
+        add(("mlp", "gate_kernel"), "mlp.gate_proj.weight", (f, e), (e, f), True)
+        add(("mlp", "up_kernel"), "mlp.up_proj.weight", (f, e), (e, f), True)
+        add(("mlp", "down_kernel"), "mlp.down_proj.weight", (e, f), (f, e), True)
+    out.append(_Tensor(("final_norm", "scale"), "model.norm.weight", (e,), (e,), False))
+    if not config.tie_word_embeddings:
+        out.append(_Tensor(("lm_head",), "lm_head.weight", (v, e), (e, v), True))
+    return out
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> file that holds it, from the index or the single file."""
+    index_path = os.path.join(path, INDEX_FILE)
+    single_path = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: expected a non-empty 'weight_map'")
+        files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+        absent = sorted({f for f in files.values() if not os.path.isfile(f)})
+        if absent:
+            raise FileNotFoundError(f"{index_path} names shard files that do not exist: {absent}")
+        return files
+    if os.path.isfile(single_path):
+        with safe_open(single_path, framework="np") as fh:
+            return dict.fromkeys(fh.keys(), single_path)
+    found = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    raise FileNotFoundError(
+        f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE} "
+        f"(safetensors only) but found {found or 'no weight files'}"
+    )
+
+
+def _header(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, dtype tag) read from file headers, without loading data."""
+    info = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="np") as fh:
+            for name in fh.keys():
+                if files.get(name) == file:
+                    sl = fh.get_slice(name)
+                    info[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return info
+
+
+def _plan(path: PathLike, config: ModelConfig) -> tuple[list[_Tensor], dict[str, str]]:
+    """The tensors to read and their files, after checking names, shapes and dtypes."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+    files = _weight_files(path)
+    info = _header(files)
+    missing_in_files = sorted(set(files) - set(info))
+    if missing_in_files:
+        raise ValueError(f"{path}: index lists tensors its shard files lack: {missing_in_files[:5]}")
+    layout = tensor_layout(config)
+    expected = {t.hf_name for t in layout}
+    missing = [t.hf_name for t in layout if t.hf_name not in info]
+    if missing:
+        raise ValueError(
+            f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} in all) for {config.model_type} with {config.num_layers} layers"
+        )
+    for t in layout:
+        shape, tag = info[t.hf_name]
+        if shape != t.hf_shape:
+            raise ValueError(
+                f"{t.hf_name}: checkpoint shape {shape} does not match expected shape "
+                f"{t.hf_shape} from config.json"
+            )
+        if tag not in _FLOAT_TAGS:
+            raise ValueError(f"{t.hf_name}: dtype {tag} is not a float type {_FLOAT_TAGS}")
+    extra = sorted(set(info) - expected)
+    benign = [n for n in extra if _BENIGN_EXTRA.match(n)]
+    if config.tie_word_embeddings and "lm_head.weight" in extra:
+        benign.append("lm_head.weight")  # tied models sometimes store the copy anyway
+    unexpected = [n for n in extra if n not in benign]
+    if unexpected:
+        raise ValueError(
+            f"{path}: unexpected tensor(s) {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} for {config.model_type} "
+            f"with {config.num_layers} layers"
+        )
+    if benign:
+        warnings.warn(f"{path}: ignoring tensors {benign}", stacklevel=3)
+    return layout, files
+
+
+def iter_hf_params(
+    path: PathLike, config: ModelConfig, dtype: Any = None
+) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Yields (param_path, array) one checkpoint tensor at a time, in the param layout.
+
+    All names and shapes are checked against `config` before the first tensor is read,
+    so a caller can `device_put` each array onto its sharding as it arrives without
+    holding the whole model in host memory.
+
+    Args:
+      path: checkpoint directory.
+      config: the model the tensors must fit.
+      dtype: numpy dtype of the yielded arrays; None means `config.param_dtype`.
+    """
+    layout, files = _plan(path, config)
+    np_dtype = as_dtype(dtype or config.param_dtype)
+    by_file: dict[str, list[_Tensor]] = {}
+    for t in layout:
+        by_file.setdefault(files[t.hf_name], []).append(t)
+    for file, tensors in by_file.items():
+        with safe_open(file, framework="np") as fh:
+            for t in tensors:
+                yield t.param_path, t.to_param(fh.get_tensor(t.hf_name)).astype(np_dtype)
+
+
+def _set_in(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_params(path: PathLike, config: ModelConfig, dtype: Any = None) -> dict:
+    """The param tree of a checkpoint as jax arrays (dtype defaults to `config.param_dtype`)."""
+    params: dict = {}
+    for param_path, array in iter_hf_params(path, config, dtype):
+        _set_in(params, param_path, jnp.asarray(array))
+    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    if jax.tree.structure(expected) != jax.tree.structure(params):
+        raise AssertionError("hf.tensor_layout does not cover the model's param tree")
+    return params
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def read_hf_config(path: PathLike) -> dict:
+    """The parsed `config.json` of a checkpoint directory."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+    file = os.path.join(path, CONFIG_FILE)
+    hf = _read_json(file)
+    if hf is None:
+        raise FileNotFoundError(f"{file}: not found; a checkpoint dir needs {CONFIG_FILE}")
+    return hf
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class PretrainedModel:
+    """A loaded checkpoint: `config`, `params`, the source `hf_config`, and a jitted forward."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        hf_config: Mapping[str, Any] | None = None,
+        path: PathLike | None = None,
+    ):
+        self.config = config
+        self.params = params
+        self.hf_config = dict(hf_config) if hf_config is not None else config_to_hf(config)
+        self.path = None if path is None else os.fspath(path)
+        self._tokenizer: HFTokenizer | None | bool = False  # False: not looked for yet
+        self._forward = jax.jit(
+            lambda params, tokens, valid: apply(params, config, tokens, valid_BxT=valid)
+        )
+
+    def __call__(self, input_ids_BxT, valid_BxT=None) -> jax.Array:
+        """float32 logits [B, T, V]; `valid_BxT` marks real tokens of left-padded rows."""
+        tokens = jnp.asarray(input_ids_BxT, jnp.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"input_ids_BxT: expected rank 2 [B, T], got shape {tokens.shape}")
+        valid = jnp.ones(tokens.shape, bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
+        if valid.shape != tokens.shape:
+            raise ValueError(f"valid_BxT: shape {valid.shape} != input_ids_BxT shape {tokens.shape}")
+        return self._forward(self.params, tokens, valid)
+
+    @property
+    def tokenizer(self) -> HFTokenizer | None:
+        """The checkpoint's tokenizer, loaded on first use; None without tokenizer.json."""
+        if self._tokenizer is False:
+            has = self.path is not None and os.path.isfile(os.path.join(self.path, "tokenizer.json"))
+            self._tokenizer = load_tokenizer(self.path, self.config) if has else None
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"PretrainedModel(path={self.path!r}, config={self.config})"
+
+
+def load_pretrained(
+    path: PathLike, dtype: Any = jnp.float32, *, param_dtype: Any = None
+) -> PretrainedModel:
+    """Loads a local Hugging Face checkpoint directory.
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded index).
+      dtype: compute dtype.
+      param_dtype: parameter dtype; None means the same as `dtype`.
+
+    Returns:
+      A `PretrainedModel`; `model(input_ids_BxT)` gives float32 logits [B, T, V].
+    """
+    hf = read_hf_config(path)
+    config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+    return PretrainedModel(config, load_params(path, config), hf, path)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", str(size), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"max_shard_size: expected bytes or e.g. '5GB', got {size!r}")
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(float(match.group(1)) * units[(match.group(2) or "").upper()])
+
+
+def save_pretrained(
+    model_or_params: PretrainedModel | Mapping,
+    path: PathLike,
+    *,
+    config: ModelConfig | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+    dtype: Any = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Writes a checkpoint `transformers.AutoModelForCausalLM.from_pretrained` can load.
+
+    Args:
+      model_or_params: a `PretrainedModel`, or a param tree (then `config` is required).
+      path: output directory (created if needed).
+      config: architecture of the params; defaults to the model's.
+      hf_config: source `config.json` whose non-architecture keys (token ids, ...) are
+        kept; defaults to the model's.
+      dtype: dtype of the stored tensors; None keeps each param's dtype.
+      max_shard_size: bytes per file (int or '5GB'); larger models are sharded with an
+        index.
+    """
+    source_dir = None
+    if isinstance(model_or_params, PretrainedModel):
+        params = model_or_params.params
+        config = config or model_or_params.config
+        hf_config = hf_config if hf_config is not None else model_or_params.hf_config
+        source_dir = model_or_params.path
+    else:
+        params = model_or_params
+        if config is None:
+            raise TypeError("save_pretrained: `config` is required when saving a bare param tree")
+    limit = _parse_size(max_shard_size)
+    hf = config_to_hf(config, hf_config)
+    layout = tensor_layout(config)
+    flat = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_leaves_with_path(params)}
+    names = {t.param_path for t in layout}
+    if set(flat) != names:
+        raise ValueError(
+            f"model_or_params: param tree does not match config; missing "
+            f"{sorted(names - set(flat))[:5]}, unexpected {sorted(set(flat) - names)[:5]}"
+        )
+    for t in layout:
+        if tuple(flat[t.param_path].shape) != t.shape:
+            raise ValueError(
+                f"{'/'.join(t.param_path)}: shape {tuple(flat[t.param_path].shape)} != "
+                f"{t.shape} expected from config"
+            )
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    shard_bytes = 0
+    for t in layout:
+        array = np.asarray(jax.device_get(flat[t.param_path]))
+        if dtype is not None:
+            array = array.astype(as_dtype(dtype))
+        hf_array = t.to_hf(array)
+        if shards[-1] and shard_bytes + hf_array.nbytes > limit:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][t.hf_name] = hf_array
+        shard_bytes += hf_array.nbytes
+    stored = {a.dtype.name for s in shards for a in s.values()}
+    hf["torch_dtype"] = stored.pop() if len(stored) == 1 else "float32"
+
+    for stale in (SINGLE_FILE, INDEX_FILE):
+        if os.path.exists(os.path.join(path, stale)):
+            os.remove(os.path.join(path, stale))
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, name))
+            total += sum(a.nbytes for a in shard.values())
+        with open(os.path.join(path, INDEX_FILE), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    with open(os.path.join(path, CONFIG_FILE), "w") as fh:
+        json.dump(hf, fh, indent=2, sort_keys=True)
+    if source_dir is not None and os.path.abspath(source_dir) != os.path.abspath(path):
+        for name in TOKENIZER_FILES:
+            src = os.path.join(source_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _token_content(token: Any) -> str | None:
+    if isinstance(token, Mapping):  # {"content": "<|im_end|>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` with the ids an RL loop needs.
+
+    `eos_ids` gathers every end-of-sequence id named in tokenizer_config.json,
+    generation_config.json and config.json (chat models stop on more than one);
+    `eos_id` is the first of them.
+    """
+
+    def __init__(self, tokenizer, eos_ids: tuple[int, ...], pad_id: int | None, bos_id: int | None):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.eos_id = eos_ids[0] if eos_ids else None
+        self.pad_id = pad_id if pad_id is not None else self.eos_id
+        self.bos_id = bos_id
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens (BOS) only when asked, as chat templates
+        already spell them out."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, pad_id={self.pad_id})"
+
+
+def load_tokenizer(path: PathLike, model_config: ModelConfig | None = None) -> HFTokenizer:
+    """Loads `path/tokenizer.json` and the special ids from the json files beside it.
+
+    Args:
+      path: checkpoint or tokenizer directory.
+      model_config: when given, the tokenizer's ids must fit its `vocab_size`.
+    """
+    from tokenizers import Tokenizer  # imported here: only this function needs it
+
+    path = os.fspath(path)
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(
+            f"{file}: not found; load_tokenizer needs a fast-tokenizer tokenizer.json "
+            "(sentencepiece-only tokenizer.model is not supported)"
+        )
+    tokenizer = Tokenizer.from_file(file)
+    tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+    gen_cfg = _read_json(os.path.join(path, "generation_config.json")) or {}
+    model_cfg = _read_json(os.path.join(path, CONFIG_FILE)) or {}
+
+    def special(key: str) -> int | None:
+        content = _token_content(tok_cfg.get(key))
+        return None if content is None else tokenizer.token_to_id(content)
+
+    eos_ids: list[int] = []
+    for candidate in (
+        _as_ids(special("eos_token")),
+        _as_ids(gen_cfg.get("eos_token_id")),
+        _as_ids(model_cfg.get("eos_token_id")),
+    ):
+        eos_ids += [i for i in candidate if i not in eos_ids]
+    pad_id = special("pad_token")
+    if pad_id is None:
+        pad_id = gen_cfg.get("pad_token_id", model_cfg.get("pad_token_id"))
+    bos_id = special("bos_token")
+    if bos_id is None:
+        bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
+    wrapped = HFTokenizer(tokenizer, tuple(eos_ids), pad_id, bos_id)
+    if model_config is not None and wrapped.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"tokenizer: vocabulary size {wrapped.vocab_size} (max id + 1) exceeds "
+            f"model_config.vocab_size {model_config.vocab_size}"
+        )
+    return wrapped

@@ -1,0 +1,461 @@
+"""Metrics on the host: JSONL / TensorBoard / wandb writers, a progress bar, plots.
+
+Metric dicts are flat with "/" namespaces ("reward/mean", "m2po/masked_fraction").
+`metrics.jsonl` holds one JSON object per step, "step" first. JSON has no NaN, so
+non-finite values are written as null and their names listed under "nonfinite".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+DEFAULT_FINITE_KEYS = ("loss", "grad_norm")
+DEFAULT_COMPARISON_KEYS = (
+    "reward/mean",
+    "eval/accuracy",
+    "m2po/masked_fraction",
+    "m2po/m2_before",
+)
+# (file stem, title, keys, log y) of each panel of `plot_metrics`.
+PANELS = (
+    ("reward", "reward", ("reward/mean",), False),
+    ("eval_accuracy", "eval accuracy", ("eval/accuracy",), False),
+    ("masked_fraction", "M2PO masked fraction", ("m2po/masked_fraction",), False),
+    ("m2", "second moment", ("m2po/m2_before", "m2po/m2_after"), True),
+    ("staleness", "staleness (versions)", ("staleness/mean", "staleness/max"), False),
+)
+
+_log = logging.getLogger(__name__)
+
+
+def _to_python(value: Any) -> Any:
+    """numpy / jax scalars and arrays -> Python numbers and lists; others unchanged."""
+    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)):
+        array = np.asarray(value)
+        return array.item() if array.ndim == 0 else array.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_to_python(v) for v in value]
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _finite_or_none(value: Any) -> tuple[Any, bool]:
+    """(JSON-safe value, whether something non-finite was replaced by None)."""
+    if isinstance(value, list):
+        items = [_finite_or_none(v) for v in value]
+        return [v for v, _ in items], any(bad for _, bad in items)
+    if _is_number(value) and not math.isfinite(value):
+        return None, True
+    return value, False
+
+
+def _read_lines(path: str) -> list[tuple[int, str, dict | None]]:
+    """(line number, line, parsed object or None if it is not JSON) for non-empty lines."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = None
+                out.append((number, line, record if isinstance(record, dict) else None))
+    return out
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All records of a metrics.jsonl file, in file order.
+
+    A final line without a newline that does not parse (a write in progress) is
+    skipped; any other bad line raises ValueError naming the line.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"metrics file not found: {path!r}")
+    lines = _read_lines(path)
+    records = []
+    for i, (number, line, record) in enumerate(lines):
+        if record is None:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON object: {line.strip()[:80]!r}")
+        records.append(record)
+    return records
+
+
+class MetricsWriter:
+    """Writes metric dicts to `workdir/metrics.jsonl`, TensorBoard and (optionally) wandb.
+
+    Args:
+      workdir: output directory (created if needed).
+      tensorboard: also write scalars to `workdir/tensorboard` with tensorboardX.
+      wandb: keyword arguments for `wandb.init`, or None for no wandb.
+      is_primary: False on every process but 0 of a multi-host run; then nothing is
+        written and no file is opened.
+      resume_step: when resuming, records with step >= resume_step are dropped from an
+        existing metrics.jsonl (and TensorBoard events purged) so steps never repeat.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        wandb: Mapping[str, Any] | None = None,
+        is_primary: bool = True,
+        resume_step: int | None = None,
+    ):
+        if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
+            raise ValueError(
+                f"resume_step: expected a non-negative int or None, got {resume_step!r}"
+            )
+        if wandb is not None and not isinstance(wandb, Mapping):
+            raise TypeError(
+                f"wandb: expected a dict of wandb.init kwargs or None, got {type(wandb).__name__}"
+            )
+        self.is_primary = is_primary
+        self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+        self._file = None
+        self._tb = None
+        self._wandb_run = None
+        if not is_primary:
+            return
+        wandb_module = None
+        if wandb is not None:
+            try:
+                import wandb as wandb_module
+            except ImportError as e:
+                raise ImportError(
+                    "wandb logging was requested but the wandb package is not installed: "
+                    "pip install wandb (or m2po-jax[wandb]), or set wandb=None"
+                ) from e
+        os.makedirs(workdir, exist_ok=True)
+        if resume_step is not None and os.path.exists(self.path):
+            self._truncate(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(
+                logdir=os.path.join(os.fspath(workdir), TENSORBOARD_DIR), purge_step=resume_step
+            )
+        if wandb_module is not None:
+            self._wandb_run = wandb_module.init(**dict(wandb))
+
+    def _truncate(self, resume_step: int) -> None:
+        """Rewrites metrics.jsonl without records at step >= resume_step (or unreadable)."""
+        kept = []
+        for number, line, record in _read_lines(self.path):
+            if record is None or not _is_number(record.get("step")):
+                _log.warning("%s:%d: dropping an unreadable metrics line", self.path, number)
+            elif record["step"] < resume_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Appends one record for `step`; array values become lists (JSONL only)."""
+        if not self.is_primary:
+            return
+        if self._file is None:
+            raise ValueError("MetricsWriter.write: the writer is closed")
+        step = _to_python(step)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step: expected a non-negative int, got {step!r}")
+        values = {key: _to_python(value) for key, value in metrics.items()}
+        record: dict[str, Any] = {"step": step}
+        nonfinite = []
+        for key, value in values.items():
+            if key in ("step", "nonfinite"):
+                raise ValueError(f"metrics: key {key!r} is reserved by the writer")
+            record[key], bad = _finite_or_none(value)
+            if bad:
+                nonfinite.append(key)
+        if nonfinite:
+            record["nonfinite"] = nonfinite
+        try:
+            line = json.dumps(record, allow_nan=False)
+        except TypeError as e:
+            raise TypeError(
+                f"metrics at step {step}: a value is not JSON-serialisable ({e})"
+            ) from e
+        self._file.write(line + "\n")
+        self._file.flush()
+        scalars = {k: float(v) for k, v in values.items() if _is_number(v)}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=step)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes everything; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class ProgressBar:
+    """A tqdm bar showing the step, reward/mean, the latest eval/accuracy and the mask rate.
+
+    Args:
+      total_steps: steps of the whole run.
+      initial: steps already done (on resume).
+      enabled: False (e.g. on non-primary processes) shows nothing.
+    """
+
+    def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool = True):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=total_steps, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step"
+        )
+        self._eval_accuracy: float | None = None
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Moves the bar to `step` completed steps and refreshes the shown metrics."""
+        values = {k: _to_python(v) for k, v in metrics.items()}
+        if _is_number(values.get("eval/accuracy")):
+            self._eval_accuracy = float(values["eval/accuracy"])
+        postfix = {}
+        for label, key in (("reward", "reward/mean"), ("masked", "m2po/masked_fraction")):
+            if _is_number(values.get(key)):
+                postfix[label] = f"{values[key]:.3f}"
+        if self._eval_accuracy is not None:
+            postfix["eval_acc"] = f"{self._eval_accuracy:.3f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(int(step) - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that have `key`; null becomes NaN."""
+    steps, values = [], []
+    for record in records:
+        if key in record and (record[key] is None or _is_number(record[key])):
+            steps.append(record["step"])
+            values.append(np.nan if record[key] is None else float(record[key]))
+    return np.asarray(steps, np.int64), np.asarray(values, np.float64)
+
+
+def _draw_panel(ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y) -> bool:
+    """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them."""
+    drawn = False
+    for key in keys:
+        steps, values = _series(records, key)
+        if steps.size == 0:
+            continue
+        if log_y:
+            values = np.where(values > 0, values, np.nan)  # log scale: drop zeros
+        marker = "o" if steps.size < 30 else None
+        ax.plot(steps, values, label=key, marker=marker, markersize=3)
+        drawn = True
+    if drawn:
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+        if len(keys) > 1:
+            ax.legend(fontsize="small")
+    return drawn
+
+
+def plot_metrics(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """PNG plots of a run: one file per panel of `PANELS` with data, plus summary.png.
+
+    Panels whose keys never appear are skipped. Returns the written paths (empty if
+    no panel has data).
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    records = read_metrics(metrics_path)
+    os.makedirs(out_dir, exist_ok=True)
+    paths, available = [], []
+    for stem, title, keys, log_y in PANELS:
+        fig = Figure(figsize=(6, 4), layout="constrained")
+        if _draw_panel(fig.add_subplot(), records, title, keys, log_y):
+            path = os.path.join(os.fspath(out_dir), f"{stem}.png")
+            fig.savefig(path, dpi=100)
+            paths.append(path)
+            available.append((title, keys, log_y))
+    if available:
+        cols = min(3, len(available))
+        rows = math.ceil(len(available) / cols)
+        fig = Figure(figsize=(5 * cols, 3.5 * rows), layout="constrained")
+        for i, (title, keys, log_y) in enumerate(available):
+            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y)
+        path = os.path.join(os.fspath(out_dir), "summary.png")
+        fig.savefig(path, dpi=100)
+        paths.append(path)
+    return paths
+
+
+def plot_comparison(
+    runs: Mapping[str, str | os.PathLike],
+    out_path: str | os.PathLike,
+    keys: Sequence[str] = DEFAULT_COMPARISON_KEYS,
+) -> str:
+    """One PNG overlaying several runs, one panel per key (e.g. on-policy vs stale-k).
+
+    Args:
+      runs: label -> metrics.jsonl path.
+      out_path: the PNG to write.
+      keys: metric names, one panel each; keys no run has are skipped; "m2po/m2*"
+        keys use a log y axis.
+
+    Returns:
+      `out_path`.
+    """
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError("runs: expected at least one label -> metrics path")
+    records = {label: read_metrics(path) for label, path in runs.items()}
+    present = [k for k in keys if any(_series(r, k)[0].size for r in records.values())]
+    if not present:
+        raise ValueError(f"keys: none of {list(keys)} appears in any of the runs {list(runs)}")
+    fig = Figure(figsize=(5 * len(present), 3.8), layout="constrained")
+    for i, key in enumerate(present):
+        ax = fig.add_subplot(1, len(present), i + 1)
+        log_y = key.startswith("m2po/m2")
+        for label, run_records in records.items():
+            steps, values = _series(run_records, key)
+            if log_y:
+                values = np.where(values > 0, values, np.nan)
+            ax.plot(steps, values, label=label, marker="o" if steps.size < 30 else None, ms=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+        ax.legend(fontsize="small")
+    out_path = os.fspath(out_path)
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+def staleness_stats(
+    version_B: Any, current_version: int, *, max_k: int | None = None
+) -> dict[str, Any]:
+    """Staleness k = current_version - version of each sample, summarised on the host.
+
+    Args:
+      version_B: policy version that generated each sample, shape [B].
+      current_version: version of the policy being updated.
+      max_k: histogram length is max_k + 1, with staleness > max_k counted in the last
+        bin; None sizes it to the largest observed staleness.
+
+    Returns:
+      "staleness/mean" (float), "staleness/max", "staleness/min" (int) and
+      "staleness/hist_k" (list of counts for k = 0..K).
+    """
+    version_B = np.asarray(version_B)
+    if version_B.ndim != 1 or version_B.size == 0:
+        raise ValueError(f"version_B: expected a non-empty 1-D array, got shape {version_B.shape}")
+    if not np.issubdtype(version_B.dtype, np.integer):
+        raise TypeError(f"version_B: expected integer versions, got dtype {version_B.dtype}")
+    staleness_B = int(current_version) - version_B.astype(np.int64)
+    if staleness_B.min() < 0:
+        raise ValueError(
+            f"version_B: max version {version_B.max()} is newer than current_version "
+            f"{current_version}"
+        )
+    if max_k is not None and max_k < 0:
+        raise ValueError(f"max_k: expected a non-negative int or None, got {max_k!r}")
+    top = int(staleness_B.max()) if max_k is None else max_k
+    hist = np.bincount(np.minimum(staleness_B, top), minlength=top + 1)
+    return {
+        "staleness/mean": float(staleness_B.mean()),
+        "staleness/max": int(staleness_B.max()),
+        "staleness/min": int(staleness_B.min()),
+        "staleness/hist_k": hist.tolist(),
+    }
+
+
+def host_metrics(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """Device metrics -> Python numbers with one `jax.device_get` for the whole dict.
+
+    Nested dicts are flattened with "/"; integer scalars become int, other scalars
+    float, arrays lists.
+    """
+    import jax
+
+    host = jax.device_get(tree)
+    out: dict[str, Any] = {}
+
+    def visit(prefix: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                visit(f"{prefix}/{key}" if prefix else str(key), child)
+            return
+        array = np.asarray(node)
+        if array.ndim:
+            out[prefix] = array.tolist()
+        elif np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
+            out[prefix] = int(array)
+        else:
+            out[prefix] = float(array)
+
+    visit("", host)
+    return out
+
+
+def check_finite(
+    metrics: Mapping[str, Any], keys: Sequence[str] | None = DEFAULT_FINITE_KEYS
+) -> list[str]:
+    """Names of non-finite scalar metrics among `keys`.
+
+    A metric matches a key if its name equals the key or ends with "/" + key, so
+    "loss" covers "actor/loss". keys=None checks every scalar.
+    """
+    bad = []
+    for name, value in metrics.items():
+        if keys is not None and not any(name == k or name.endswith("/" + k) for k in keys):
+            continue
+        value = _to_python(value)
+        if _is_number(value) and not math.isfinite(value):
+            bad.append(name)
+    return bad

@@ -1,0 +1,628 @@
+"""Device meshes, logical-axis rules and shardings for training and sampling.
+
+One mesh with three axes, `MESH_AXES = ("data", "fsdp", "tensor")`:
+- `data`: pure data parallelism (batch split, weights replicated);
+- `fsdp`: batch split *and* weights split along "embed" (ZeRO-3 style);
+- `tensor`: heads, MLP and vocab split (Megatron style).
+
+Parameters carry logical axis names (model.py); a rule set maps each logical name
+to mesh axes. `TRAIN_RULES` shards weights over fsdp and tensor; `SAMPLE_RULES`
+keeps weights tensor-parallel only, so decoding does not gather weights every
+token. `reshard` moves a tree between the two layouts.
+
+Typical use::
+
+    mesh = make_mesh({"data": -1, "tensor": 2})
+    params = shard_init(model_config, rng, mesh, TRAIN_RULES)
+    step = jax.jit(train_step, in_shardings=(param_shardings(...), batch_sharding(mesh)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from m2po_jax import model as model_lib
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# Pairs (logical name, mesh axes), in the format of `flax.linen.logical_axis_rules`.
+TRAIN_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+SAMPLE_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over all (or the given) devices.
+
+    Args:
+      shape: `{"data": 2, "tensor": -1}` (missing axes get size 1) or a 3-tuple in
+        `MESH_AXES` order. One entry may be -1: it takes the devices left over.
+      devices: devices to use (default `jax.devices()`); the mesh must use all of them.
+
+    Returns:
+      A `Mesh` whose axes are `AxisType.Auto`, so jit propagates shardings itself.
+    """
+    if isinstance(shape, Mapping):
+        unknown = sorted(set(shape) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"shape: unknown mesh axes {unknown}; expected names from {MESH_AXES}")
+        sizes = [shape.get(name, 1) for name in MESH_AXES]
+    else:
+        sizes = list(shape)
+        if len(sizes) != len(MESH_AXES):
+            raise ValueError(f"shape: expected {len(MESH_AXES)} sizes for {MESH_AXES}, got {shape}")
+    if any(not isinstance(s, (int, np.integer)) or (s < 1 and s != -1) for s in sizes):
+        raise ValueError(f"shape: sizes must be positive ints or one -1, got {shape}")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"shape: at most one -1 allowed, got {shape}")
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n % known:
+            raise ValueError(
+                f"shape {shape}: the fixed axes use {known} devices, which does not divide "
+                f"the device count {n}"
+            )
+        sizes[sizes.index(-1)] = n // known
+    elif known != n:
+        raise ValueError(
+            f"shape {shape}: mesh size {known} does not equal the device count {n} "
+            "(use -1 for one axis, or pass devices=)"
+        )
+    return jax.make_mesh(
+        tuple(int(s) for s in sizes),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        devices=devices,
+    )
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _canonical_rules(rules: Rules | Mapping) -> Rules:
+    """Rules as a hashable tuple of (name, axes) pairs."""
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in items)
+
+
+def _rule_map(rules: Rules | Mapping) -> dict[str, tuple[str, ...]]:
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    out: dict[str, tuple[str, ...]] = {}
+    for name, axes in items:
+        if name in out:  # first match wins, as in flax
+            continue
+        out[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return out
+
+
+def logical_to_spec(
+    logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Rules | Mapping
+) -> P:
+    """Mesh PartitionSpec for one array from its logical axis names and shape.
+
+    Each dim takes the mesh axes its rule names, skipping axes missing from the mesh
+    or already used by an earlier dim; it keeps the longest prefix of those axes whose
+    total size divides the dim, so an indivisible dim (kv_heads=2 on tensor=4) is
+    replicated instead of raising.
+    """
+    if len(logical) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical)} do not match shape {tuple(shape)}")
+    rule = _rule_map(rules)
+    used: set[str] = set()
+    dims: list[Any] = []
+    for name, size in zip(logical, shape, strict=True):
+        axes = [a for a in rule.get(name, ()) if a in mesh.shape and a not in used]
+        while axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes.pop()
+        used.update(axes)
+        dims.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*dims)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(model_config: model_lib.ModelConfig):
+    return jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
+
+
+def param_specs(model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping):
+    """Pytree of mesh PartitionSpecs matching `init_params(model_config, ...)`."""
+    logical = model_lib.logical_axes(model_config)
+    shapes = _param_shapes(model_config)
+    return jax.tree.map(
+        lambda spec, s: logical_to_spec(tuple(spec), s.shape, mesh, rules),
+        logical,
+        shapes,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def param_shardings(model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping):
+    """Pytree of NamedShardings matching `init_params(model_config, ...)`."""
+    specs = param_specs(model_config, mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Dim 0 split over ("data", "fsdp"), the other dims replicated."""
+    if ndim < 1:
+        raise ValueError(f"ndim: a batch array needs at least 1 dim, got {ndim}")
+    axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    return NamedSharding(mesh, P(axes or None, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device."""
+    return NamedSharding(mesh, P())
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways the batch dim is split."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
+def cache_shardings(
+    model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping, batch: int, max_len: int
+) -> model_lib.KVCache:
+    """Shardings for `init_cache(model_config, batch, max_len)`: batch and kv heads split."""
+    shape = (batch, max_len, model_config.num_kv_heads, model_config.dim_per_head)
+    kv = NamedSharding(
+        mesh, logical_to_spec(("batch", None, "kv_heads", "head_dim"), shape, mesh, rules)
+    )
+    valid = NamedSharding(mesh, logical_to_spec(("batch", None), shape[:2], mesh, rules))
+    layers = (kv,) * model_config.num_layers
+    return model_lib.KVCache(k=layers, v=layers, valid_BxS=valid)
+
+
+def opt_state_shardings(opt_state: Any, params_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state (concrete or from `jax.eval_shape`).
+
+    Every subtree shaped like the params (AdamW's mu and nu) takes the params'
+    shardings; everything else (step counts) is replicated.
+    """
+    treedef = jax.tree.structure(params_shardings)
+
+    def mirrors_params(node) -> bool:
+        return not isinstance(node, (jax.Array, jax.ShapeDtypeStruct)) and (
+            jax.tree.structure(node) == treedef
+        )
+
+    return jax.tree.map(
+        lambda node: params_shardings if mirrors_params(node) else replicated(mesh),
+        opt_state,
+        is_leaf=mirrors_params,
+    )
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def shard_init(
+    model_config: model_lib.ModelConfig, rng: jax.Array, mesh: Mesh, rules: Rules | Mapping
+):
+    """`init_params` computed straight into its shardings (no full copy on one device).
+
+    With jax's partitionable threefry (the default) the values equal the unsharded
+    `init_params(model_config, rng)`.
+    """
+    return _sharded_init(model_config, mesh, _canonical_rules(rules))(rng)
+
+
+@functools.lru_cache(maxsize=8)
+def _sharded_init(model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules):
+    # Cached so that a second init (a reference policy, a restart) does not recompile.
+    return jax.jit(
+        functools.partial(model_lib.init_params, model_config),
+        in_shardings=replicated(mesh),
+        out_shardings=param_shardings(model_config, mesh, rules),
+    )
+
+
+def load_pretrained_sharded(
+    path: str | os.PathLike,
+    model_config: model_lib.ModelConfig,
+    mesh: Mesh,
+    rules: Rules | Mapping,
+    dtype: Any = None,
+):
+    """Params of a local Hugging Face checkpoint, each placed straight into its sharding.
+
+    Reads one tensor at a time from `hf.iter_hf_params`; every device receives only
+    its own slice, so host memory holds one tensor and no device a full copy.
+
+    Args:
+      path: checkpoint directory (config.json + *.safetensors).
+      model_config: the architecture, as `hf` derives it from config.json.
+      mesh, rules: where the params go.
+      dtype: param dtype (default `model_config.param_dtype`).
+
+    Returns:
+      A params pytree like `init_params(model_config, ...)`.
+    """
+    from m2po_jax import hf  # imported late: hf pulls in safetensors
+
+    dtype = model_lib.as_dtype(dtype or model_config.param_dtype)
+    shardings = param_shardings(model_config, mesh, rules)
+    shapes = _param_shapes(model_config)
+    expected = {tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shapes)}
+    shard_of = {tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    loaded: dict[tuple[str, ...], jax.Array] = {}
+    for key, array in hf.iter_hf_params(path, model_config, dtype):
+        key = tuple(key.split("/")) if isinstance(key, str) else tuple(key)
+        if key not in expected:
+            raise ValueError(f"checkpoint {path}: unexpected parameter {'/'.join(key)}")
+        want = expected[key].shape
+        if tuple(array.shape) != tuple(want):
+            raise ValueError(
+                f"checkpoint {path}: {'/'.join(key)} has shape {tuple(array.shape)}, "
+                f"expected {tuple(want)}"
+            )
+        host = np.asarray(array, dtype=dtype)
+        loaded[key] = jax.make_array_from_callback(want, shard_of[key], lambda idx, h=host: h[idx])
+    missing = sorted("/".join(k) for k in expected.keys() - loaded.keys())
+    if missing:
+        raise ValueError(f"checkpoint {path}: missing parameters {missing}")
+    leaves = [loaded[tuple(k.key for k in kp)] for kp, _ in jax.tree_util.tree_leaves_with_path(shapes)]
+    return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+def reshard(tree: Any, shardings: Any, *, donate: bool = False) -> Any:
+    """Move a tree into new shardings (train layout <-> sample layout); values unchanged.
+
+    `shardings` is a matching tree or a single sharding for every leaf; `donate`
+    frees the source buffers so both layouts never coexist in device memory.
+    """
+    return jax.device_put(tree, shardings, donate=donate)
+
+
+# ----------------------------------------------------------------------------- M2PO
+
+
+def m2po_mask_per_shard(
+    behav_logp: jax.typing.ArrayLike,
+    prox_logp: jax.typing.ArrayLike,
+    loss_mask: jax.typing.ArrayLike,
+    m2_threshold: float | jax.typing.ArrayLike | None,
+    mesh: Mesh,
+    *,
+    method: str = "sort",
+    axes: Sequence[str] = BATCH_AXES,
+) -> jax.Array:
+    """M2PO mask computed independently on each shard of the batch (AReaL's per-rank scope).
+
+    AReaL applies the second-moment trim on each data-parallel rank's micro-batch;
+    splitting dim 0 over `axes` and running `m2po_mask` on each block reproduces that.
+    The global-batch mask is plain `m2po_mask` on a sharded array.
+
+    Args:
+      behav_logp, prox_logp: float [B, ...] log-probs; B divisible by the shard count.
+      loss_mask: bool [B, ...] tokens taking part.
+      m2_threshold: tau; None returns `loss_mask` unchanged.
+      mesh: the device mesh.
+      method: "sort" or "bisect", passed to `m2po_mask`.
+      axes: mesh axes that split dim 0.
+
+    Returns:
+      bool [B, ...] sharded like the batch: each block is `m2po_mask` of that block.
+    """
+    from m2po_jax.masking import m2po_mask  # imported late: masking is a sibling module
+
+    loss_mask = jnp.asarray(loss_mask)
+    if m2_threshold is None:
+        return loss_mask
+    behav_logp, prox_logp = jnp.asarray(behav_logp), jnp.asarray(prox_logp)
+    if not (behav_logp.shape == prox_logp.shape == loss_mask.shape) or loss_mask.ndim < 1:
+        raise ValueError(
+            f"behav_logp {behav_logp.shape}, prox_logp {prox_logp.shape} and loss_mask "
+            f"{loss_mask.shape} must share one shape with a batch dim"
+        )
+    unknown = [a for a in axes if a not in mesh.shape]
+    if unknown:
+        raise ValueError(f"axes: {unknown} not in the mesh axes {tuple(mesh.shape)}")
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if loss_mask.shape[0] % shards:
+        raise ValueError(
+            f"loss_mask: batch dim {loss_mask.shape[0]} is not divisible by the "
+            f"{shards} shards of mesh axes {tuple(axes)}"
+        )
+    spec = P(tuple(axes) or None, *([None] * (loss_mask.ndim - 1)))
+
+    def block_mask(behav, prox, mask, threshold):
+        return m2po_mask(behav, prox, mask, threshold, method=method)
+
+    return jax.shard_map(
+        block_mask, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec
+    )(behav_logp, prox_logp, loss_mask, jnp.asarray(m2_threshold, jnp.float32))
+
+
+# ----------------------------------------------------------------------------- multi-host
+
+
+def _platform_hint() -> str | None:
+    """The platform jax will pick, guessed without starting a backend."""
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip().lower()
+    if importlib.util.find_spec("libtpu"):
+        return "tpu"
+    if any(
+        importlib.util.find_spec(m)
+        for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+    ):
+        return "gpu"
+    return "cpu"
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+) -> bool:
+    """Start multi-host JAX once; call before anything touches a device.
+
+    Arguments default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID. With none of them set, a TPU pod (or a SLURM / Open MPI job)
+    lets jax detect the cluster itself, and anywhere else this is one process and
+    nothing is started. On CPU the collectives run over gloo.
+
+    Returns:
+      True if jax.distributed is running (started now or earlier).
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    platform = _platform_hint()
+    configured = coordinator_address is not None or num_processes is not None
+    auto_cluster = platform == "tpu" or "SLURM_JOB_ID" in env or "OMPI_COMM_WORLD_SIZE" in env
+    if not configured and not auto_cluster:
+        return False
+    if configured and (coordinator_address is None or num_processes is None or process_id is None):
+        raise ValueError(
+            "initialize_distributed: coordinator_address, num_processes and process_id are all "
+            f"needed, got {coordinator_address!r}, {num_processes!r}, {process_id!r} "
+            "(arguments or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+        )
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+    )
+    return True
+
+
+def process_batch_slice(global_batch: int, mesh: Mesh | None = None) -> slice:
+    """The rows of a global batch that this process feeds to `global_batch_from_local`.
+
+    With a mesh, read from where `batch_sharding(mesh)` puts this process's devices;
+    without one, process i takes block i of `process_count` equal blocks.
+    """
+    if global_batch < 1:
+        raise ValueError(f"global_batch: must be positive, got {global_batch}")
+    if mesh is None:
+        count = jax.process_count()
+        if global_batch % count:
+            raise ValueError(
+                f"global_batch {global_batch} is not divisible by the process count {count}"
+            )
+        per = global_batch // count
+        return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+    shards = batch_shards(mesh)
+    if global_batch % shards:
+        raise ValueError(
+            f"global_batch {global_batch} is not divisible by the {shards} batch shards of the mesh"
+        )
+    rows = batch_sharding(mesh, 1).addressable_devices_indices_map((global_batch,)).values()
+    starts = sorted({r[0].indices(global_batch)[:2] for r in rows})
+    start, stop = starts[0][0], starts[-1][1]
+    if sum(b - a for a, b in starts) != stop - start:
+        raise ValueError(
+            f"this process's rows {starts} are not contiguous in mesh {dict(mesh.shape)}"
+        )
+    return slice(start, stop)
+
+
+def global_batch_from_local(local_tree: Any, mesh: Mesh, global_batch: int | None = None) -> Any:
+    """Global batch-sharded arrays from each process's rows (`process_batch_slice`).
+
+    Args:
+      local_tree: pytree of host arrays [b_local, ...] (e.g. a `TrainBatch`).
+      mesh: the device mesh; dim 0 goes over ("data", "fsdp").
+      global_batch: rows over all processes (default: inferred by jax).
+    """
+
+    def one(local):
+        local = np.asarray(local)
+        if local.ndim == 0:
+            return jax.make_array_from_process_local_data(replicated(mesh), local)
+        shape = None if global_batch is None else (global_batch, *local.shape[1:])
+        sharding = batch_sharding(mesh, local.ndim)
+        return jax.make_array_from_process_local_data(sharding, local, shape)
+
+    return jax.tree.map(one, local_tree)
+
+
+# ----------------------------------------------------------------------------- memory
+
+_OPT_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes per device; see `memory_plan` for what each entry counts."""
+
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    logits: int
+    kv_cache: int
+    mesh_shape: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params + self.optimizer + self.gradients + self.activations + self.logits
+            + self.kv_cache
+        )
+
+    def format(self) -> str:
+        """A small table in MiB."""
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
+        rows = [f"memory per device (mesh {mesh or '?'})"]
+        for name in ("params", "optimizer", "gradients", "activations", "logits", "kv_cache"):
+            rows.append(f"  {name:<12}{getattr(self, name) / 2**20:>12.2f} MiB")
+        rows.append(f"  {'total':<12}{self.total / 2**20:>12.2f} MiB")
+        return "\n".join(rows)
+
+
+def _per_device(n_items: int, splits: int) -> int:
+    return -(-n_items // splits)
+
+
+def memory_plan(
+    model_config: model_lib.ModelConfig,
+    mesh: Mesh,
+    *,
+    rules: Rules | Mapping = TRAIN_RULES,
+    batch: int,
+    seq_len: int,
+    micro_batch: int | None = None,
+    kv_cache_batch: int = 0,
+    kv_cache_len: int | None = None,
+    optimizer: str = "adamw",
+    remat: bool | None = None,
+    param_dtype_bytes: int | None = None,
+    compute_dtype_bytes: int | None = None,
+) -> MemoryPlan:
+    """Estimate peak bytes per device for one train step (plus a sampling KV cache).
+
+    - params / gradients: each param's shard under `rules` (exact);
+    - optimizer: moments (2 for AdamW) sharded like the params, in param dtype;
+    - activations, per micro-batch (rows split over data x fsdp, heads and MLP over
+      tensor when divisible), kept for the backward pass per layer:
+      4 residual-width tensors [b,T,E], q/k/v/out [b,T,(2H+2K)D], scores and probs
+      [b,H,T,T], MLP gate/up/hidden [b,T,F]x3; with remat only each layer's input plus
+      one layer recomputed at a time;
+    - logits: float32 logits and their gradient [b,T,V] (V split over tensor);
+    - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
+      fsdp and K over tensor (0 when `kv_cache_batch` is 0).
+    The total assumes all of these live at once, so it is an upper bound for a
+    trainer that samples and trains on the same devices.
+    """
+    c = model_config
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch ({batch}) and seq_len ({seq_len}) must be positive")
+    micro_batch = batch if micro_batch is None else micro_batch
+    if micro_batch < 1 or batch % micro_batch:
+        raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
+    if optimizer not in _OPT_MOMENTS:
+        raise ValueError(f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}")
+    remat = c.remat if remat is None else remat
+    pbytes = param_dtype_bytes or model_lib.as_dtype(c.param_dtype).itemsize
+    cbytes = compute_dtype_bytes or model_lib.as_dtype(c.dtype).itemsize
+    kv_cache_len = seq_len if kv_cache_len is None else kv_cache_len
+
+    shardings = param_shardings(c, mesh, rules)
+    shapes = _param_shapes(c)
+    param_items = sum(
+        math.prod(sh.shard_shape(s.shape))
+        for sh, s in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True)
+    )
+    params = param_items * pbytes
+
+    tensor = mesh.shape.get("tensor", 1)
+
+    def split(n: int) -> int:  # per-device share of a tensor-parallel dim
+        return n // tensor if n % tensor == 0 else n
+
+    b, t, e = _per_device(micro_batch, batch_shards(mesh)), seq_len, c.hidden_size
+    h, k, d, f = split(c.num_heads), split(c.num_kv_heads), c.dim_per_head, split(c.intermediate_size)
+    layer = b * t * (4 * e + (2 * h + 2 * k) * d + 3 * f) + 2 * b * h * t * t
+    if remat:
+        activations = (c.num_layers * b * t * e + layer) * cbytes
+    else:
+        activations = c.num_layers * layer * cbytes
+    logits = 2 * b * t * split(c.vocab_size) * 4
+
+    kv_b = _per_device(kv_cache_batch, batch_shards(mesh))
+    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * split(c.num_kv_heads) * d * cbytes
+    return MemoryPlan(
+        params=params,
+        optimizer=_OPT_MOMENTS[optimizer] * params,
+        gradients=params,
+        activations=activations,
+        logits=logits,
+        kv_cache=kv_cache,
+        mesh_shape=tuple(mesh.shape.items()),
+    )
+
+
+def device_memory_limit() -> int | None:
+    """Memory limit of device 0 from `memory_stats()`, None where unreported (CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_limit")
+
+
+def check_fits(plan: MemoryPlan, device_memory_bytes: int | None = None) -> int | None:
+    """Raise MemoryError when `plan.total` exceeds the device memory.
+
+    Args:
+      plan: from `memory_plan`.
+      device_memory_bytes: the limit; default the device's own `bytes_limit`.
+        When neither is known (CPU) nothing is checked.
+
+    Returns:
+      The limit checked against, or None when skipped.
+    """
+    limit = device_memory_bytes if device_memory_bytes is not None else device_memory_limit()
+    if limit is None:
+        return None
+    if plan.total > limit:
+        raise MemoryError(
+            f"estimated {plan.total / 2**30:.3f} GiB ({plan.total} bytes) per device exceeds "
+            f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes):\n{plan.format()}"
+        )
+    return limit

@@ -1,0 +1,385 @@
+"""The training loop: rollout -> stale queue -> train step -> metrics -> eval -> checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from m2po_jax import checkpoint as ckpt_lib
+from m2po_jax import metrics as metrics_lib
+from m2po_jax import model as model_lib
+from m2po_jax import rollout as rollout_lib
+from m2po_jax import sampling
+from m2po_jax import train_step as step_lib
+from m2po_jax.config import Config
+from m2po_jax.tasks import Task, make_task
+from m2po_jax.types import TrainBatch
+
+# Streams of the base PRNG key: every use derives its key with fold_in(stream, index).
+_GEN, _TRAIN, _FILL, _INIT, _SFT, _EVAL = range(6)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had non-finite loss or gradients."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: Path
+    final_step: int
+    eval_accuracy: list[tuple[int, float]]
+    interrupted: bool = False
+
+
+def build_task(cfg: Config, tokenizer=None) -> Task:
+    t = cfg.task
+    reward_fn = t.reward_fn or None
+    if t.name == "arith":
+        kwargs = dict(
+            seed=t.seed, ops=t.ops, min_digits=t.min_digits, max_digits=t.max_digits,
+            eval_size=cfg.eval.num_examples, reward_fn=reward_fn,
+        )
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
+        return make_task("arith", **kwargs)
+    if tokenizer is None:
+        raise ValueError("task.name='gsm8k' needs a tokenizer: set model.path to a HF checkpoint")
+    if not t.train_path:
+        raise ValueError("task.train_path: required for task.name='gsm8k' (a local JSONL file)")
+    return make_task(
+        "gsm8k", path=t.train_path, tokenizer=tokenizer, eval_path=t.eval_path or None,
+        num_eval=t.eval_size, seed=t.seed, reward_fn=reward_fn,
+    )
+
+
+def build_model(cfg: Config, vocab_size: int):
+    """(ModelConfig, params or None, tokenizer or None): from a HF dir or a new architecture."""
+    m = cfg.model
+    if m.path:
+        from m2po_jax import hf
+
+        loaded = hf.load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
+        tokenizer = hf.load_tokenizer(m.path, loaded.config)
+        model_config = loaded.config.replace(remat=m.remat)
+        return model_config, loaded.params, tokenizer
+    model_config = model_lib.ModelConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim or None,
+        model_type=m.model_type,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_word_embeddings,
+        attention_bias=m.model_type == "qwen2",
+        qk_norm=m.model_type == "qwen3",
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+    )
+    if model_config.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({vocab_size})"
+        )
+    return model_config, None, None
+
+
+def _prompt_ids(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer.encode(text))
+    bos = getattr(tokenizer, "bos_id", None)
+    return ([bos] if bos is not None else []) + ids
+
+
+class _BosTokenizer:
+    """Adds the BOS token to every encoded prompt (the model always sees it first)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.pad_id = tokenizer.pad_id
+
+    def encode(self, text):
+        return _prompt_ids(self._tok, text)
+
+    def decode(self, ids):
+        return self._tok.decode(ids)
+
+
+class Trainer:
+    """Owns the run's state; `run()` trains until `cfg.total_steps` (resuming if possible)."""
+
+    def __init__(self, cfg: Config, workdir: str | Path):
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.rng = jax.random.key(cfg.seed)
+
+        hf_params, tokenizer = None, None
+        if cfg.model.path:
+            self.model_config, hf_params, tokenizer = build_model(cfg, 0)
+            self.task = build_task(cfg, tokenizer)
+        else:
+            self.task = build_task(cfg)
+            self.model_config, _, _ = build_model(cfg, self.task.tokenizer.vocab_size)
+        self.tokenizer = self.task.tokenizer
+        self.prompt_tokenizer = _BosTokenizer(self.tokenizer)
+        if hf_params is None:
+            params = model_lib.init_params(self.model_config, jax.random.fold_in(self.rng, _INIT))
+        else:
+            params = hf_params
+        g = cfg.gconfig
+        stop_ids = (self.tokenizer.eos_id,)
+        self.sampling_config = sampling.SamplingConfig(
+            max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+            top_p=g.top_p, greedy=g.greedy, stop_token_ids=stop_ids, pad_id=self.tokenizer.pad_id,
+        )
+        self.eval_sampling = dataclasses.replace(self.sampling_config, greedy=True)
+        a = cfg.actor
+        total_updates = cfg.total_steps * a.ppo_n_minibatches
+        self.tx, self.schedule = step_lib.make_optimizer(a.optimizer, total_updates)
+        self.state = step_lib.init_train_state(params, self.tx)
+        self.train_step = step_lib.make_train_step(self.model_config, a, self.tx, self.schedule)
+        self.ref_params = None
+        self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
+        self.data_position = 0
+        self.sft_steps = 0
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
+        self._stop_requested = False
+        self.sft_log: list[dict] = []
+
+    # ---- rollouts and evaluation -------------------------------------------------------
+
+    def _rollout(self, rng, version: int) -> dict:
+        cfg = self.cfg
+        examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
+        self.data_position += cfg.rollout.batch_size
+        batch, _ = rollout_lib.generate_rollout(
+            self.state.params, self.model_config, self.sampling_config, examples,
+            self.prompt_tokenizer, self.task.reward, rng, n_samples=cfg.gconfig.n_samples,
+            version=version, max_prompt_len=cfg.task.max_prompt_len,
+        )
+        return batch
+
+    def evaluate(self, params=None) -> float:
+        """Held-out greedy accuracy (fraction with reward >= 1)."""
+        params = self.state.params if params is None else params
+        examples = self.task.eval_examples()[: self.cfg.eval.num_examples]
+        size = self.cfg.eval.batch_size
+        correct = []
+        for start in range(0, len(examples), size):
+            chunk = examples[start : start + size]
+            # Pad the last chunk so every call has the same shape (no recompile).
+            padded = chunk + [chunk[-1]] * (size - len(chunk))
+            batch, _ = rollout_lib.generate_rollout(
+                params, self.model_config, self.eval_sampling, padded, self.prompt_tokenizer,
+                self.task.reward, jax.random.fold_in(self.rng, _EVAL), n_samples=1, version=0,
+                max_prompt_len=self.cfg.task.max_prompt_len,
+            )
+            correct.extend((batch["rewards_B"][: len(chunk)] >= 1.0).tolist())
+        return float(np.mean(correct))
+
+    # ---- supervised warm-up -------------------------------------------------------------
+
+    def _sft_batch(self, start: int, count: int):
+        pairs = self.task.sft_examples(start, count)
+        width = self.cfg.task.max_prompt_len
+        new = self.cfg.gconfig.max_new_tokens
+        eos = self.tokenizer.eos_id
+        tokens = np.full((count, width + new), self.tokenizer.pad_id, np.int32)
+        valid = np.zeros_like(tokens, bool)
+        target = np.zeros_like(tokens, bool)
+        for row, (prompt, answer) in enumerate(pairs):
+            p = _prompt_ids(self.tokenizer, prompt)[-width:]
+            c = (list(self.tokenizer.encode(answer)) + [eos])[:new]
+            tokens[row, width - len(p) : width] = p
+            tokens[row, width : width + len(c)] = c
+            valid[row, width - len(p) : width + len(c)] = True
+            target[row, width : width + len(c)] = True
+        return tokens, valid, target
+
+    def supervised_warmup(self) -> None:
+        s = self.cfg.sft
+        if s.max_steps == 0:
+            return
+        tx = optax.adamw(s.lr, weight_decay=0.0)
+        sft_step = step_lib.make_sft_step(self.model_config, tx)
+        params = jax.tree.map(jnp.copy, self.state.params)
+        opt_state = tx.init(params)
+        for i in range(s.max_steps):
+            tokens, valid, target = self._sft_batch(i * s.batch_size, s.batch_size)
+            params, opt_state, loss = sft_step(params, opt_state, tokens, valid, target)
+            self.sft_steps = i + 1
+            if (i + 1) % s.eval_every == 0 or i + 1 == s.max_steps:
+                accuracy = self.evaluate(params)
+                logging.warning("warm-up step %d: loss %.3f, held-out accuracy %.3f", i + 1,
+                                float(loss), accuracy)
+                self.sft_log.append({"sft_step": i + 1, "sft/loss": float(loss),
+                                     "sft/accuracy": accuracy})
+                if accuracy >= s.stop_at_accuracy:
+                    break
+        self.state = step_lib.init_train_state(params, self.tx)
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def _meta(self) -> dict:
+        return {"data_position": self.data_position, "sft_steps": self.sft_steps}
+
+    def save(self) -> None:
+        step = int(self.state.step)
+        self.checkpointer.save(
+            step, state=self.state, rng=self.rng, queue=self.queue.state(), meta=self._meta(),
+            ref_params=self.ref_params,
+        )
+
+    def try_resume(self) -> bool:
+        if self.checkpointer.latest_step() is None:
+            return False
+        need_ref = self.cfg.actor.kl_ctl > 0
+        restored = self.checkpointer.restore(
+            None, state_like=self.state, ref_like=self.state.params if need_ref else None
+        )
+        self.state = restored["state"]
+        self.rng = restored["rng"]
+        self.queue = rollout_lib.StaleQueue(self.cfg.rollout.max_head_offpolicyness,
+                                            restored["queue"])
+        self.data_position = restored["meta"]["data_position"]
+        self.sft_steps = restored["meta"]["sft_steps"]
+        self.ref_params = restored["ref_params"]
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def _train_batch(self, host: dict) -> TrainBatch:
+        behav = host["behav_logp_BxT"]
+        bad = ~np.isfinite(behav) & host["loss_mask_BxT"]
+        if bad.any():
+            raise ValueError(
+                f"behaviour log-probs: {int(bad.sum())} non-finite values on completion tokens "
+                f"(batch of policy version {int(host['version_B'][0])})"
+            )
+        return TrainBatch(
+            tokens_BxT=jnp.asarray(host["tokens_BxT"]),
+            valid_BxT=jnp.asarray(host["valid_BxT"]),
+            behav_logp_BxT=jnp.asarray(behav),
+            loss_mask_BxT=jnp.asarray(host["loss_mask_BxT"]),
+            rewards_B=jnp.asarray(host["rewards_B"]),
+            version_B=jnp.asarray(host["version_B"]),
+        )
+
+    @contextlib.contextmanager
+    def _signals(self):
+        def handler(signum, frame):
+            self._stop_requested = True
+
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def run(self, stop_after: int | None = None) -> RunResult:
+        """Trains to `total_steps` (or `stop_after` more steps, for tests); resumes if possible."""
+        cfg = self.cfg
+        resumed = self.try_resume()
+        start = int(self.state.step)
+        writer = metrics_lib.MetricsWriter(
+            self.workdir, tensorboard=cfg.logging.tensorboard,
+            wandb={"project": cfg.logging.wandb_project} if cfg.logging.wandb_project else None,
+            resume_step=start if resumed else 0,
+        )
+        progress = metrics_lib.ProgressBar(
+            cfg.total_steps, initial=start, enabled=cfg.logging.progress
+        )
+        accuracies = []
+        interrupted = False
+        with self._signals():
+            if not resumed:
+                self.supervised_warmup()
+                if cfg.actor.kl_ctl > 0:
+                    self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+                for i in range(cfg.rollout.max_head_offpolicyness):
+                    rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
+                    self.queue.push(self._rollout(rng, version=0))
+            end = cfg.total_steps if stop_after is None else min(cfg.total_steps,
+                                                                 start + stop_after)
+            for step in range(start, end):
+                # Step 0 evaluates the initial policy; later evaluations follow the update.
+                accuracy = self.evaluate() if step == 0 else None
+                record = self._one_step(step)
+                last = step + 1 == cfg.total_steps
+                if accuracy is None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                    accuracy = self.evaluate()
+                if accuracy is not None:
+                    record["eval/accuracy"] = accuracy
+                    accuracies.append((step, accuracy))
+                writer.write(step, record)
+                progress.update(step + 1, record)
+                if self._stop_requested:
+                    interrupted = True
+                    break
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    self.save()
+            self.save()
+        writer.close()
+        progress.close()
+        if cfg.logging.plots and jax.process_index() == 0:
+            metrics_lib.plot_metrics(self.workdir / "metrics.jsonl", self.workdir)
+        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted)
+
+    def _one_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        record = {}
+        gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
+        fresh = self._rollout(gen_rng, version=step)
+        self.queue.push(fresh)
+        host = self.queue.pop()
+        t1 = time.perf_counter()
+        batch = self._train_batch(host)
+        train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
+        self.state, metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
+        metrics = metrics_lib.host_metrics(metrics)
+        t2 = time.perf_counter()
+        if metrics["train/nonfinite"]:
+            skipped = int(self.state.nonfinite_steps)
+            logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
+                            step, skipped)
+            if skipped >= self.cfg.max_nonfinite_steps:
+                self.save()
+                raise NonFiniteError(
+                    f"{skipped} consecutive steps had non-finite loss or gradients (last: step "
+                    f"{step}); the last good state is saved in {self.checkpointer.directory}"
+                )
+        rewards = host["rewards_B"]
+        record.update(metrics)
+        record.update(metrics_lib.staleness_stats(host["version_B"], step))
+        tokens = int(host["loss_mask_BxT"].sum()) + int(fresh["loss_mask_BxT"].sum())
+        record.update(
+            {
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()),
+                "rollout/fresh_reward_mean": float(fresh["rewards_B"].mean()),
+                "rollout/completion_len_mean": float(host["completion_len_B"].mean()),
+                "rollout/stopped_fraction": float(host["stopped_B"].mean()),
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/tokens_per_s": tokens / max(t2 - t0, 1e-9),
+            }
+        )
+        return record

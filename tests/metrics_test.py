@@ -1,0 +1,251 @@
+"""Tests for m2po_jax.metrics: writers, resume, non-finite values, plots, host helpers."""
+
+import json
+import math
+import os
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m2po_jax import metrics as M
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(line, parse_constant=_reject) for line in f]
+
+
+def _reject(name):
+    raise AssertionError(f"invalid JSON constant {name} in metrics.jsonl")
+
+
+def test_jsonl_content_and_types(tmp_path):
+    with M.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(0, {"reward/mean": np.float32(0.25), "count": np.int32(7), "x": 1})
+        writer.write(
+            np.int64(1),
+            {"reward/mean": jnp.float32(0.5), "staleness/hist_k": np.array([3, 1]), "ok": True},
+        )
+    records = _lines(tmp_path / "metrics.jsonl")
+    assert records == [
+        {"step": 0, "reward/mean": 0.25, "count": 7, "x": 1},
+        {"step": 1, "reward/mean": 0.5, "staleness/hist_k": [3, 1], "ok": True},
+    ]
+    assert [list(r)[0] for r in records] == ["step", "step"]
+    assert type(records[0]["count"]) is int and type(records[1]["reward/mean"]) is float
+    assert M.read_metrics(tmp_path / "metrics.jsonl") == records
+
+
+def test_nonfinite_values_become_null_and_are_named(tmp_path):
+    with M.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(
+            3,
+            {"loss": float("nan"), "grad_norm": np.float32(np.inf), "ok": 1.5, "h": [1.0, -np.inf]},
+        )
+    (record,) = _lines(tmp_path / "metrics.jsonl")  # parse_constant rejects NaN/Infinity
+    assert record == {
+        "step": 3,
+        "loss": None,
+        "grad_norm": None,
+        "ok": 1.5,
+        "h": [1.0, None],
+        "nonfinite": ["loss", "grad_norm", "h"],
+    }
+
+
+def test_resume_drops_steps_at_or_after_resume_step(tmp_path):
+    with M.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        for step in range(5):
+            writer.write(step, {"reward/mean": step / 10})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # torn line from a crash
+    with M.MetricsWriter(tmp_path, tensorboard=False, resume_step=3) as writer:
+        assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+        for step in range(3, 6):
+            writer.write(step, {"reward/mean": 1.0})
+    records = _lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert records[2]["reward/mean"] == 0.2 and records[3]["reward/mean"] == 1.0
+    # Without resume_step the file is appended to as is.
+    with M.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(6, {})
+    assert len(_lines(tmp_path / "metrics.jsonl")) == 7
+
+
+def test_non_primary_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    writer = M.MetricsWriter(workdir, is_primary=False, wandb={"project": "x"})
+    writer.write(0, {"reward/mean": 1.0})
+    writer.close()
+    assert not workdir.exists()
+
+
+def test_tensorboard_event_file_created(tmp_path):
+    with M.MetricsWriter(tmp_path) as writer:
+        for step in range(3):
+            writer.write(step, {"reward/mean": 0.1 * step, "note": "text", "hist": [1, 2]})
+    tb_dir = tmp_path / M.TENSORBOARD_DIR
+    events = [f for f in os.listdir(tb_dir) if f.startswith("events.out.tfevents")]
+    assert len(events) == 1
+    assert os.path.getsize(tb_dir / events[0]) > 100
+    assert b"reward/mean" in (tb_dir / events[0]).read_bytes()
+
+
+def test_wandb_logs_scalars_and_missing_package_is_clear(tmp_path, monkeypatch):
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    def init(**kwargs):
+        calls["init"].append(kwargs)
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    with M.MetricsWriter(tmp_path, tensorboard=False, wandb={"project": "p"}) as writer:
+        writer.write(2, {"reward/mean": np.float32(0.5), "hist": [1, 2], "name": "a"})
+    assert calls == {"init": [{"project": "p"}], "log": [(2, {"reward/mean": 0.5})], "finish": 1}
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match="pip install wandb"):
+        M.MetricsWriter(tmp_path / "w", wandb={})
+
+
+def test_writer_bad_input(tmp_path):
+    with M.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        with pytest.raises(ValueError, match="step"):
+            writer.write(-1, {})
+        with pytest.raises(ValueError, match="reserved"):
+            writer.write(0, {"step": 1})
+    with pytest.raises(ValueError, match="resume_step"):
+        M.MetricsWriter(tmp_path, resume_step=-2)
+
+
+def test_read_metrics_errors(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="m.jsonl:2"):
+        M.read_metrics(path)
+    path.write_text('{"step": 0}\n{"step": 1, "x"')  # write in progress
+    assert M.read_metrics(path) == [{"step": 0}]
+    with pytest.raises(FileNotFoundError):
+        M.read_metrics(tmp_path / "nope.jsonl")
+
+
+def test_progress_bar_shows_metrics(capsys):
+    bar = M.ProgressBar(10, initial=2)
+    bar.update(3, {"reward/mean": 0.5, "eval/accuracy": 0.75, "m2po/masked_fraction": 0.01})
+    bar.update(4, {"reward/mean": jnp.float32(0.625)})
+    bar.close()
+    err = capsys.readouterr().err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "4/10" in last
+    assert "reward=0.625" in last and "eval_acc=0.750" in last  # eval kept from step 3
+    quiet = M.ProgressBar(10, enabled=False)
+    quiet.update(1, {"reward/mean": 1.0})
+    quiet.close()
+    assert capsys.readouterr().err == ""
+
+
+def _synthetic_run(path, steps=40, collapse=False):
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for step in range(steps):
+            record = {
+                "step": step,
+                "reward/mean": min(1.0, step / steps + 0.1 * rng.random()),
+                "m2po/masked_fraction": 0.01 * rng.random(),
+                "m2po/m2_before": 0.1 * (1 + step if collapse else 1.0),
+                "m2po/m2_after": 0.03,
+                "staleness/mean": 3.5,
+                "staleness/max": 4,
+            }
+            if step % 10 == 0:
+                record["eval/accuracy"] = step / steps
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def _assert_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 5000
+
+
+def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
+    metrics_path = _synthetic_run(tmp_path / "metrics.jsonl")
+    paths = M.plot_metrics(metrics_path, tmp_path / "plots")
+    names = [os.path.basename(p) for p in paths]
+    assert names == [
+        "reward.png",
+        "eval_accuracy.png",
+        "masked_fraction.png",
+        "m2.png",
+        "staleness.png",
+        "summary.png",
+    ]
+    for p in paths:
+        _assert_png(p)
+
+
+def test_plot_metrics_skips_missing_keys(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward/mean": s / 5}) + "\n" for s in range(5)))
+    names = [os.path.basename(p) for p in M.plot_metrics(path, tmp_path / "plots")]
+    assert names == ["reward.png", "summary.png"]
+    path.write_text('{"step": 0, "other": 1}\n')
+    assert M.plot_metrics(path, tmp_path / "empty") == []
+
+
+def test_plot_comparison(tmp_path):
+    runs = {
+        "GRPO on-policy": _synthetic_run(tmp_path / "a.jsonl"),
+        "GRPO stale-4": _synthetic_run(tmp_path / "b.jsonl", collapse=True),
+        "M2PO stale-4": _synthetic_run(tmp_path / "c.jsonl"),
+    }
+    out = M.plot_comparison(runs, tmp_path / "cmp" / "stale.png")
+    _assert_png(out)
+    with pytest.raises(ValueError, match="none of"):
+        M.plot_comparison(runs, tmp_path / "x.png", keys=("missing/key",))
+    with pytest.raises(ValueError, match="runs"):
+        M.plot_comparison({}, tmp_path / "x.png")
+
+
+def test_staleness_stats_hand_example():
+    stats = M.staleness_stats(np.array([5, 5, 4, 2], np.int32), 5)
+    assert stats == {
+        "staleness/mean": 1.0,
+        "staleness/max": 3,
+        "staleness/min": 0,
+        "staleness/hist_k": [2, 1, 0, 1],
+    }
+    assert M.staleness_stats(jnp.array([7, 7]), 9)["staleness/hist_k"] == [0, 0, 2]
+    assert M.staleness_stats([5, 5, 4, 2], 5, max_k=1)["staleness/hist_k"] == [2, 2]
+    assert M.staleness_stats([5, 5, 4, 2], 5, max_k=5)["staleness/hist_k"] == [2, 1, 0, 1, 0, 0]
+    with pytest.raises(ValueError, match="newer than current_version"):
+        M.staleness_stats([3, 6], 5)
+    with pytest.raises(ValueError, match="shape"):
+        M.staleness_stats(np.zeros((2, 2), np.int32), 5)
+    with pytest.raises(TypeError, match="integer"):
+        M.staleness_stats([1.5], 5)
+
+
+def test_host_metrics_converts_to_python():
+    out = M.host_metrics(
+        {"loss": jnp.float32(1.5), "count": jnp.int32(3), "m2po": {"hist": jnp.array([1, 2])}}
+    )
+    assert out == {"loss": 1.5, "count": 3, "m2po/hist": [1, 2]}
+    assert type(out["loss"]) is float and type(out["count"]) is int
+
+
+def test_check_finite_names_bad_keys():
+    metrics = {"actor/loss": jnp.float32(np.nan), "grad_norm": 1.0, "other": math.inf, "s": "x"}
+    assert M.check_finite(metrics) == ["actor/loss"]
+    assert M.check_finite(metrics, keys=None) == ["actor/loss", "other"]
+    assert M.check_finite({"loss": 0.0, "grad_norm": np.float32(2.0)}) == []
