@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.eval_path = ""  # gsm8k: held-out JSONL; "" = hold out the last eval_size records
     c.task.eval_size = 200  # gsm8k: records held out when eval_path is ""
     c.task.max_prompt_len = 8  # prompt tokens kept (left-padded to this width, longer cut)
+    c.task.format_reward = 0.0  # arith: reward for a well-formed but wrong answer (shaping)
     c.task.reward_fn = ""  # "pkg.module:function" (completion, answer) -> float; "" = task's
 
     c.sft = ml_collections.ConfigDict()
@@ -139,5 +140,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
     c.mesh.fsdp = 1  # fully sharded data-parallel axis (params and optimizer state)
     c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP)
+    c.mesh.device_memory_gib = 0.0  # memory per device for the start-up check (0 = ask the device)
     c.mesh.m2po_per_shard = False  # M2PO mask per data shard (AReaL per-rank) instead of global
     return c

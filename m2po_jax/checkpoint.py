@@ -51,7 +51,7 @@ class Checkpointer:
             self._manager.delete(step)
         items = {
             "state": ocp.args.StandardSave(state),
-            "rng": ocp.args.StandardSave({"key": jax.random.key_data(rng)}),
+            "rng": ocp.args.StandardSave({"key": np.asarray(jax.random.key_data(rng))}),
             "meta": ocp.args.JsonSave({**meta, "queue_len": len(queue)}),
         }
         if queue:

@@ -53,6 +53,7 @@ class TaskSection:
     eval_size: int
     max_prompt_len: int
     reward_fn: str
+    format_reward: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,7 @@ class MeshSection:
     fsdp: int
     tensor: int
     m2po_per_shard: bool
+    device_memory_gib: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +361,7 @@ def validate(cfg: Config) -> Config:
     _check_range("task.min_digits", cfg.task.min_digits, 1)
     _check_range("task.max_digits", cfg.task.max_digits, cfg.task.min_digits)
     _check_range("task.max_prompt_len", cfg.task.max_prompt_len, 1)
+    _check_range("task.format_reward", cfg.task.format_reward, 0.0, 1.0, high_open=True)
     _check_range("eval.every", cfg.eval.every, 0)
     _check_range("eval.num_examples", cfg.eval.num_examples, 1)
     _check_range("eval.batch_size", cfg.eval.batch_size, 1)
@@ -369,6 +372,7 @@ def validate(cfg: Config) -> Config:
     m = cfg.model
     _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _check_choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
+    _check_range("mesh.device_memory_gib", cfg.mesh.device_memory_gib, 0.0)
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)
         if value == 0 or value < -1:

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
@@ -64,9 +65,10 @@ _ARCHITECTURES = {
 }
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # Buffers some exporters write that carry no learned weights.
-_BENIGN_EXTRA = re.compile(r".*rotary_emb\.inv_freq$|.*\.masked_bias$|.*\.attn\.bias$")
+_BENIGN_EXTRA = re.compile(r".*rotary_emb\.inv_freq$")
 # Tensors are only read from disk through these tags (see safetensors' dtype names).
 _FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 PathLike = str | os.PathLike
 
 
@@ -124,7 +126,9 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: in
     layer_types = hf.get("layer_types")
     if layer_types is None:
         first = hf.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
     sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     if sliding:
         raise ValueError(
@@ -300,9 +304,21 @@ def tensor_layout(config: ModelConfig) -> list[_Tensor]:
             out.append(_Tensor((p, *path), hf + name, hf_shape, shape, transpose))
 
         for proj, heads in (("q", h), ("k", k), ("v", k)):
-            add(("attn", f"{proj}_kernel"), f"self_attn.{proj}_proj.weight", (heads * d, e), (e, heads, d), True)
+            add(
+                ("attn", f"{proj}_kernel"),
+                f"self_attn.{proj}_proj.weight",
+                (heads * d, e),
+                (e, heads, d),
+                True,
+            )
             if config.attention_bias:
-                add(("attn", f"{proj}_bias"), f"self_attn.{proj}_proj.bias", (heads * d,), (heads, d), False)
+                add(
+                    ("attn", f"{proj}_bias"),
+                    f"self_attn.{proj}_proj.bias",
+                    (heads * d,),
+                    (heads, d),
+                    False,
+                )
         add(("attn", "o_kernel"), "self_attn.o_proj.weight", (e, h * d), (h, d, e), True)
         if config.qk_norm:
             add(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,), (d,), False)
@@ -335,7 +351,9 @@ def _weight_files(path: str) -> dict[str, str]:
     if os.path.isfile(single_path):
         with safe_open(single_path, framework="np") as fh:
             return dict.fromkeys(fh.keys(), single_path)
-    found = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    found = sorted(
+        n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth"))
+    )
     raise FileNotFoundError(
         f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE} "
         f"(safetensors only) but found {found or 'no weight files'}"
@@ -363,7 +381,9 @@ def _plan(path: PathLike, config: ModelConfig) -> tuple[list[_Tensor], dict[str,
     info = _header(files)
     missing_in_files = sorted(set(files) - set(info))
     if missing_in_files:
-        raise ValueError(f"{path}: index lists tensors its shard files lack: {missing_in_files[:5]}")
+        raise ValueError(
+            f"{path}: index lists tensors its shard files lack: {missing_in_files[:5]}"
+        )
     layout = tensor_layout(config)
     expected = {t.hf_name for t in layout}
     missing = [t.hf_name for t in layout if t.hf_name not in info]
@@ -412,7 +432,7 @@ def iter_hf_params(
       dtype: numpy dtype of the yielded arrays; None means `config.param_dtype`.
     """
     layout, files = _plan(path, config)
-    np_dtype = as_dtype(dtype or config.param_dtype)
+    np_dtype = as_dtype(config.param_dtype if dtype is None else dtype)
     by_file: dict[str, list[_Tensor]] = {}
     for t in layout:
         by_file.setdefault(files[t.hf_name], []).append(t)
@@ -487,14 +507,18 @@ class PretrainedModel:
             raise ValueError(f"input_ids_BxT: expected rank 2 [B, T], got shape {tokens.shape}")
         valid = jnp.ones(tokens.shape, bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
         if valid.shape != tokens.shape:
-            raise ValueError(f"valid_BxT: shape {valid.shape} != input_ids_BxT shape {tokens.shape}")
+            raise ValueError(
+                f"valid_BxT: shape {valid.shape} != input_ids_BxT shape {tokens.shape}"
+            )
         return self._forward(self.params, tokens, valid)
 
     @property
     def tokenizer(self) -> HFTokenizer | None:
         """The checkpoint's tokenizer, loaded on first use; None without tokenizer.json."""
         if self._tokenizer is False:
-            has = self.path is not None and os.path.isfile(os.path.join(self.path, "tokenizer.json"))
+            has = self.path is not None and os.path.isfile(
+                os.path.join(self.path, "tokenizer.json")
+            )
             self._tokenizer = load_tokenizer(self.path, self.config) if has else None
         return self._tokenizer
 
@@ -561,7 +585,7 @@ def save_pretrained(
         hf_config = hf_config if hf_config is not None else model_or_params.hf_config
         source_dir = model_or_params.path
     else:
-        params = model_or_params
+        params = nn.meta.unbox(model_or_params)
         if config is None:
             raise TypeError("save_pretrained: `config` is required when saving a bare param tree")
     limit = _parse_size(max_shard_size)
@@ -598,9 +622,9 @@ def save_pretrained(
     stored = {a.dtype.name for s in shards for a in s.values()}
     hf["torch_dtype"] = stored.pop() if len(stored) == 1 else "float32"
 
-    for stale in (SINGLE_FILE, INDEX_FILE):
-        if os.path.exists(os.path.join(path, stale)):
-            os.remove(os.path.join(path, stale))
+    for name in os.listdir(path):  # weights of an earlier save would shadow or confuse
+        if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name):
+            os.remove(os.path.join(path, name))
     metadata = {"format": "pt"}  # transformers refuses safetensors without it
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)

@@ -103,8 +103,7 @@ class RejectionSampling:
                 )
         if self.metric in ("kl_k2", "kl_k3") and self.upper <= 0:
             raise ValueError(
-                f"rejection_sampling.upper must be > 0 for metric {self.metric!r}, "
-                f"got {self.upper}"
+                f"rejection_sampling.upper must be > 0 for metric {self.metric!r}, got {self.upper}"
             )
         if self.action == "clamp" and self.metric != "ratio":
             raise ValueError(
@@ -144,10 +143,15 @@ def behaviour_correction(
       tokens kept (a subset of `mask_BxT`), and the kept tokens whose weight the
       clamp changed.
     """
+    prox = jnp.asarray(prox_logp_BxT, jnp.float32)
+    behav = jnp.asarray(behav_logp_BxT, jnp.float32)
     mask = jnp.asarray(mask_BxT).astype(bool)
-    log_rho = jax.lax.stop_gradient(
-        jnp.asarray(prox_logp_BxT, jnp.float32) - jnp.asarray(behav_logp_BxT, jnp.float32)
-    )
+    if not prox.shape == behav.shape == mask.shape or mask.ndim != 2:
+        raise ValueError(
+            "prox_logp_BxT, behav_logp_BxT and mask_BxT must share one [B, T] shape, got "
+            f"{prox.shape}, {behav.shape} and {mask.shape}"
+        )
+    log_rho = jax.lax.stop_gradient(prox - behav)
     log_rho = jnp.where(jnp.isfinite(log_rho), log_rho, 0.0)
     rho = jnp.exp(log_rho)
     rs = rejection_sampling

@@ -19,12 +19,14 @@ every finite value, so such tokens are masked first.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
 
 METHODS = ("sort", "bisect")
@@ -78,7 +80,9 @@ def _check_nonnegative_scalar(name: str, value: object) -> None:
         if np.isnan(arr) or arr < 0:
             raise ValueError(f"{name} must be >= 0 (or None to disable), got {value!r}")
         return
-    raise TypeError(f"{name} must be a real number, a jax scalar or None, got {type(value).__name__}")
+    raise TypeError(
+        f"{name} must be a real number, a jax scalar or None, got {type(value).__name__}"
+    )
 
 
 def _log_ratio_pair(
@@ -138,9 +142,7 @@ def m2po_second_moment(
       the result carries no gradient.
     """
     behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
-    newer, older = _log_ratio_pair(behav_logp, prox_logp, second_moment, logp)
-    log_ratio = lax.stop_gradient(newer.astype(jnp.float32) - older.astype(jnp.float32))
-    return log_ratio * log_ratio
+    return _second_moment(behav_logp, prox_logp, logp, second_moment)
 
 
 def m2po_harmful_tokens(
@@ -165,8 +167,21 @@ def m2po_harmful_tokens(
     behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
     advantages = _as_float_array("advantages", advantages)
     _check_same_shape("advantages", advantages, "behav_logp", behav_logp)
+    return _harmful(behav_logp, prox_logp, logp, advantages, second_moment)
+
+
+def _log_ratio(behav_logp, prox_logp, logp, second_moment):
     newer, older = _log_ratio_pair(behav_logp, prox_logp, second_moment, logp)
-    log_ratio = lax.stop_gradient(newer.astype(jnp.float32) - older.astype(jnp.float32))
+    return lax.stop_gradient(newer.astype(jnp.float32) - older.astype(jnp.float32))
+
+
+def _second_moment(behav_logp, prox_logp, logp, second_moment):
+    log_ratio = _log_ratio(behav_logp, prox_logp, logp, second_moment)
+    return log_ratio * log_ratio
+
+
+def _harmful(behav_logp, prox_logp, logp, advantages, second_moment):
+    log_ratio = _log_ratio(behav_logp, prox_logp, logp, second_moment)
     adv = lax.stop_gradient(advantages)
     return ((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0))
 
@@ -250,9 +265,7 @@ def _kept_by_bisect(key_N: jax.Array, tau: jax.Array, stop_rule: str) -> jax.Arr
 
     init = (jnp.int32(-1), jnp.int32(_INF_BITS), *below(jnp.float32(jnp.inf)))
     b_star, _, total_le, count_le = lax.fori_loop(0, _BISECT_STEPS, step, init)
-    keep_all_le = (count_le > 0) & _passes(
-        total_le / count_le.astype(jnp.float32), tau, stop_rule
-    )
+    keep_all_le = (count_le > 0) & _passes(total_le / count_le.astype(jnp.float32), tau, stop_rule)
     return lax.cond(
         keep_all_le,
         lambda: key_N <= b_star,
@@ -282,6 +295,18 @@ def _split_boundary_ties(
 
     num_ties, _ = lax.fori_loop(0, 32, step, (jnp.int32(1), count_eq + 1))
     return _keep_first(key_N, v_key, count_lt + num_ties)
+
+
+def _explicit_sharding(x: jax.Array) -> PartitionSpec | None:
+    """The PartitionSpec of x when its type carries a sharding (mesh axes of type Explicit)."""
+    spec = jax.typeof(x).sharding.spec
+    return spec if any(axis is not None for axis in spec) else None
+
+
+def _gathered(x: jax.Array) -> jax.Array:
+    """x unsharded: the mask is one global ordering, and an explicitly sharded type would
+    make sort and reshape refuse it. (Under Auto axes the partitioner does this itself.)"""
+    return x if _explicit_sharding(x) is None else jax.sharding.reshard(x, PartitionSpec())
 
 
 def _kept(key: jax.Array, tau: jax.Array, method: str, stop_rule: str, scope: str) -> jax.Array:
@@ -388,22 +413,51 @@ def m2po_mask_with_stats(
     if m2_threshold is not None:
         _check_nonnegative_scalar("m2_threshold", m2_threshold)
 
+    tau = None if m2_threshold is None else jnp.asarray(m2_threshold, jnp.float32)
+    return _mask_core(
+        behav_logp,
+        prox_logp,
+        loss_mask,
+        tau,
+        logp,
+        advantages,
+        method=method,
+        second_moment=second_moment,
+        stop_rule=stop_rule,
+        candidates=candidates,
+        scope=scope,
+    )
+
+
+# Jitted so that eager calls reuse one compilation (the loops and conds inside would
+# otherwise be re-traced and re-compiled on every call); inlined under an outer jit.
+@functools.partial(
+    jax.jit, static_argnames=("method", "second_moment", "stop_rule", "candidates", "scope")
+)
+def _mask_core(
+    behav_logp, prox_logp, loss_mask, tau, logp, advantages, *,
+    method, second_moment, stop_rule, candidates, scope,
+):  # fmt: skip
     with jax.named_scope("m2po_mask"):
-        m2 = m2po_second_moment(behav_logp, prox_logp, second_moment=second_moment, logp=logp)
+        out_sharding = _explicit_sharding(loss_mask)
+        behav_logp, prox_logp, loss_mask, logp, advantages = jax.tree.map(
+            _gathered, (behav_logp, prox_logp, loss_mask, logp, advantages)
+        )
+        m2 = _second_moment(behav_logp, prox_logp, logp, second_moment)
         valid = loss_mask.astype(bool)
         active = valid
         if candidates == "harmful":
-            harmful = m2po_harmful_tokens(
-                behav_logp, prox_logp, advantages, second_moment=second_moment, logp=logp
-            )
+            harmful = _harmful(behav_logp, prox_logp, logp, advantages, second_moment)
             active = valid & (harmful | ~jnp.isfinite(m2))
-        if m2_threshold is None or loss_mask.size == 0:
+        if tau is None or loss_mask.size == 0:
             mask = valid
         else:
-            tau = jnp.asarray(m2_threshold, jnp.float32)
             kept = _kept(_sort_keys(m2, active), tau, method, stop_rule, scope)
             mask = valid & (~active | kept)
-        return mask, _stats(m2, valid, active, mask)
+        stats = _stats(m2, valid, active, mask)
+        if out_sharding is not None:
+            mask = jax.sharding.reshard(mask, out_sharding)
+        return mask, stats
 
 
 def m2po_mask(
@@ -458,9 +512,14 @@ def m2po_clip_bound(m2: ArrayLike, loss_mask: ArrayLike, m2_budget: ArrayLike) -
     loss_mask = jnp.asarray(loss_mask)
     _check_same_shape("m2", m2, "loss_mask", loss_mask)
     _check_nonnegative_scalar("m2_budget", m2_budget)
+    return _clip_bound_core(m2, loss_mask, jnp.asarray(m2_budget, jnp.float32))
+
+
+@jax.jit
+def _clip_bound_core(m2: jax.Array, loss_mask: jax.Array, budget: jax.Array) -> jax.Array:
     if loss_mask.size == 0:
         return jnp.float32(jnp.inf)
-    budget = jnp.asarray(m2_budget, jnp.float32)
+    m2, loss_mask = _gathered(m2), _gathered(loss_mask)
     key_N = _sort_keys(lax.stop_gradient(m2.astype(jnp.float32)), loss_mask.astype(bool))
     key_N = key_N.reshape(-1)
     size = key_N.shape[0]

@@ -75,6 +75,33 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a positive multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise ValueError(f"head_dim: must be positive and even (RoPE), got {self.head_dim}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                f"({self.num_heads}) unless head_dim is given"
+            )
+        if isinstance(self.rope_scaling, dict):
+            # A dict would make the config unhashable (it is a static jit argument).
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3"):
+                raise ValueError(
+                    f"rope_scaling: rope_type {rope_type!r} is not supported; "
+                    "supported: default, llama3"
+                )
+            needed = (
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            )
+            missing = [k for k in needed if k not in scaling]
+            if rope_type == "llama3" and missing:
+                raise ValueError(f"rope_scaling: llama3 scaling needs {missing}; got {scaling}")
         as_dtype(self.dtype)
         as_dtype(self.param_dtype)
 
@@ -110,7 +137,7 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache of `max_len` columns."""
-    dtype = as_dtype(dtype or config.dtype)
+    dtype = as_dtype(config.dtype if dtype is None else dtype)
     shape = (batch, max_len, config.num_kv_heads, config.dim_per_head)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
@@ -185,7 +212,9 @@ class Attention(nn.Module):
         init = nn.initializers.normal(0.02)
 
         def proj(name, heads, axis):
-            w = _param(self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt)
+            w = _param(
+                self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt
+            )
             y = jnp.einsum("bte,ehd->bthd", x_BxTxE, w.astype(dt))
             if c.attention_bias:
                 bias = _param(
@@ -206,7 +235,9 @@ class Attention(nn.Module):
         new_kv = None
         if cache_kv is not None:
             cache_k, cache_v = cache_kv
-            key = jax.lax.dynamic_update_slice_in_dim(cache_k, key.astype(cache_k.dtype), cache_index, 1)
+            key = jax.lax.dynamic_update_slice_in_dim(
+                cache_k, key.astype(cache_k.dtype), cache_index, 1
+            )
             value = jax.lax.dynamic_update_slice_in_dim(
                 cache_v, value.astype(cache_v.dtype), cache_index, 1
             )
@@ -272,8 +303,12 @@ class CausalLM(nn.Module):
         if positions_BxT is None:
             positions_BxT = make_positions(valid_BxT)
         embedding = _param(
-            self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
-            nn.initializers.normal(0.02), pdt,
+            self,
+            "embedding",
+            (c.vocab_size, c.hidden_size),
+            ("vocab", "embed"),
+            nn.initializers.normal(0.02),
+            pdt,
         )
         x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
 
@@ -293,7 +328,9 @@ class CausalLM(nn.Module):
         new_k, new_v = [], []
         for i in range(c.num_layers):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer_cls(c, name=f"layers_{i}")(x, positions_BxT, mask_BxTxS, cache_kv, cache_index)
+            x, kv = layer_cls(c, name=f"layers_{i}")(
+                x, positions_BxT, mask_BxTxS, cache_kv, cache_index
+            )
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -302,8 +339,12 @@ class CausalLM(nn.Module):
             logits = jnp.einsum("bte,ve->btv", x, embedding.astype(dt))
         else:
             head = _param(
-                self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
-                nn.initializers.normal(0.02), pdt,
+                self,
+                "lm_head",
+                (c.hidden_size, c.vocab_size),
+                ("embed", "vocab"),
+                nn.initializers.normal(0.02),
+                pdt,
             )
             logits = x @ head.astype(dt)
         logits = logits.astype(jnp.float32)
@@ -325,8 +366,15 @@ def logical_axes(config: ModelConfig):
     return nn.get_partition_spec(shapes)
 
 
-def apply(params, config: ModelConfig, tokens_BxT, positions_BxT=None, valid_BxT=None,
-          cache=None, cache_index=0):
+def apply(
+    params,
+    config: ModelConfig,
+    tokens_BxT,
+    positions_BxT=None,
+    valid_BxT=None,
+    cache=None,
+    cache_index=0,
+):
     """`CausalLM(config).apply` on bare params."""
     return CausalLM(config).apply(
         {"params": params}, tokens_BxT, positions_BxT, valid_BxT, cache, cache_index

@@ -56,13 +56,25 @@ def generate_rollout(
     n_samples: int,
     version: int,
     max_prompt_len: int,
+    placement=None,
 ) -> tuple[dict, list[str]]:
-    """Samples `n_samples` completions per example and scores them on the host."""
-    prompts_BxP, valid_BxP = encode_prompts([e.prompt for e in examples], tokenizer, max_prompt_len)
+    """Samples `n_samples` completions per example and scores them on the host.
+
+    With a `placement` (multi-device or multi-process), each process encodes only its
+    share of the prompts; the generated rows are gathered so every process scores the
+    whole batch and holds identical host rollouts.
+    """
+    if placement is None:
+        texts_in = [e.prompt for e in examples]
+        prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)
+    else:
+        share = placement.local_rows(len(examples))
+        local = encode_prompts([e.prompt for e in examples[share]], tokenizer, max_prompt_len)
+        prompts_BxP, valid_BxP = sharding_global(placement, local, len(examples))
     out = sampling.generate(
         params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
     )
-    host = jax.device_get(out)
+    host = jax.device_get(out) if placement is None else placement.to_host(out)
     rows = len(examples) * n_samples
     batch = {
         "tokens_BxT": np.asarray(host.tokens_BxT, np.int32),
@@ -81,6 +93,13 @@ def generate_rollout(
     ]
     batch["rewards_B"] = np.asarray(rewards, np.float32)
     return batch, texts
+
+
+def sharding_global(placement, local_arrays, rows: int):
+    """Global prompt arrays from this process's encoded share."""
+    from m2po_jax import sharding
+
+    return tuple(sharding.global_batch_from_local(a, placement.mesh, rows) for a in local_arrays)
 
 
 class StaleQueue:

@@ -38,7 +38,9 @@ class SampleOutput:
 
     tokens_BxT: jax.Array  # int32: [left pad | prompt | completion | right pad]
     valid_BxT: jax.Array  # bool: real tokens (prompt and generated, stop token included)
-    behav_logp_BxT: jax.Array  # float32: log_softmax(logits / temperature) at generated tokens, 0 elsewhere
+    behav_logp_BxT: (
+        jax.Array
+    )  # float32: log_softmax(logits / temperature) at generated tokens, 0 elsewhere
     completion_mask_BxT: jax.Array  # bool: generated tokens (stop token included)
     prompt_len_B: jax.Array  # int32: real prompt tokens
     completion_len_B: jax.Array  # int32: generated tokens, stop token included

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from m2po_jax import masking
 from m2po_jax import model as model_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -64,7 +65,9 @@ SAMPLE_RULES: Rules = (
 # ----------------------------------------------------------------------------- mesh
 
 
-def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[int], devices: Sequence[Any] | None = None
+) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh over all (or the given) devices.
 
     Args:
@@ -196,7 +199,11 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def cache_shardings(
-    model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping, batch: int, max_len: int
+    model_config: model_lib.ModelConfig,
+    mesh: Mesh,
+    rules: Rules | Mapping,
+    batch: int,
+    max_len: int,
 ) -> model_lib.KVCache:
     """Shardings for `init_cache(model_config, batch, max_len)`: batch and kv heads split."""
     shape = (batch, max_len, model_config.num_kv_heads, model_config.dim_per_head)
@@ -278,8 +285,12 @@ def load_pretrained_sharded(
     dtype = model_lib.as_dtype(dtype or model_config.param_dtype)
     shardings = param_shardings(model_config, mesh, rules)
     shapes = _param_shapes(model_config)
-    expected = {tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shapes)}
-    shard_of = {tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    expected = {
+        tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shapes)
+    }
+    shard_of = {
+        tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shardings)
+    }
     loaded: dict[tuple[str, ...], jax.Array] = {}
     for key, array in hf.iter_hf_params(path, model_config, dtype):
         key = tuple(key.split("/")) if isinstance(key, str) else tuple(key)
@@ -296,7 +307,9 @@ def load_pretrained_sharded(
     missing = sorted("/".join(k) for k in expected.keys() - loaded.keys())
     if missing:
         raise ValueError(f"checkpoint {path}: missing parameters {missing}")
-    leaves = [loaded[tuple(k.key for k in kp)] for kp, _ in jax.tree_util.tree_leaves_with_path(shapes)]
+    leaves = [
+        loaded[tuple(k.key for k in kp)] for kp, _ in jax.tree_util.tree_leaves_with_path(shapes)
+    ]
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
 
 
@@ -339,8 +352,6 @@ def m2po_mask_per_shard(
     Returns:
       bool [B, ...] sharded like the batch: each block is `m2po_mask` of that block.
     """
-    from m2po_jax.masking import m2po_mask  # imported late: masking is a sibling module
-
     loss_mask = jnp.asarray(loss_mask)
     if m2_threshold is None:
         return loss_mask
@@ -359,14 +370,32 @@ def m2po_mask_per_shard(
             f"loss_mask: batch dim {loss_mask.shape[0]} is not divisible by the "
             f"{shards} shards of mesh axes {tuple(axes)}"
         )
-    spec = P(tuple(axes) or None, *([None] * (loss_mask.ndim - 1)))
+    if not isinstance(m2_threshold, jax.Array) and not float(m2_threshold) >= 0:
+        raise ValueError(f"m2_threshold: must be >= 0 (or None to disable), got {m2_threshold!r}")
+    fn = _per_shard_mask_fn(mesh, tuple(axes), method, loss_mask.ndim)
+    return fn(behav_logp, prox_logp, loss_mask, jnp.asarray(m2_threshold, jnp.float32))
+
+
+@functools.lru_cache(maxsize=32)
+def _per_shard_mask_fn(mesh: Mesh, axes: tuple[str, ...], method: str, ndim: int):
+    spec = P(axes or None, *([None] * (ndim - 1)))
 
     def block_mask(behav, prox, mask, threshold):
-        return m2po_mask(behav, prox, mask, threshold, method=method)
+        return masking.m2po_mask(behav, prox, mask, threshold, method=method)
 
-    return jax.shard_map(
-        block_mask, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec
-    )(behav_logp, prox_logp, loss_mask, jnp.asarray(m2_threshold, jnp.float32))
+    # Jitted: an eager shard_map runs op by op. check_vma=False: the bisect method's
+    # loop carries start replicated and become shard-varying, which the check rejects;
+    # the blocks do not communicate, and the output is identical across the unmapped
+    # (tensor) axis because its inputs are.
+    return jax.jit(
+        jax.shard_map(
+            block_mask,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, P()),
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- multi-host
@@ -504,7 +533,11 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (
-            self.params + self.optimizer + self.gradients + self.activations + self.logits
+            self.params
+            + self.optimizer
+            + self.gradients
+            + self.activations
+            + self.logits
             + self.kv_cache
         )
 
@@ -559,7 +592,9 @@ def memory_plan(
     if micro_batch < 1 or batch % micro_batch:
         raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
     if optimizer not in _OPT_MOMENTS:
-        raise ValueError(f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}")
+        raise ValueError(
+            f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}"
+        )
     remat = c.remat if remat is None else remat
     pbytes = param_dtype_bytes or model_lib.as_dtype(c.param_dtype).itemsize
     cbytes = compute_dtype_bytes or model_lib.as_dtype(c.dtype).itemsize
@@ -579,7 +614,12 @@ def memory_plan(
         return n // tensor if n % tensor == 0 else n
 
     b, t, e = _per_device(micro_batch, batch_shards(mesh)), seq_len, c.hidden_size
-    h, k, d, f = split(c.num_heads), split(c.num_kv_heads), c.dim_per_head, split(c.intermediate_size)
+    h, k, d, f = (
+        split(c.num_heads),
+        split(c.num_kv_heads),
+        c.dim_per_head,
+        split(c.intermediate_size),
+    )
     layer = b * t * (4 * e + (2 * h + 2 * k) * d + 3 * f) + 2 * b * h * t * t
     if remat:
         activations = (c.num_layers * b * t * e + layer) * cbytes

@@ -247,7 +247,7 @@ def train_step(
     def update(carry, mb):
         params, opt_state = carry
         (loss, stats), grads = grad_fn(params, mb)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -285,6 +285,7 @@ def train_step(
             "train/tokens": jnp.sum(loss_mask),
             "train/adv_abs_mean": jnp.sum(jnp.abs(advantages) * loss_mask) / n_valid,
             "train/grad_norm_max": jnp.max(mb_stats["grad_norm"]),
+            "train/param_norm": optax.tree.norm(params),
             "train/behav_prox_abs_diff": jnp.sum(jnp.abs(behav - prox) * loss_mask) / n_valid,
         }
     )

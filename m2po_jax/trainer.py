@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
 from pathlib import Path
@@ -17,8 +18,9 @@ from absl import logging
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
+from m2po_jax import placement as placement_lib
 from m2po_jax import rollout as rollout_lib
-from m2po_jax import sampling
+from m2po_jax import sampling, sharding
 from m2po_jax import train_step as step_lib
 from m2po_jax.config import Config
 from m2po_jax.tasks import Task, make_task
@@ -46,7 +48,7 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
     if t.name == "arith":
         kwargs = dict(
             seed=t.seed, ops=t.ops, min_digits=t.min_digits, max_digits=t.max_digits,
-            eval_size=cfg.eval.num_examples, reward_fn=reward_fn,
+            eval_size=cfg.eval.num_examples, format_reward=t.format_reward, reward_fn=reward_fn,
         )
         if tokenizer is not None:
             kwargs["tokenizer"] = tokenizer
@@ -62,15 +64,15 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
 
 
 def build_model(cfg: Config, vocab_size: int):
-    """(ModelConfig, params or None, tokenizer or None): from a HF dir or a new architecture."""
+    """(ModelConfig, tokenizer or None): from a HF checkpoint dir or a new architecture."""
     m = cfg.model
     if m.path:
         from m2po_jax import hf
 
-        loaded = hf.load_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
-        tokenizer = hf.load_tokenizer(m.path, loaded.config)
-        model_config = loaded.config.replace(remat=m.remat)
-        return model_config, loaded.params, tokenizer
+        model_config = hf.config_from_hf(
+            hf.read_hf_config(m.path), dtype=m.dtype, param_dtype=m.param_dtype
+        ).replace(remat=m.remat)
+        return model_config, hf.load_tokenizer(m.path, model_config)
     model_config = model_lib.ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
         hidden_size=m.hidden_size,
@@ -93,7 +95,7 @@ def build_model(cfg: Config, vocab_size: int):
             f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({vocab_size})"
         )
-    return model_config, None, None
+    return model_config, None
 
 
 def _prompt_ids(tokenizer, text: str) -> list[int]:
@@ -125,19 +127,30 @@ class Trainer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.rng = jax.random.key(cfg.seed)
 
-        hf_params, tokenizer = None, None
         if cfg.model.path:
-            self.model_config, hf_params, tokenizer = build_model(cfg, 0)
+            self.model_config, tokenizer = build_model(cfg, 0)
             self.task = build_task(cfg, tokenizer)
         else:
             self.task = build_task(cfg)
-            self.model_config, _, _ = build_model(cfg, self.task.tokenizer.vocab_size)
+            self.model_config, _ = build_model(cfg, self.task.tokenizer.vocab_size)
         self.tokenizer = self.task.tokenizer
         self.prompt_tokenizer = _BosTokenizer(self.tokenizer)
-        if hf_params is None:
-            params = model_lib.init_params(self.model_config, jax.random.fold_in(self.rng, _INIT))
+        mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+        self.placement = placement_lib.Placement.from_shape(mesh_shape, self.model_config)
+        rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+        self.placement.check_rows("rollout.batch_size", cfg.rollout.batch_size)
+        self.placement.check_rows("rows per minibatch", rows // cfg.actor.ppo_n_minibatches)
+        self.placement.check_rows("eval.batch_size", cfg.eval.batch_size)
+        if cfg.sft.max_steps:
+            self.placement.check_rows("sft.batch_size", cfg.sft.batch_size)
+        self.memory_plan = self._check_memory(rows)
+        if cfg.model.path:
+            params = sharding.load_pretrained_sharded(
+                cfg.model.path, self.model_config, self.placement.mesh, sharding.TRAIN_RULES,
+                dtype=cfg.model.param_dtype,
+            )
         else:
-            params = hf_params
+            params = self.placement.init_params(jax.random.fold_in(self.rng, _INIT))
         g = cfg.gconfig
         stop_ids = (self.tokenizer.eos_id,)
         self.sampling_config = sampling.SamplingConfig(
@@ -148,8 +161,20 @@ class Trainer:
         a = cfg.actor
         total_updates = cfg.total_steps * a.ppo_n_minibatches
         self.tx, self.schedule = step_lib.make_optimizer(a.optimizer, total_updates)
-        self.state = step_lib.init_train_state(params, self.tx)
-        self.train_step = step_lib.make_train_step(self.model_config, a, self.tx, self.schedule)
+        self.state = self._init_state(params)
+        state_sh = self.placement.state_shardings(self.state)
+        batch_sh = self.placement.batch_shardings(
+            TrainBatch(*(np.zeros((1,) * n) for n in (2, 2, 2, 2, 1, 1)))
+        )
+        ref_sh = self.placement.train_params if a.kl_ctl > 0 else None
+        mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
+        self.train_step = step_lib.make_train_step(
+            self.model_config, a, self.tx, self.schedule, mask_fn=mask_fn,
+            jit_kwargs=dict(
+                in_shardings=(state_sh, batch_sh, self.placement.replicated, ref_sh),
+                out_shardings=(state_sh, self.placement.replicated),
+            ),
+        )
         self.ref_params = None
         self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
         self.data_position = 0
@@ -158,6 +183,27 @@ class Trainer:
         self._stop_requested = False
         self.sft_log: list[dict] = []
 
+    def _init_state(self, params) -> step_lib.TrainState:
+        """A fresh train state laid out in the train shardings (optimizer state included)."""
+        init_fn = functools.partial(step_lib.init_train_state, tx=self.tx)
+        shape = jax.eval_shape(init_fn, params)
+        init = jax.jit(init_fn, out_shardings=self.placement.state_shardings(shape))
+        return init(params)
+
+    def _check_memory(self, rows: int):
+        cfg = self.cfg
+        seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+        plan = sharding.memory_plan(
+            self.model_config, self.placement.mesh, batch=rows, seq_len=seq_len,
+            micro_batch=rows // cfg.actor.ppo_n_minibatches, kv_cache_batch=rows,
+            kv_cache_len=seq_len,
+        )
+        if jax.process_index() == 0:
+            logging.warning("memory plan per device:\n%s", plan.format())
+        limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
+        sharding.check_fits(plan, limit)
+        return plan
+
     # ---- rollouts and evaluation -------------------------------------------------------
 
     def _rollout(self, rng, version: int) -> dict:
@@ -165,15 +211,17 @@ class Trainer:
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
         self.data_position += cfg.rollout.batch_size
         batch, _ = rollout_lib.generate_rollout(
-            self.state.params, self.model_config, self.sampling_config, examples,
-            self.prompt_tokenizer, self.task.reward, rng, n_samples=cfg.gconfig.n_samples,
-            version=version, max_prompt_len=cfg.task.max_prompt_len,
+            self.placement.for_sampling(self.state.params), self.model_config,
+            self.sampling_config, examples, self.prompt_tokenizer, self.task.reward, rng,
+            n_samples=cfg.gconfig.n_samples, version=version,
+            max_prompt_len=cfg.task.max_prompt_len, placement=self.placement,
         )
         return batch
 
     def evaluate(self, params=None) -> float:
-        """Held-out greedy accuracy (fraction with reward >= 1)."""
-        params = self.state.params if params is None else params
+        """Held-out greedy accuracy: the task's verifier gives 1 (not a custom reward_fn)."""
+        verify = lambda example, text: self.task.verify(text, example.answer)
+        params = self.placement.for_sampling(self.state.params if params is None else params)
         examples = self.task.eval_examples()[: self.cfg.eval.num_examples]
         size = self.cfg.eval.batch_size
         correct = []
@@ -183,8 +231,8 @@ class Trainer:
             padded = chunk + [chunk[-1]] * (size - len(chunk))
             batch, _ = rollout_lib.generate_rollout(
                 params, self.model_config, self.eval_sampling, padded, self.prompt_tokenizer,
-                self.task.reward, jax.random.fold_in(self.rng, _EVAL), n_samples=1, version=0,
-                max_prompt_len=self.cfg.task.max_prompt_len,
+                verify, jax.random.fold_in(self.rng, _EVAL), n_samples=1, version=0,
+                max_prompt_len=self.cfg.task.max_prompt_len, placement=self.placement,
             )
             correct.extend((batch["rewards_B"][: len(chunk)] >= 1.0).tolist())
         return float(np.mean(correct))
@@ -215,10 +263,10 @@ class Trainer:
         tx = optax.adamw(s.lr, weight_decay=0.0)
         sft_step = step_lib.make_sft_step(self.model_config, tx)
         params = jax.tree.map(jnp.copy, self.state.params)
-        opt_state = tx.init(params)
+        opt_state = jax.jit(tx.init)(params)
         for i in range(s.max_steps):
-            tokens, valid, target = self._sft_batch(i * s.batch_size, s.batch_size)
-            params, opt_state, loss = sft_step(params, opt_state, tokens, valid, target)
+            batch = self.placement.to_global(self._sft_batch(i * s.batch_size, s.batch_size))
+            params, opt_state, loss = sft_step(params, opt_state, *batch)
             self.sft_steps = i + 1
             if (i + 1) % s.eval_every == 0 or i + 1 == s.max_steps:
                 accuracy = self.evaluate(params)
@@ -228,7 +276,7 @@ class Trainer:
                                      "sft/accuracy": accuracy})
                 if accuracy >= s.stop_at_accuracy:
                     break
-        self.state = step_lib.init_train_state(params, self.tx)
+        self.state = self._init_state(params)
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -268,13 +316,15 @@ class Trainer:
                 f"behaviour log-probs: {int(bad.sum())} non-finite values on completion tokens "
                 f"(batch of policy version {int(host['version_B'][0])})"
             )
-        return TrainBatch(
-            tokens_BxT=jnp.asarray(host["tokens_BxT"]),
-            valid_BxT=jnp.asarray(host["valid_BxT"]),
-            behav_logp_BxT=jnp.asarray(behav),
-            loss_mask_BxT=jnp.asarray(host["loss_mask_BxT"]),
-            rewards_B=jnp.asarray(host["rewards_B"]),
-            version_B=jnp.asarray(host["version_B"]),
+        return self.placement.to_global(
+            TrainBatch(
+                tokens_BxT=host["tokens_BxT"],
+                valid_BxT=host["valid_BxT"],
+                behav_logp_BxT=behav,
+                loss_mask_BxT=host["loss_mask_BxT"],
+                rewards_B=host["rewards_B"],
+                version_B=host["version_B"],
+            )
         )
 
     @contextlib.contextmanager
@@ -299,13 +349,14 @@ class Trainer:
         cfg = self.cfg
         resumed = self.try_resume()
         start = int(self.state.step)
+        primary = jax.process_index() == 0
         writer = metrics_lib.MetricsWriter(
-            self.workdir, tensorboard=cfg.logging.tensorboard,
+            self.workdir, tensorboard=cfg.logging.tensorboard, is_primary=primary,
             wandb={"project": cfg.logging.wandb_project} if cfg.logging.wandb_project else None,
             resume_step=start if resumed else 0,
         )
         progress = metrics_lib.ProgressBar(
-            cfg.total_steps, initial=start, enabled=cfg.logging.progress
+            cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
         )
         accuracies = []
         interrupted = False

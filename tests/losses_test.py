@@ -60,7 +60,7 @@ def ref_policy_loss(
     c_clip=None,
     use_decoupled_loss=True,
     importance_sampling_level="token",
-    rejection_sampling=RS(),
+    rejection_sampling=RS(),  # noqa: B008 (frozen, hashable)
     use_sapo_loss=False,
     sapo_tau_pos=1.0,
     sapo_tau_neg=1.05,
@@ -92,7 +92,9 @@ def ref_policy_loss(
     elif rs is not None:
         for b in range(B):
             toks = rows[b]
-            vals = [lrho[b, t] if rs.metric == "ratio" else _metric(rs.metric, lrho[b, t]) for t in toks]
+            vals = [
+                lrho[b, t] if rs.metric == "ratio" else _metric(rs.metric, lrho[b, t]) for t in toks
+            ]
             if not toks:
                 agg = 0.0
             elif rs.agg == "sum":
@@ -177,25 +179,48 @@ CASES = [
     ("not_decoupled", dict(use_decoupled_loss=False)),
     ("gspo", dict(importance_sampling_level="sequence", eps_clip=0.04)),
     ("gspo_dual_clip", dict(importance_sampling_level="sequence", c_clip=1.05, eps_clip=0.05)),
-    ("gspo_seq_reject", dict(importance_sampling_level="sequence", rejection_sampling=RS(level="sequence", upper=1.3))),
+    (
+        "gspo_seq_reject",
+        dict(
+            importance_sampling_level="sequence", rejection_sampling=RS(level="sequence", upper=1.3)
+        ),
+    ),
     ("tok_mask_ratio", dict(rejection_sampling=RS(upper=2.0, lower=0.5))),
     ("tok_clamp_ratio", dict(rejection_sampling=RS(action="clamp", upper=2.0, lower=0.5))),
     ("tok_clamp_no_lower", dict(rejection_sampling=RS(action="clamp", upper=1.5))),
     ("seq_mask_mean", dict(rejection_sampling=RS(level="sequence", upper=1.3))),
     ("seq_mask_sum", dict(rejection_sampling=RS(level="sequence", agg="sum", upper=3.0))),
     ("seq_mask_max", dict(rejection_sampling=RS(level="sequence", agg="max", upper=2.1))),
-    ("seq_clamp_mean", dict(rejection_sampling=RS(level="sequence", action="clamp", upper=1.1, lower=0.9))),
-    ("seq_clamp_max", dict(rejection_sampling=RS(level="sequence", action="clamp", agg="max", upper=1.25))),
+    (
+        "seq_clamp_mean",
+        dict(rejection_sampling=RS(level="sequence", action="clamp", upper=1.1, lower=0.9)),
+    ),
+    (
+        "seq_clamp_max",
+        dict(rejection_sampling=RS(level="sequence", action="clamp", agg="max", upper=1.25)),
+    ),
     ("tok_kl_k1", dict(rejection_sampling=RS(metric="kl_k1", upper=0.5, lower=-0.5))),
     ("tok_kl_k2", dict(rejection_sampling=RS(metric="kl_k2", upper=0.2))),
     ("tok_kl_k3", dict(rejection_sampling=RS(metric="kl_k3", upper=0.2))),
-    ("seq_kl_k3_sum", dict(rejection_sampling=RS(level="sequence", metric="kl_k3", agg="sum", upper=0.8))),
+    (
+        "seq_kl_k3_sum",
+        dict(rejection_sampling=RS(level="sequence", metric="kl_k3", agg="sum", upper=0.8)),
+    ),
     ("seq_kl_k2_mean", dict(rejection_sampling=RS(level="sequence", metric="kl_k2", upper=0.145))),
-    ("seq_kl_k1_max", dict(rejection_sampling=RS(level="sequence", metric="kl_k1", agg="max", upper=0.75))),
+    (
+        "seq_kl_k1_max",
+        dict(rejection_sampling=RS(level="sequence", metric="kl_k1", agg="max", upper=0.75)),
+    ),
     ("denominator_valid", dict(denominator="valid")),
     ("sapo", dict(use_sapo_loss=True, use_decoupled_loss=False)),
-    ("sapo_seq", dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence")),
-    ("sapo_taus", dict(use_sapo_loss=True, use_decoupled_loss=False, sapo_tau_pos=2.0, sapo_tau_neg=0.5)),
+    (
+        "sapo_seq",
+        dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence"),
+    ),
+    (
+        "sapo_taus",
+        dict(use_sapo_loss=True, use_decoupled_loss=False, sapo_tau_pos=2.0, sapo_tau_neg=0.5),
+    ),
 ]
 
 # Which statistic must be non-zero for a case to prove that its option was exercised.
@@ -223,12 +248,20 @@ EXERCISED = {
 }
 
 
+# Every case runs eagerly; chex's jit / no-jit variants run on one case per code path.
+VARIANT_CASES = (
+    "default",
+    "gspo_dual_clip",
+    "seq_clamp_mean",
+    "seq_kl_k3_sum",
+    "sapo_seq",
+    "denominator_valid",
+)
+
+
 class PolicyLossReferenceTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters((name, name, options) for name, options in CASES)
-    def test_matches_numpy_reference(self, case, options):
+    def check_case(self, fn, case, options):
         logp, prox, behav, adv, mask, valid = make_inputs()
-        fn = self.variant(functools.partial(policy_loss, **options))
         loss, stats = fn(logp, prox, behav, adv, mask, valid_mask_BxT=valid)
         want_loss, want_stats = ref_policy_loss(
             logp, prox, behav, adv, mask, valid_mask_BxT=valid, **options
@@ -240,6 +273,17 @@ class PolicyLossReferenceTest(chex.TestCase):
         if case in EXERCISED:
             key = EXERCISED[case]
             self.assertGreater(float(stats[key]), 0.0, msg=f"{case} did not exercise {key}")
+
+    @parameterized.named_parameters((name, name, options) for name, options in CASES)
+    def test_matches_numpy_reference(self, case, options):
+        self.check_case(functools.partial(policy_loss, **options), case, options)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        (name, name, options) for name, options in CASES if name in VARIANT_CASES
+    )
+    def test_variants(self, case, options):
+        self.check_case(self.variant(functools.partial(policy_loss, **options)), case, options)
 
     def test_not_decoupled_ignores_prox(self):
         logp, prox, behav, adv, mask, _ = make_inputs(1)
@@ -261,7 +305,9 @@ class PolicyLossReferenceTest(chex.TestCase):
         cast = lambda x: jnp.asarray(x, jnp.bfloat16)
         loss, stats = policy_loss(cast(logp), cast(prox), cast(behav), cast(adv), mask)
         self.assertEqual(loss.dtype, jnp.float32)
-        want, _ = ref_policy_loss(*(np.asarray(cast(x), np.float64) for x in (logp, prox, behav, adv)), mask)
+        want, _ = ref_policy_loss(
+            *(np.asarray(cast(x), np.float64) for x in (logp, prox, behav, adv)), mask
+        )
         np.testing.assert_allclose(loss, want, rtol=1e-4)
         grad = jax.grad(lambda lp: policy_loss(lp, prox, behav, adv, mask)[0])(cast(logp))
         self.assertEqual(grad.dtype, jnp.bfloat16)
@@ -271,7 +317,9 @@ class PolicyLossReferenceTest(chex.TestCase):
 
         @jax.jit
         def f(eps, eps_high):
-            return policy_loss(logp, prox, behav, adv, mask, eps_clip=eps, eps_clip_higher=eps_high)[0]
+            return policy_loss(
+                logp, prox, behav, adv, mask, eps_clip=eps, eps_clip_higher=eps_high
+            )[0]
 
         want, _ = ref_policy_loss(logp, prox, behav, adv, mask, eps_clip=0.1, eps_clip_higher=0.3)
         np.testing.assert_allclose(f(jnp.float32(0.1), jnp.float32(0.3)), want, rtol=2e-5)
@@ -294,7 +342,9 @@ class HandComputedTest(parameterized.TestCase):
 
     def loss(self, r, a, *, log_rho=0.0, **kw):
         logp = one(math.log(r))
-        loss, stats = policy_loss(logp, one(0.0), one(-log_rho), one(a), np.ones((1, 1), bool), **kw)
+        loss, stats = policy_loss(
+            logp, one(0.0), one(-log_rho), one(a), np.ones((1, 1), bool), **kw
+        )
         return float(loss), {k: float(v) for k, v in stats.items()}
 
     def test_clip_high_binds(self):
@@ -340,7 +390,9 @@ class HandComputedTest(parameterized.TestCase):
         self.assertAlmostEqual(loss, -2.0, places=5)
         self.assertAlmostEqual(stats["actor/behav_weight_max"], 2.0, places=5)
         # rejection_sampling=None keeps rho, unbounded
-        self.assertAlmostEqual(self.loss(1.0, 1.0, log_rho=math.log(8.0), rejection_sampling=None)[0], -8.0, places=4)
+        self.assertAlmostEqual(
+            self.loss(1.0, 1.0, log_rho=math.log(8.0), rejection_sampling=None)[0], -8.0, places=4
+        )
 
     def test_clamp_versus_mask(self):
         # token 0: rho = 8 > upper 5; token 1: rho = 1. r = 1, A = 1. Count stays 2.
@@ -352,7 +404,9 @@ class HandComputedTest(parameterized.TestCase):
         self.assertAlmostEqual(float(masked), -0.5, places=5)
         self.assertEqual(float(s["actor/rejected_tokens"]), 1.0)
         self.assertEqual(float(s["actor/kept_tokens"]), 1.0)
-        clamped, s = policy_loss(logp, logp, behav, adv, mask, rejection_sampling=RS(action="clamp"))
+        clamped, s = policy_loss(
+            logp, logp, behav, adv, mask, rejection_sampling=RS(action="clamp")
+        )
         self.assertAlmostEqual(float(clamped), -3.0, places=5)  # (-5 - 1) / 2
         self.assertEqual(float(s["actor/clamped_tokens"]), 1.0)
         self.assertEqual(float(s["actor/rejected_tokens"]), 0.0)
@@ -365,7 +419,11 @@ class HandComputedTest(parameterized.TestCase):
         mask = np.ones((1, 2), bool)
 
         def run(**rs):
-            return float(policy_loss(logp, logp, behav, adv, mask, rejection_sampling=RS(level="sequence", **rs))[0])
+            return float(
+                policy_loss(
+                    logp, logp, behav, adv, mask, rejection_sampling=RS(level="sequence", **rs)
+                )[0]
+            )
 
         self.assertAlmostEqual(run(upper=5.0), 0.0)  # 6 > 5: row rejected
         self.assertAlmostEqual(run(upper=6.5), -6.0, places=4)  # both tokens weigh 6
@@ -377,7 +435,14 @@ class HandComputedTest(parameterized.TestCase):
     def test_bounds_are_inclusive(self):
         # kl_k1 = prox - behav = 0.5 exactly in float32
         def run(**rs):
-            loss, stats = policy_loss(one(0.0), one(0.5), one(0.0), one(1.0), np.ones((1, 1), bool), rejection_sampling=RS(metric="kl_k1", **rs))
+            loss, stats = policy_loss(
+                one(0.0),
+                one(0.5),
+                one(0.0),
+                one(1.0),
+                np.ones((1, 1), bool),
+                rejection_sampling=RS(metric="kl_k1", **rs),
+            )
             return float(stats["actor/kept_tokens"])
 
         self.assertEqual(run(upper=0.5), 1.0)
@@ -399,7 +464,9 @@ class HandComputedTest(parameterized.TestCase):
         logp = np.array([[0.1, 0.3]], np.float32)
         zeros = np.zeros((1, 2), np.float32)
         adv = np.array([[1.0, 3.0]], np.float32)
-        loss, stats = policy_loss(logp, zeros, zeros, adv, np.ones((1, 2), bool), importance_sampling_level="sequence")
+        loss, stats = policy_loss(
+            logp, zeros, zeros, adv, np.ones((1, 2), bool), importance_sampling_level="sequence"
+        )
         self.assertAlmostEqual(float(loss), -2.4, places=5)
         self.assertAlmostEqual(float(stats["actor/importance_weight_max"]), math.exp(0.2), places=5)
         self.assertEqual(float(stats["actor/clip_fraction"]), 1.0)
@@ -418,7 +485,9 @@ class HandComputedTest(parameterized.TestCase):
         mask = np.array([[True, True, False, False]])
         valid = np.array([[True, True, True, True]])
         kept, _ = policy_loss(logp, logp, logp, adv, mask)
-        paper, _ = policy_loss(logp, logp, logp, adv, mask, denominator="valid", valid_mask_BxT=valid)
+        paper, _ = policy_loss(
+            logp, logp, logp, adv, mask, denominator="valid", valid_mask_BxT=valid
+        )
         self.assertAlmostEqual(float(kept), -1.0, places=6)
         self.assertAlmostEqual(float(paper), -0.5, places=6)
 
@@ -426,7 +495,9 @@ class HandComputedTest(parameterized.TestCase):
     def test_empty_mask_is_zero_without_nan(self, level):
         logp = np.full((2, 3), -np.inf, np.float32)
         none = np.zeros((2, 3), bool)
-        f = lambda lp: policy_loss(lp, logp, logp, np.ones((2, 3), np.float32), none, importance_sampling_level=level)
+        f = lambda lp: policy_loss(
+            lp, logp, logp, np.ones((2, 3), np.float32), none, importance_sampling_level=level
+        )
         loss, stats = f(logp)
         self.assertEqual(float(loss), 0.0)
         for k, v in stats.items():
@@ -452,20 +523,29 @@ class GradientTest(parameterized.TestCase):
         ("token", dict()),
         ("sequence", dict(importance_sampling_level="sequence")),
         ("sapo", dict(use_sapo_loss=True, use_decoupled_loss=False)),
-        ("sapo_sequence", dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence")),
+        (
+            "sapo_sequence",
+            dict(
+                use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence"
+            ),
+        ),
         ("clamp", dict(rejection_sampling=RS(action="clamp", upper=1.2))),
     )
     def test_check_grads(self, options):
         logp, prox, behav, adv, mask = self.smooth_inputs(0)
-        f = lambda lp: policy_loss(lp, prox, behav, adv, mask, **options)[0]
-        check_grads(f, (jnp.asarray(logp),), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
+        f = jax.jit(lambda lp: policy_loss(lp, prox, behav, adv, mask, **options)[0])
+        check_grads(
+            f, (jnp.asarray(logp),), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3
+        )
 
     def test_check_grads_through_clip_and_dual_clip(self):
         # tokens far on either side of the clip kinks and of the dual-clip kink
         r = np.array([[1.6, 0.5, 1.05, 8.0, 0.9]], np.float32)
         adv = np.array([[1.0, -1.0, 0.5, -1.0, -2.0]], np.float32)
         zeros = np.zeros_like(r)
-        f = lambda lp: policy_loss(lp, zeros, zeros, adv, np.ones_like(r, bool), c_clip=3.0)[0]
+        f = jax.jit(
+            lambda lp: policy_loss(lp, zeros, zeros, adv, np.ones_like(r, bool), c_clip=3.0)[0]
+        )
         check_grads(f, (jnp.log(r),), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
 
     def test_gradient_is_zero_outside_mask_and_under_clip(self):
@@ -477,7 +557,9 @@ class GradientTest(parameterized.TestCase):
         behav = -np.log(rho)
         logp = np.log(r)
         logp[0, 5] = -np.inf  # padding must not poison the gradient
-        grad = jax.grad(lambda lp: policy_loss(lp, prox, behav, adv, mask, c_clip=3.0)[0])(jnp.asarray(logp))
+        grad = jax.grad(lambda lp: policy_loss(lp, prox, behav, adv, mask, c_clip=3.0)[0])(
+            jnp.asarray(logp)
+        )
         # dL/dlogp = -A * r * rho / n on unclipped tokens, 0 where any clip binds or masked
         n = mask.sum()
         want = np.zeros_like(r)
@@ -490,7 +572,9 @@ class GradientTest(parameterized.TestCase):
         behav = np.array([[-3.0, 0.0]], np.float32)  # rho = e^3 > 5: token 0 rejected
         zeros = np.zeros_like(logp)
         adv = np.ones_like(logp)
-        grad = jax.grad(lambda lp: policy_loss(lp, zeros, behav, adv, np.ones((1, 2), bool))[0])(jnp.asarray(logp))
+        grad = jax.grad(lambda lp: policy_loss(lp, zeros, behav, adv, np.ones((1, 2), bool))[0])(
+            jnp.asarray(logp)
+        )
         self.assertEqual(float(grad[0, 0]), 0.0)
         self.assertAlmostEqual(float(grad[0, 1]), -math.exp(0.05) / 2, places=6)
 
@@ -498,12 +582,20 @@ class GradientTest(parameterized.TestCase):
 class ErrorTest(parameterized.TestCase):
     def args(self, **changes):
         x = np.zeros((2, 3), np.float32)
-        a = dict(logp_BxT=x, prox_logp_BxT=x, behav_logp_BxT=x, advantages_BxT=x, mask_BxT=np.ones((2, 3), bool))
+        a = dict(
+            logp_BxT=x,
+            prox_logp_BxT=x,
+            behav_logp_BxT=x,
+            advantages_BxT=x,
+            mask_BxT=np.ones((2, 3), bool),
+        )
         a.update(changes)
         return a
 
     def test_shape_mismatch_names_both(self):
-        with self.assertRaisesRegex(ValueError, r"behav_logp_BxT has shape \(2, 4\) but logp_BxT has shape \(2, 3\)"):
+        with self.assertRaisesRegex(
+            ValueError, r"behav_logp_BxT has shape \(2, 4\) but logp_BxT has shape \(2, 3\)"
+        ):
             policy_loss(**self.args(behav_logp_BxT=np.zeros((2, 4), np.float32)))
         with self.assertRaisesRegex(ValueError, r"mask_BxT has shape \(3,\)"):
             policy_loss(**self.args(mask_BxT=np.ones(3, bool)))
@@ -512,7 +604,15 @@ class ErrorTest(parameterized.TestCase):
 
     def test_not_2d(self):
         with self.assertRaisesRegex(ValueError, r"logp_BxT must be 2-D \[B, T\], got shape \(3,\)"):
-            policy_loss(**self.args(**{k: np.zeros(3, np.float32) for k in ("logp_BxT", "prox_logp_BxT", "behav_logp_BxT", "advantages_BxT")}, mask_BxT=np.ones(3, bool)))
+            policy_loss(
+                **self.args(
+                    **{
+                        k: np.zeros(3, np.float32)
+                        for k in ("logp_BxT", "prox_logp_BxT", "behav_logp_BxT", "advantages_BxT")
+                    },
+                    mask_BxT=np.ones(3, bool),
+                )
+            )
 
     @parameterized.parameters("logp_BxT", "prox_logp_BxT", "behav_logp_BxT", "advantages_BxT")
     def test_float_dtype(self, name):
@@ -520,23 +620,45 @@ class ErrorTest(parameterized.TestCase):
             policy_loss(**self.args(**{name: np.zeros((2, 3), np.int32)}))
 
     @parameterized.named_parameters(
-        ("is_level", dict(importance_sampling_level="seq"), r"importance_sampling_level must be one of \('token', 'sequence'\), got 'seq'"),
-        ("denominator", dict(denominator="all"), r"denominator must be one of \('kept', 'valid'\), got 'all'"),
+        (
+            "is_level",
+            dict(importance_sampling_level="seq"),
+            r"importance_sampling_level must be one of \('token', 'sequence'\), got 'seq'",
+        ),
+        (
+            "denominator",
+            dict(denominator="all"),
+            r"denominator must be one of \('kept', 'valid'\), got 'all'",
+        ),
         ("eps_neg", dict(eps_clip=-0.1), r"eps_clip must be in \[0, 1\), got -0.1"),
         ("eps_one", dict(eps_clip=1.0), r"eps_clip must be in \[0, 1\), got 1.0"),
-        ("eps_high", dict(eps_clip_higher=-0.01), r"eps_clip_higher must be >= 0 or None, got -0.01"),
+        (
+            "eps_high",
+            dict(eps_clip_higher=-0.01),
+            r"eps_clip_higher must be >= 0 or None, got -0.01",
+        ),
         ("c_clip", dict(c_clip=1.0), r"c_clip must be None or > 1, got 1.0"),
         ("tau_pos", dict(sapo_tau_pos=0.0), r"sapo_tau_pos must be > 0, got 0.0"),
         ("tau_neg", dict(sapo_tau_neg=-1.0), r"sapo_tau_neg must be > 0, got -1.0"),
-        ("sapo_decoupled", dict(use_sapo_loss=True), r"use_sapo_loss=True is not compatible with use_decoupled_loss=True"),
-        ("valid_needs_mask", dict(denominator="valid"), r"denominator='valid' needs valid_mask_BxT"),
+        (
+            "sapo_decoupled",
+            dict(use_sapo_loss=True),
+            r"use_sapo_loss=True is not compatible with use_decoupled_loss=True",
+        ),
+        (
+            "valid_needs_mask",
+            dict(denominator="valid"),
+            r"denominator='valid' needs valid_mask_BxT",
+        ),
     )
     def test_option_errors(self, options, message):
         with self.assertRaisesRegex(ValueError, message):
             policy_loss(**self.args(), **options)
 
     def test_rejection_sampling_type(self):
-        with self.assertRaisesRegex(TypeError, "rejection_sampling must be a RejectionSampling or None, got dict"):
+        with self.assertRaisesRegex(
+            TypeError, "rejection_sampling must be a RejectionSampling or None, got dict"
+        ):
             policy_loss(**self.args(), rejection_sampling={"upper": 5.0})
 
     def test_eps_clip_zero_is_allowed(self):
@@ -544,17 +666,72 @@ class ErrorTest(parameterized.TestCase):
         self.assertEqual(float(loss), 0.0)
 
     @parameterized.named_parameters(
-        ("level", dict(level="row"), ValueError, r"rejection_sampling.level must be one of \('token', 'sequence'\), got 'row'"),
-        ("action", dict(action="drop"), ValueError, r"rejection_sampling.action must be one of \('mask', 'clamp'\), got 'drop'"),
-        ("metric", dict(metric="kl"), ValueError, r"rejection_sampling.metric must be one of \('ratio', 'kl_k1', 'kl_k2', 'kl_k3'\), got 'kl'"),
-        ("agg", dict(agg="min"), ValueError, r"rejection_sampling.agg must be one of \('sum', 'mean', 'max'\), got 'min'"),
-        ("upper_type", dict(upper="5"), TypeError, r"rejection_sampling.upper must be a number, got '5'"),
-        ("lower_type", dict(lower="1"), TypeError, r"rejection_sampling.lower must be a number or None, got '1'"),
-        ("order", dict(upper=2.0, lower=3.0), ValueError, r"rejection_sampling.lower \(3.0\) must be <= upper \(2.0\)"),
-        ("ratio_upper", dict(upper=1.0), ValueError, r"rejection_sampling.upper must be > 1 for metric 'ratio', got 1.0"),
-        ("ratio_lower", dict(lower=0.0), ValueError, r"rejection_sampling.lower must be > 0 for metric 'ratio', got 0.0"),
-        ("kl_upper", dict(metric="kl_k3", upper=0.0), ValueError, r"rejection_sampling.upper must be > 0 for metric 'kl_k3', got 0.0"),
-        ("clamp_kl", dict(action="clamp", metric="kl_k1", upper=1.0), ValueError, r"rejection_sampling.action 'clamp' needs metric 'ratio', got 'kl_k1'"),
+        (
+            "level",
+            dict(level="row"),
+            ValueError,
+            r"rejection_sampling.level must be one of \('token', 'sequence'\), got 'row'",
+        ),
+        (
+            "action",
+            dict(action="drop"),
+            ValueError,
+            r"rejection_sampling.action must be one of \('mask', 'clamp'\), got 'drop'",
+        ),
+        (
+            "metric",
+            dict(metric="kl"),
+            ValueError,
+            r"rejection_sampling.metric must be one of \('ratio', 'kl_k1', 'kl_k2', 'kl_k3'\), got 'kl'",
+        ),
+        (
+            "agg",
+            dict(agg="min"),
+            ValueError,
+            r"rejection_sampling.agg must be one of \('sum', 'mean', 'max'\), got 'min'",
+        ),
+        (
+            "upper_type",
+            dict(upper="5"),
+            TypeError,
+            r"rejection_sampling.upper must be a number, got '5'",
+        ),
+        (
+            "lower_type",
+            dict(lower="1"),
+            TypeError,
+            r"rejection_sampling.lower must be a number or None, got '1'",
+        ),
+        (
+            "order",
+            dict(upper=2.0, lower=3.0),
+            ValueError,
+            r"rejection_sampling.lower \(3.0\) must be <= upper \(2.0\)",
+        ),
+        (
+            "ratio_upper",
+            dict(upper=1.0),
+            ValueError,
+            r"rejection_sampling.upper must be > 1 for metric 'ratio', got 1.0",
+        ),
+        (
+            "ratio_lower",
+            dict(lower=0.0),
+            ValueError,
+            r"rejection_sampling.lower must be > 0 for metric 'ratio', got 0.0",
+        ),
+        (
+            "kl_upper",
+            dict(metric="kl_k3", upper=0.0),
+            ValueError,
+            r"rejection_sampling.upper must be > 0 for metric 'kl_k3', got 0.0",
+        ),
+        (
+            "clamp_kl",
+            dict(action="clamp", metric="kl_k1", upper=1.0),
+            ValueError,
+            r"rejection_sampling.action 'clamp' needs metric 'ratio', got 'kl_k1'",
+        ),
     )
     def test_rejection_sampling_errors(self, fields, error, message):
         with self.assertRaisesRegex(error, message):
@@ -563,8 +740,20 @@ class ErrorTest(parameterized.TestCase):
     def test_rejection_sampling_is_hashable(self):
         self.assertEqual(hash(RS()), hash(RS()))
 
+    def test_behaviour_correction_shapes(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"prox_logp_BxT, behav_logp_BxT and mask_BxT must share one \[B, T\] shape, got "
+            r"\(1, 1\), \(1, 2\) and \(1, 1\)",
+        ):
+            behaviour_correction(
+                one(0.0), np.zeros((1, 2), np.float32), np.ones((1, 1), bool), RS()
+            )
+
     def test_behaviour_correction_kl_k1_allows_negative_upper(self):
-        rho, keep, _ = behaviour_correction(one(0.0), one(0.5), np.ones((1, 1), bool), RS(metric="kl_k1", upper=-0.4))
+        rho, keep, _ = behaviour_correction(
+            one(0.0), one(0.5), np.ones((1, 1), bool), RS(metric="kl_k1", upper=-0.4)
+        )
         self.assertTrue(bool(keep[0, 0]))  # kl_k1 = -0.5 <= -0.4
         self.assertAlmostEqual(float(rho[0, 0]), math.exp(-0.5), places=6)
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from m2po_jax import hf, sampling
 from m2po_jax import model as model_lib
-from m2po_jax import sampling
 
 CONFIG = model_lib.ModelConfig(
     vocab_size=97,
@@ -17,16 +17,44 @@ CONFIG = model_lib.ModelConfig(
     num_layers=2,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=16,  # explicit, as hf.load_pretrained reads it, so both configs compile once
 )
 PROMPTS = [[5, 17, 3, 44, 9], [8, 2], [61, 30, 12], [7]]
+# Jitted once here: op-by-op Flax forwards are slow on a shared CPU.
+_apply = jax.jit(model_lib.apply, static_argnums=1)
+_init_params = jax.jit(model_lib.init_params, static_argnums=0)
+
+
+def _random_params(config, seed, std):
+    """Normal(0, std) weights and unit norm scales, without compiling the model's init."""
+    shapes = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0)))
+    leaves, treedef = jax.tree.flatten(shapes)
+    rng = np.random.default_rng(seed)
+    arrays = [
+        rng.normal(0.0, std, leaf.shape).astype(np.float32)
+        if len(leaf.shape) > 1
+        else np.ones(leaf.shape, np.float32)
+        for leaf in leaves
+    ]
+    return jax.tree.unflatten(treedef, [jnp.asarray(a) for a in arrays])
 
 
 @pytest.fixture(scope="module")
 def params():
-    # Larger weights than the default init so that the next-token distributions are peaked
-    # and greedy argmaxes are well separated.
-    p = model_lib.init_params(CONFIG, jax.random.key(0))
-    return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, p)
+    # Larger weights than a default init so that next-token distributions are peaked and
+    # greedy argmaxes are well separated.
+    return _random_params(CONFIG, seed=0, std=0.1)
+
+
+# Shared by several tests so that the file compiles `generate` only a few times.
+SAMPLED = sampling.SamplingConfig(max_new_tokens=10, temperature=0.7)
+N_SAMPLES = 2
+GREEDY = sampling.SamplingConfig(max_new_tokens=10, greedy=True)
+
+
+@pytest.fixture(scope="module")
+def sampled(params):
+    return _generate(params, SAMPLED, n_samples=N_SAMPLES)
 
 
 def _generate(params, sampling_config, prompts=PROMPTS, seed=1, n_samples=1):
@@ -37,7 +65,7 @@ def _generate(params, sampling_config, prompts=PROMPTS, seed=1, n_samples=1):
 
 
 def _teacher_forced_logp(params, out, temperature):
-    logits = model_lib.apply(params, CONFIG, out.tokens_BxT, valid_BxT=out.valid_BxT)
+    logits = _apply(params, CONFIG, out.tokens_BxT, valid_BxT=out.valid_BxT)
     return np.asarray(model_lib.token_logp(logits, out.tokens_BxT, temperature))
 
 
@@ -101,82 +129,60 @@ def test_generate_rejects_bad_input(params):
 # ---------------------------------------------------------------- log-probs and layout
 
 
-def test_behav_logp_matches_teacher_forced_forward(params):
-    temperature = 0.7
-    config = sampling.SamplingConfig(max_new_tokens=10, temperature=temperature)
-    out = _generate(params, config)
-    expected = _teacher_forced_logp(params, out, temperature)
-    completion = np.asarray(out.completion_mask_BxT)
-    assert completion.sum() == len(PROMPTS) * 10
+def test_behav_logp_matches_teacher_forced_forward(params, sampled):
+    expected = _teacher_forced_logp(params, sampled, SAMPLED.temperature)
+    completion = np.asarray(sampled.completion_mask_BxT)
+    assert completion.sum() == len(PROMPTS) * N_SAMPLES * SAMPLED.max_new_tokens
     np.testing.assert_allclose(
-        np.asarray(out.behav_logp_BxT)[completion], expected[completion], atol=1e-4
+        np.asarray(sampled.behav_logp_BxT)[completion], expected[completion], atol=1e-4
     )
-    np.testing.assert_array_equal(np.asarray(out.behav_logp_BxT)[~completion], 0.0)
+    np.testing.assert_array_equal(np.asarray(sampled.behav_logp_BxT)[~completion], 0.0)
 
 
-def test_layout_and_lengths(params):
-    config = sampling.SamplingConfig(max_new_tokens=6, pad_id=1)
-    out = _generate(params, config)
-    width = max(len(p) for p in PROMPTS)
-    prompt_tokens, prompt_valid = sampling.pad_prompts(PROMPTS, 1)
-    assert out.tokens_BxT.shape == (len(PROMPTS), width + 6)
+def test_layout_lengths_and_n_samples(sampled):
+    out, n, max_new = sampled, N_SAMPLES, SAMPLED.max_new_tokens
+    prompt_tokens, prompt_valid = sampling.pad_prompts(PROMPTS, 0)
+    width = prompt_tokens.shape[1]
+    assert out.tokens_BxT.shape == (len(PROMPTS) * n, width + max_new)
     assert out.tokens_BxT.dtype == jnp.int32 and out.behav_logp_BxT.dtype == jnp.float32
-    np.testing.assert_array_equal(out.tokens_BxT[:, :width], prompt_tokens)
-    np.testing.assert_array_equal(out.valid_BxT[:, :width], prompt_valid)
-    np.testing.assert_array_equal(out.prompt_len_B, [len(p) for p in PROMPTS])
-    np.testing.assert_array_equal(out.completion_len_B, [6] * len(PROMPTS))
+    # Rows b * n .. b * n + n - 1 answer prompt b.
+    np.testing.assert_array_equal(out.tokens_BxT[:, :width], np.repeat(prompt_tokens, n, axis=0))
+    np.testing.assert_array_equal(out.valid_BxT[:, :width], np.repeat(prompt_valid, n, axis=0))
+    np.testing.assert_array_equal(out.prompt_len_B, np.repeat([len(p) for p in PROMPTS], n))
+    np.testing.assert_array_equal(out.completion_len_B, max_new)
+    np.testing.assert_array_equal(out.valid_BxT[:, width:], True)
     np.testing.assert_array_equal(out.completion_mask_BxT[:, width:], True)
     np.testing.assert_array_equal(out.completion_mask_BxT[:, :width], False)
     assert not np.asarray(out.stopped_B).any()
-    assert int(out.num_steps) == 6
-
-
-def test_n_samples_layout(params):
-    config = sampling.SamplingConfig(max_new_tokens=5)
-    n = 3
-    out = _generate(params, config, n_samples=n)
-    prompt_tokens, _ = sampling.pad_prompts(PROMPTS, 0)
-    width = prompt_tokens.shape[1]
-    assert out.tokens_BxT.shape[0] == len(PROMPTS) * n
-    np.testing.assert_array_equal(out.tokens_BxT[:, :width], np.repeat(prompt_tokens, n, axis=0))
-    np.testing.assert_array_equal(out.prompt_len_B, np.repeat([len(p) for p in PROMPTS], n))
-    # Samples of one prompt differ from each other (distinct noise per row).
+    assert int(out.num_steps) == max_new
+    # Samples of one prompt differ (distinct noise per row).
     completions = np.asarray(out.tokens_BxT[:, width:]).reshape(len(PROMPTS), n, -1)
-    assert all(len({tuple(c) for c in group}) > 1 for group in completions)
-    # And still score correctly under a teacher-forced forward.
-    expected = _teacher_forced_logp(params, out, 1.0)
-    mask = np.asarray(out.completion_mask_BxT)
-    np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
+    assert all(len({tuple(c) for c in group}) == n for group in completions)
 
 
-def test_same_rng_same_tokens_and_different_rng_differs(params):
-    config = sampling.SamplingConfig(max_new_tokens=8)
-    a, b = _generate(params, config, seed=3), _generate(params, config, seed=3)
-    c = _generate(params, config, seed=4)
-    np.testing.assert_array_equal(a.tokens_BxT, b.tokens_BxT)
-    np.testing.assert_array_equal(a.behav_logp_BxT, b.behav_logp_BxT)
-    assert not np.array_equal(a.tokens_BxT, c.tokens_BxT)
+def test_same_rng_same_tokens_and_different_rng_differs(params, sampled):
+    again = _generate(params, SAMPLED, n_samples=N_SAMPLES)
+    other = _generate(params, SAMPLED, n_samples=N_SAMPLES, seed=2)
+    np.testing.assert_array_equal(again.tokens_BxT, sampled.tokens_BxT)
+    np.testing.assert_array_equal(again.behav_logp_BxT, sampled.behav_logp_BxT)
+    assert not np.array_equal(other.tokens_BxT, sampled.tokens_BxT)
 
 
 # ---------------------------------------------------------------- stops and early exit
 
 
-def test_stop_tokens_end_rows_and_exit_early(params):
-    max_new = 12
-    free = _generate(params, sampling.SamplingConfig(max_new_tokens=max_new, temperature=1.3))
+def test_stop_tokens_end_rows_and_exit_early(params, sampled):
     width = max(len(p) for p in PROMPTS)
-    completions = np.asarray(free.tokens_BxT[:, width:])
+    completions = np.asarray(sampled.tokens_BxT[:, width:])
     # One stop id per row, taken from early columns of the unstopped run, so every row stops.
-    stop_ids = tuple(sorted({int(completions[row, 1 + row % 3]) for row in range(len(PROMPTS))}))
+    stop_ids = tuple(sorted({int(row[1 + i % 3]) for i, row in enumerate(completions)}))
     pad = 96
     assert pad not in stop_ids
-    config = sampling.SamplingConfig(
-        max_new_tokens=max_new, temperature=1.3, stop_token_ids=stop_ids, pad_id=pad
-    )
-    out = _generate(params, config)
+    config = dataclasses.replace(SAMPLED, stop_token_ids=stop_ids, pad_id=pad)
+    out = _generate(params, config, n_samples=N_SAMPLES)
 
     # Reference: the unstopped completion cut after its first stop token (same rng and
-    # per-step keys, so tokens before the stop are identical).
+    # per-step keys, so tokens up to the stop are identical).
     lengths = [int(np.flatnonzero(np.isin(row, stop_ids))[0]) + 1 for row in completions]
     got = np.asarray(out.tokens_BxT[:, width:])
     for row, length in enumerate(lengths):
@@ -188,17 +194,16 @@ def test_stop_tokens_end_rows_and_exit_early(params):
         np.testing.assert_array_equal(out.behav_logp_BxT[row, width + length :], 0.0)
     np.testing.assert_array_equal(out.completion_len_B, lengths)
     np.testing.assert_array_equal(out.stopped_B, True)
-    assert int(out.num_steps) == max(lengths) < max_new
+    assert int(out.num_steps) == max(lengths) < SAMPLED.max_new_tokens
     # Log-probs of the kept tokens are still those of a teacher-forced forward.
-    expected = _teacher_forced_logp(params, out, 1.3)
+    expected = _teacher_forced_logp(params, out, SAMPLED.temperature)
     mask = np.asarray(out.completion_mask_BxT)
     np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
 
 
 def test_stop_on_first_token_runs_no_decode_step(params):
-    greedy = sampling.SamplingConfig(max_new_tokens=5, greedy=True)
-    first = np.asarray(_generate(params, greedy).tokens_BxT)[:, max(len(p) for p in PROMPTS)]
-    config = dataclasses.replace(greedy, stop_token_ids=tuple({int(t) for t in first}))
+    first = np.asarray(_generate(params, GREEDY).tokens_BxT)[:, max(len(p) for p in PROMPTS)]
+    config = dataclasses.replace(GREEDY, stop_token_ids=tuple({int(t) for t in first}))
     out = _generate(params, config)
     np.testing.assert_array_equal(out.completion_len_B, 1)
     np.testing.assert_array_equal(out.stopped_B, True)
@@ -209,14 +214,16 @@ def test_stop_on_first_token_runs_no_decode_step(params):
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy(params):
-    greedy = _generate(params, sampling.SamplingConfig(max_new_tokens=8, greedy=True))
-    top_k = _generate(params, sampling.SamplingConfig(max_new_tokens=8, top_k=1), seed=5)
-    top_p = _generate(params, sampling.SamplingConfig(max_new_tokens=8, top_p=1e-6), seed=6)
+    greedy = _generate(params, GREEDY)
+    top_k = _generate(params, dataclasses.replace(SAMPLED, top_k=1), seed=5)
+    top_p = _generate(params, dataclasses.replace(SAMPLED, top_p=1e-6), seed=6)
     np.testing.assert_array_equal(top_k.tokens_BxT, greedy.tokens_BxT)
     np.testing.assert_array_equal(top_p.tokens_BxT, greedy.tokens_BxT)
-    # Recorded log-probs are those of the untruncated temperature-1 distribution.
-    np.testing.assert_allclose(top_k.behav_logp_BxT, greedy.behav_logp_BxT, atol=1e-6)
-    assert float(jnp.max(greedy.behav_logp_BxT)) <= 0.0
+    # Recorded log-probs: the untruncated distribution at the configured temperature.
+    expected = _teacher_forced_logp(params, top_k, SAMPLED.temperature)
+    mask = np.asarray(top_k.completion_mask_BxT)
+    np.testing.assert_allclose(np.asarray(top_k.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
+    assert np.all(expected[mask] < 0.0)
 
 
 def test_truncate_keeps_expected_sets():
@@ -234,16 +241,6 @@ def test_truncate_keeps_expected_sets():
     np.testing.assert_array_equal(keep(top_k=3, top_p=0.9), [1, 1, 1, 0, 0])
 
 
-def test_top_k_samples_stay_in_top_k(params):
-    config = sampling.SamplingConfig(max_new_tokens=6, top_k=3, temperature=2.0)
-    out = _generate(params, config)
-    logits = np.asarray(model_lib.apply(params, CONFIG, out.tokens_BxT, valid_BxT=out.valid_BxT))
-    width = max(len(p) for p in PROMPTS)
-    for col in range(width, width + 6):
-        top3 = np.argsort(-logits[:, col - 1], axis=-1)[:, :3]
-        assert all(t in row for t, row in zip(np.asarray(out.tokens_BxT[:, col]), top3))
-
-
 # ---------------------------------------------------------------- KV cache
 
 
@@ -252,10 +249,10 @@ def test_kv_cache_decode_equals_full_recompute(params):
     batch, width = tokens_BxP.shape
     extra = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (batch, 4), np.int32)
     cache = model_lib.init_cache(CONFIG, batch, width + 4)
-    _, cache = model_lib.apply(params, CONFIG, tokens_BxP, None, valid_BxP, cache, 0)
+    _, cache = _apply(params, CONFIG, tokens_BxP, None, valid_BxP, cache, 0)
     prompt_len = valid_BxP.sum(-1)
     for i in range(4):
-        step_logits, cache = model_lib.apply(
+        step_logits, cache = _apply(
             params,
             CONFIG,
             extra[:, i : i + 1],
@@ -266,38 +263,35 @@ def test_kv_cache_decode_equals_full_recompute(params):
         )
     full_tokens = np.concatenate([tokens_BxP, extra], axis=1)
     full_valid = np.concatenate([valid_BxP, np.ones_like(extra, bool)], axis=1)
-    full_logits = model_lib.apply(params, CONFIG, full_tokens, valid_BxT=full_valid)
+    full_logits = _apply(params, CONFIG, full_tokens, valid_BxT=full_valid)
     np.testing.assert_allclose(step_logits[:, 0], full_logits[:, -1], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- compilation
 
 
-def test_no_recompilation_for_same_shapes(params):
-    config = sampling.SamplingConfig(max_new_tokens=3, temperature=0.9)
-    tokens, valid = sampling.pad_prompts([[1, 2], [3, 4]], 0)
-    before = sampling._generate._cache_size()
-    sampling.generate(params, CONFIG, tokens, valid, jax.random.key(0), config)
-    after_first = sampling._generate._cache_size()
-    # Different prompt contents and lengths, rng, and an equal-but-new config object.
-    tokens2, valid2 = sampling.pad_prompts([[5], [6, 7]], 0)
+def test_no_recompilation_for_same_shapes(params, sampled):
+    compiled = sampling._generate._cache_size()
+    # Other prompt contents and lengths (same padded shape), rng and an equal new config.
+    other_prompts = [[1, 2, 3, 4, 5], [6], [7, 8], [9, 10, 11, 12]]
     for seed in range(3):
-        sampling.generate(
+        _generate(
             params,
-            CONFIG,
-            tokens2,
-            valid2,
-            jax.random.key(seed),
-            sampling.SamplingConfig(max_new_tokens=3, temperature=0.9),
+            dataclasses.replace(SAMPLED),
+            prompts=other_prompts,
+            seed=seed,
+            n_samples=N_SAMPLES,
         )
-    assert after_first == before + 1
-    assert sampling._generate._cache_size() == after_first
+    assert sampling._generate._cache_size() == compiled
+    # The counter does move for a new static config.
+    _generate(params, dataclasses.replace(SAMPLED, max_new_tokens=2), n_samples=N_SAMPLES)
+    assert sampling._generate._cache_size() == compiled + 1
 
 
 # ---------------------------------------------------------------- Hugging Face parity
 
 
-def _hf_llama():
+def test_greedy_matches_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -309,52 +303,21 @@ def _hf_llama():
         num_attention_heads=CONFIG.num_heads,
         num_key_value_heads=CONFIG.num_kv_heads,
         rms_norm_eps=CONFIG.rms_norm_eps,
-        initializer_range=0.1,
+        max_position_embeddings=CONFIG.max_position_embeddings,
+        initializer_range=0.1,  # peaked logits: greedy margins >> float error
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
     )
     hf_model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
     hf_model.config._attn_implementation = "eager"
-    return torch, hf_model
+    hf_model.save_pretrained(tmp_path)
+    loaded = hf.load_pretrained(tmp_path)
 
-
-def _params_from_hf(hf_model):
-    """Independent HF -> our param mapping (torch Linear weights are [out, in])."""
-    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    e, d = CONFIG.hidden_size, CONFIG.dim_per_head
-    params = {
-        "embedding": sd["model.embed_tokens.weight"],
-        "final_norm": {"scale": sd["model.norm.weight"]},
-        "lm_head": sd["lm_head.weight"].T,
-    }
-    for i in range(CONFIG.num_layers):
-        pre = f"model.layers.{i}."
-        heads = {"q": CONFIG.num_heads, "k": CONFIG.num_kv_heads, "v": CONFIG.num_kv_heads}
-        attn = {
-            f"{n}_kernel": sd[pre + f"self_attn.{n}_proj.weight"].T.reshape(e, h, d)
-            for n, h in heads.items()
-        }
-        attn["o_kernel"] = sd[pre + "self_attn.o_proj.weight"].T.reshape(CONFIG.num_heads, d, e)
-        params[f"layers_{i}"] = {
-            "attn": attn,
-            "mlp": {
-                f"{n}_kernel": sd[pre + f"mlp.{n}_proj.weight"].T for n in ("gate", "up", "down")
-            },
-            "input_norm": {"scale": sd[pre + "input_layernorm.weight"]},
-            "post_attn_norm": {"scale": sd[pre + "post_attention_layernorm.weight"]},
-        }
-    expected = jax.tree.structure(model_lib.init_params(CONFIG, jax.random.key(0)))
-    assert jax.tree.structure(params) == expected
-    return jax.tree.map(jnp.asarray, params)
-
-
-def test_greedy_matches_transformers_generate():
-    torch, hf_model = _hf_llama()
-    params = _params_from_hf(hf_model)
-    max_new = 10
+    max_new = GREEDY.max_new_tokens
     # Same-length prompts, then left-padded prompts of different lengths.
-    for prompts in ([[5, 17, 3, 44], [8, 2, 90, 1], [61, 30, 12, 7]], PROMPTS):
+    same_length = [[5, 17, 3, 44, 9], [8, 2, 90, 1, 3], [61, 30, 12, 7, 7], [1, 2, 3, 4, 5]]
+    for prompts in (same_length, PROMPTS):
         tokens, valid = sampling.pad_prompts(prompts, 0)
         with torch.no_grad():
             hf_out = hf_model.generate(
@@ -365,6 +328,7 @@ def test_greedy_matches_transformers_generate():
                 min_new_tokens=max_new,
                 pad_token_id=0,
             )
-        config = sampling.SamplingConfig(max_new_tokens=max_new, greedy=True)
-        out = sampling.generate(params, CONFIG, tokens, valid, jax.random.key(0), config)
+        out = sampling.generate(
+            loaded.params, loaded.config, tokens, valid, jax.random.key(0), GREEDY
+        )
         np.testing.assert_array_equal(np.asarray(out.tokens_BxT), hf_out.numpy())

@@ -1,0 +1,127 @@
+"""Where one run's arrays live: the mesh, the train/sample shardings, host <-> device batches.
+
+Single- and multi-process runs share one code path: every process holds the same host
+rollouts (numpy), feeds only its own rows into global arrays with
+`jax.make_array_from_process_local_data`, and gathers generated tokens back with
+`process_allgather` so that rewards and the stale queue are identical everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from m2po_jax import masking
+from m2po_jax import model as model_lib
+from m2po_jax import sharding
+
+
+class Placement:
+    """Mesh and shardings for one model; moves batches between host and devices."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, model_config: model_lib.ModelConfig):
+        self.mesh = mesh
+        self.model_config = model_config
+        self.train_params = sharding.param_shardings(model_config, mesh, sharding.TRAIN_RULES)
+        self.sample_params = sharding.param_shardings(model_config, mesh, sharding.SAMPLE_RULES)
+        self.replicated = sharding.replicated(mesh)
+        self.batch_shards = sharding.batch_shards(mesh)
+
+    @classmethod
+    def from_shape(cls, shape: dict, model_config) -> Placement:
+        """A mesh of `shape`; a fixed shape smaller than the host's devices uses the first ones.
+
+        (Single process only: a multi-process mesh must span every device.)
+        """
+        devices = jax.devices()
+        size = int(np.prod([v for v in shape.values()]))
+        if -1 not in shape.values() and size < len(devices) and jax.process_count() == 1:
+            devices = devices[:size]
+        return cls(sharding.make_mesh(shape, devices), model_config)
+
+    def check_rows(self, name: str, rows: int) -> None:
+        if rows % self.batch_shards:
+            raise ValueError(
+                f"{name}={rows} must be divisible by the {self.batch_shards} batch shards of "
+                f"the mesh {dict(self.mesh.shape)} (data x fsdp)"
+            )
+
+    # ---- params and state ---------------------------------------------------------------
+
+    def init_params(self, rng: jax.Array):
+        return sharding.shard_init(self.model_config, rng, self.mesh, sharding.TRAIN_RULES)
+
+    def put_params(self, params):
+        """Host (numpy) or single-device params into the train layout."""
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
+            params,
+            self.train_params,
+        )
+
+    def for_sampling(self, params):
+        """Params in the sampling layout (weights tensor-parallel only)."""
+        return sharding.reshard(params, self.sample_params)
+
+    def state_shardings(self, state_shape):
+        """Shardings for a `TrainState` (from `jax.eval_shape` or a concrete state)."""
+        return state_shape.replace(
+            step=self.replicated,
+            params=self.train_params,
+            opt_state=sharding.opt_state_shardings(
+                state_shape.opt_state, self.train_params, self.mesh
+            ),
+            nonfinite_steps=self.replicated,
+        )
+
+    def batch_shardings(self, batch):
+        return jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, np.ndim(x)), batch)
+
+    # ---- host <-> device ----------------------------------------------------------------
+
+    def local_rows(self, rows: int) -> slice:
+        """This process's share of a global batch of `rows` rows."""
+        return sharding.process_batch_slice(rows, self.mesh)
+
+    def to_global(self, host_tree):
+        """Global batch-sharded arrays from full host arrays (each process feeds its rows)."""
+        leaves = jax.tree.leaves(host_tree)
+        rows = np.shape(leaves[0])[0]
+        local = self.local_rows(rows)
+        return sharding.global_batch_from_local(
+            jax.tree.map(lambda x: np.asarray(x)[local], host_tree), self.mesh, rows
+        )
+
+    def to_host(self, tree):
+        """Full numpy copies of (possibly multi-process) global arrays, on every process."""
+        if jax.process_count() == 1:
+            return jax.device_get(tree)
+        return multihost_utils.process_allgather(tree, tiled=True)
+
+    def mask_fn(self, method: str):
+        """The per-shard M2PO scope (AReaL's per-rank rule) as a `train_step` mask_fn."""
+        return functools.partial(_per_shard_mask, mesh=self.mesh, method=method)
+
+
+def _per_shard_mask(behav, prox, loss_mask, threshold, *, mesh, method):
+    mask = sharding.m2po_mask_per_shard(behav, prox, loss_mask, threshold, mesh, method=method)
+    m2 = masking.m2po_second_moment(behav, prox)
+    m2 = jnp.where(jnp.isfinite(m2), m2, 0.0)
+    n_valid = jnp.maximum(jnp.sum(loss_mask), 1)
+    n_kept = jnp.maximum(jnp.sum(mask), 1)
+    masked = jnp.sum(loss_mask & ~mask)
+    return mask, {
+        "m2po/masked_tokens": masked,
+        "m2po/masked_fraction": masked / n_valid,
+        "m2po/m2_before": jnp.sum(m2 * loss_mask) / n_valid,
+        "m2po/m2_after": jnp.sum(m2 * mask) / n_kept,
+    }
+
+
+def abstract_like(tree: Any):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)

@@ -1,0 +1,108 @@
+"""The M2PO mask on inputs sharded over 8 (fake CPU) devices equals the unsharded mask.
+
+Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts. When the
+test process already has 8 devices (tests/conftest.py sets the flag) the check runs
+in-process; otherwise it reruns this file in a subprocess with the flag set.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+NUM_DEVICES = 8
+
+
+def _grid_batch(seed=0, shape=(16, 24)):
+    """Log-ratios on a 1/8 grid, so every sum is exact whatever the reduction order."""
+    rng = np.random.default_rng(seed)
+    behav = rng.integers(-40, 0, shape).astype(np.float32) / 8
+    prox = behav + rng.integers(-5, 6, shape).astype(np.float32) / 8
+    prox[3, :5] = behav[3, :5] + 0.75  # ties above tau: the tie-splitting path
+    loss_mask = rng.random(shape) < 0.8
+    return behav, prox, loss_mask
+
+
+def check_sharded():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from m2po_jax.masking import m2po_mask, m2po_mask_with_stats
+
+    assert jax.device_count() >= NUM_DEVICES, jax.devices()
+    behav, prox, loss_mask = _grid_batch()
+    tau = jnp.float32(0.1)
+    for method in ("sort", "bisect"):
+        for scope in ("global", "row"):
+            fn = jax.jit(
+                lambda b, p, m, t, method=method, scope=scope: m2po_mask_with_stats(
+                    b, p, m, t, method=method, scope=scope
+                )
+            )
+            expected, expected_stats = fn(behav, prox, loss_mask, tau)  # one device
+            assert 0 < int(expected_stats["m2po/masked_tokens"]) < loss_mask.sum()
+            for mesh_shape, spec, axis_type in [
+                ((8,), P("x"), AxisType.Auto),
+                ((4, 2), P("x", "y"), AxisType.Auto),
+                ((8,), P("x"), AxisType.Explicit),
+                ((2, 4), P(None, ("x", "y")), AxisType.Explicit),
+            ]:
+                names = ("x", "y")[: len(mesh_shape)]
+                mesh = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(names))
+                sharding = NamedSharding(mesh, spec)
+                args = [jax.device_put(a, sharding) for a in (behav, prox, loss_mask)]
+                assert len(args[0].sharding.device_set) == NUM_DEVICES
+                with jax.set_mesh(mesh):
+                    mask, stats = fn(*args, tau)
+                msg = f"{method} {scope} {spec} {axis_type}"
+                np.testing.assert_array_equal(mask, expected, err_msg=msg)
+                if axis_type == AxisType.Explicit:  # the mask comes back sharded like the input
+                    assert mask.sharding.spec == spec, (mask.sharding, msg)
+                for key, value in expected_stats.items():
+                    np.testing.assert_allclose(stats[key], value, rtol=1e-6, err_msg=key)
+
+        # Per-shard scope: inside shard_map each device masks its own block of rows.
+        mesh = jax.make_mesh((NUM_DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
+        per_shard = jax.jit(
+            jax.shard_map(
+                lambda b, p, m, t, method=method: m2po_mask(b, p, m, t, method=method),
+                mesh=mesh,
+                in_specs=(P("x"), P("x"), P("x"), P()),
+                out_specs=P("x"),
+            )
+        )
+        mask = np.asarray(per_shard(behav, prox, loss_mask, tau))
+        rows = behav.shape[0] // NUM_DEVICES
+        for i in range(NUM_DEVICES):
+            block = slice(i * rows, (i + 1) * rows)
+            block_mask = m2po_mask(behav[block], prox[block], loss_mask[block], tau, method=method)
+            np.testing.assert_array_equal(mask[block], block_mask)
+
+
+def test_sharded_mask_equals_unsharded():
+    import jax
+
+    if jax.device_count() >= NUM_DEVICES:
+        check_sharded()
+        return
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+if __name__ == "__main__":
+    check_sharded()
+    print("sharded masks match")

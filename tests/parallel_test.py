@@ -1,0 +1,196 @@
+"""Sharded training and sampling equal the single-device run; multi-process runs equal one process.
+
+Uses the 8 fake CPU devices of tests/conftest.py.
+"""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import arith
+from m2po_jax import config as config_lib
+from m2po_jax import metrics as metrics_lib
+from m2po_jax import model as model_lib
+from m2po_jax import placement as placement_lib
+from m2po_jax import sampling
+from m2po_jax import train_step as step_lib
+from m2po_jax import trainer as trainer_lib
+from m2po_jax.types import TrainBatch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = model_lib.ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2,
+)
+MESHES = {
+    "data8": {"data": 8, "fsdp": 1, "tensor": 1},
+    "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
+    "2x2x2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
+
+
+def actor_section(**changes):
+    c = arith.get_config("m2po")
+    c.actor.ppo_n_minibatches = 2
+    c.actor.optimizer.lr = 1e-3
+    for key, value in changes.items():
+        c.actor[key] = value
+    return config_lib.from_configdict(c).actor
+
+
+def synthetic_batch(rows=16, prompt=4, new=6, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
+    valid = np.ones_like(tokens, bool)
+    valid[::3, 0] = False  # some left padding
+    loss_mask = np.zeros_like(valid)
+    loss_mask[:, prompt:] = True
+    loss_mask[1::4, -2:] = False  # some rows stopped early
+    behav = np.where(loss_mask, -rng.uniform(0.5, 4.0, tokens.shape), 0.0).astype(np.float32)
+    rewards = rng.integers(0, 2, rows).astype(np.float32)
+    return TrainBatch(
+        tokens_BxT=tokens, valid_BxT=valid & (loss_mask | (np.arange(prompt + new) < prompt)),
+        behav_logp_BxT=behav, loss_mask_BxT=loss_mask, rewards_B=rewards,
+        version_B=np.zeros(rows, np.int32),
+    )
+
+
+def two_steps(mesh_shape, actor):
+    placement = placement_lib.Placement.from_shape(mesh_shape, MODEL)
+    tx, schedule = step_lib.make_optimizer(actor.optimizer, 10)
+    params = placement.init_params(jax.random.key(0))
+    init_fn = functools.partial(step_lib.init_train_state, tx=tx)
+    state_sh = placement.state_shardings(jax.eval_shape(init_fn, params))
+    state = jax.jit(init_fn, out_shardings=state_sh)(params)
+    batch = synthetic_batch()
+    step = step_lib.make_train_step(
+        MODEL, actor, tx, schedule,
+        jit_kwargs=dict(
+            in_shardings=(state_sh, placement.batch_shardings(batch), placement.replicated, None),
+            out_shardings=(state_sh, placement.replicated),
+        ),
+    )
+    metrics = []
+    for i in range(2):
+        state, m = step(state, placement.to_global(batch), jax.random.key(i), None)
+        metrics.append(jax.device_get(m))
+    return jax.device_get(state.params), metrics
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return two_steps({"data": 1, "fsdp": 1, "tensor": 1}, actor_section())
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_sharded_train_step_equals_single_device(single_device_run, name):
+    ref_params, ref_metrics = single_device_run
+    params, metrics = two_steps(MESHES[name], actor_section())
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for key in ("loss", "m2po/masked_fraction", "train/param_norm"):
+        np.testing.assert_allclose(metrics[1][key], ref_metrics[1][key], rtol=1e-5, atol=1e-6)
+    # The step is not a no-op, and M2PO masked something in this off-policy batch.
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(params), jax.tree.leaves(model_lib.init_params(MODEL, jax.random.key(0)))))
+    assert moved > 1e-4
+    assert metrics[0]["m2po/masked_fraction"] > 0
+
+
+def test_per_shard_mask_scope_differs_from_global_and_trains():
+    actor = actor_section()
+    placement = placement_lib.Placement.from_shape(MESHES["data8"], MODEL)
+    batch = synthetic_batch()
+    params = placement.init_params(jax.random.key(0))
+    prox, _ = step_lib.sequence_logp(
+        params, MODEL, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.valid_BxT), 1.0
+    )
+    args = placement.to_global((batch.behav_logp_BxT, np.asarray(prox), batch.loss_mask_BxT))
+    mask, stats = placement.mask_fn("sort")(*args, jnp.float32(actor.m2_threshold))
+    from m2po_jax import m2po_mask
+
+    per_block = np.concatenate([
+        np.asarray(m2po_mask(*(np.asarray(a)[i * 2:(i + 1) * 2] for a in args), 0.04))
+        for i in range(8)
+    ])
+    np.testing.assert_array_equal(np.asarray(mask), per_block)
+    assert 0 < float(stats["m2po/masked_fraction"]) < 1
+
+
+def test_sharded_sampler_matches_unsharded_tokens():
+    params = model_lib.init_params(MODEL, jax.random.key(1))
+    prompts, valid = sampling.pad_prompts([[5, 6, 7], [8, 9], [10], [11, 12, 13]] * 2, 0)
+    config = sampling.SamplingConfig(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,))
+    rng = jax.random.key(3)
+    ref = jax.device_get(sampling.generate(params, MODEL, prompts, valid, rng, config, 2))
+    placement = placement_lib.Placement.from_shape(MESHES["2x2x2"], MODEL)
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    g_prompts, g_valid = placement.to_global((prompts, valid))
+    out = placement.to_host(
+        sampling.generate(sharded_params, MODEL, g_prompts, g_valid, rng, config, 2)
+    )
+    np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
+    np.testing.assert_allclose(out.behav_logp_BxT, ref.behav_logp_BxT, atol=1e-5)
+
+
+def test_memory_plan_refuses_a_config_too_large_for_the_device(tmp_path):
+    c = arith.get_config("m2po,tiny")
+    c.mesh.data = 1
+    c.mesh.device_memory_gib = 1e-4  # ~100 KiB: the tiny model's plan needs more
+    cfg = config_lib.from_configdict(c)
+    with pytest.raises(MemoryError, match="exceeds the device memory"):
+        trainer_lib.Trainer(cfg, tmp_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(workdir, steps, env_extra, n_procs):
+    args = [
+        sys.executable, "-m", "m2po_jax.main", "--config=configs/arith.py:m2po,tiny",
+        f"--workdir={workdir}", f"--config.total_steps={steps}", "--config.rollout.batch_size=8",
+        "--config.task.format_reward=0.5", "--config.logging.tensorboard=False",
+    ]
+    port = _free_port()
+    procs = []
+    for pid in range(n_procs):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **env_extra(pid, port))
+        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+
+
+def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
+    def multi(pid, port):
+        return {
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+        }
+
+    def single(pid, port):
+        return {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+    _train(tmp_path / "multi", 3, multi, 2)
+    _train(tmp_path / "multi", 5, multi, 2)  # restores step 3, continues to 5
+    _train(tmp_path / "single", 5, single, 1)
+    multi_records = metrics_lib.read_metrics(tmp_path / "multi" / "metrics.jsonl")
+    single_records = metrics_lib.read_metrics(tmp_path / "single" / "metrics.jsonl")
+    assert [r["step"] for r in multi_records] == list(range(5))
+    for a, b in zip(multi_records, single_records):
+        for key in ("train/param_norm", "loss", "reward/mean", "m2po/masked_fraction"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
