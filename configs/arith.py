@@ -11,7 +11,6 @@ code: harmful tokens, capped-mean clip range), tiny (a seconds-long smoke run fo
 """
 
 import ml_collections
-
 from m2po_jax.configs import default
 
 
@@ -80,6 +79,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = default.get_config()
     for name in filter(None, (arg or "m2po").split(",")):
         if name not in PRESETS:
-            raise ValueError(f"configs/arith.py: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(
+                f"configs/arith.py: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+            )
         PRESETS[name](c)
     return c

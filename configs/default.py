@@ -73,9 +73,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.m2_threshold = placeholder(float)
     c.actor.m2_threshold = 0.04  # M2PO second-moment bound tau; None disables M2PO
     c.actor.m2po_method = "sort"  # sort | bisect (sort-free, exact up to ties)
-    c.actor.m2po_second_moment = "behav_prox"  # behav_prox (AReaL) | current_behav (paper) | prox_current (authors' code)
-    c.actor.m2po_stop_rule = "lt"  # lt (AReaL, mean < tau) | le (paper) | capped_clip (authors' code: clip range)
-    c.actor.m2po_candidates = "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
+    c.actor.m2po_second_moment = (
+        "behav_prox"  # behav_prox (AReaL) | current_behav (paper) | prox_current (authors' code)
+    )
+    c.actor.m2po_stop_rule = (
+        "lt"  # lt (AReaL, mean < tau) | le (paper) | capped_clip (authors' code: clip range)
+    )
+    c.actor.m2po_candidates = (
+        "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
+    )
     c.actor.m2po_scope = "global"  # global (whole batch) | row (per sequence) | minibatch
     c.actor.eps_clip = 0.2  # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]
     c.actor.eps_clip_higher = placeholder(float)  # upper clip (clip-higher); None = eps_clip

@@ -85,8 +85,7 @@ class Checkpointer:
         if meta["queue_len"]:
             raw = restored["queue"]
             queue = [
-                {k: np.asarray(v) for k, v in raw[str(i)].items()}
-                for i in range(meta["queue_len"])
+                {k: np.asarray(v) for k, v in raw[str(i)].items()} for i in range(meta["queue_len"])
             ]
         key_data = np.asarray(restored["rng"]["key"])
         return {

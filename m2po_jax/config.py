@@ -259,7 +259,8 @@ def _check_range(where: str, value, low=None, high=None, low_open=False, high_op
     if value is None:
         return
     bad = (
-        isinstance(value, float) and not math.isfinite(value)
+        isinstance(value, float)
+        and not math.isfinite(value)
         or (low is not None and (value <= low if low_open else value < low))
         or (high is not None and (value >= high if high_open else value > high))
     )
@@ -283,7 +284,8 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.m2_threshold", a.m2_threshold, 0.0)
     _check_choice("actor.m2po_method", a.m2po_method, ("sort", "bisect"))
     _check_choice(
-        "actor.m2po_second_moment", a.m2po_second_moment,
+        "actor.m2po_second_moment",
+        a.m2po_second_moment,
         ("behav_prox", "current_behav", "prox_current"),
     )
     _check_choice("actor.m2po_stop_rule", a.m2po_stop_rule, ("lt", "le", "capped_clip"))
@@ -293,8 +295,9 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.eps_clip_higher", a.eps_clip_higher, 0.0)
     _check_range("actor.c_clip", a.c_clip, 1.0, low_open=True)
     _check_choice("actor.loss_denominator", a.loss_denominator, ("kept", "valid"))
-    _check_choice("actor.importance_sampling_level", a.importance_sampling_level,
-                  ("token", "sequence"))
+    _check_choice(
+        "actor.importance_sampling_level", a.importance_sampling_level, ("token", "sequence")
+    )
     if a.use_sapo_loss and a.use_decoupled_loss:
         raise ConfigError(
             "actor.use_sapo_loss=True cannot be combined with actor.use_decoupled_loss=True; "
@@ -308,8 +311,9 @@ def validate(cfg: Config) -> Config:
     rs = a.rejection_sampling
     _check_choice("actor.rejection_sampling.level", rs.level, ("token", "sequence"))
     _check_choice("actor.rejection_sampling.action", rs.action, ("mask", "clamp"))
-    _check_choice("actor.rejection_sampling.metric", rs.metric,
-                  ("ratio", "kl_k1", "kl_k2", "kl_k3"))
+    _check_choice(
+        "actor.rejection_sampling.metric", rs.metric, ("ratio", "kl_k1", "kl_k2", "kl_k3")
+    )
     _check_choice("actor.rejection_sampling.agg", rs.agg, ("sum", "mean", "max"))
     _check_range("actor.rejection_sampling.upper", rs.upper, 0.0, low_open=True)
     _check_range("actor.rejection_sampling.lower", rs.lower, 0.0)
@@ -330,8 +334,9 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.optimizer.beta2", o.beta2, 0.0, 1.0, high_open=True)
     _check_range("actor.optimizer.eps", o.eps, 0.0, low_open=True)
     _check_range("actor.optimizer.gradient_clipping", o.gradient_clipping, 0.0)
-    _check_choice("actor.optimizer.lr_scheduler_type", o.lr_scheduler_type,
-                  ("constant", "linear", "cosine"))
+    _check_choice(
+        "actor.optimizer.lr_scheduler_type", o.lr_scheduler_type, ("constant", "linear", "cosine")
+    )
     _check_range("actor.optimizer.warmup_steps_proportion", o.warmup_steps_proportion, 0.0, 1.0)
     _check_range("actor.optimizer.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0)
     _check_range("gconfig.n_samples", g.n_samples, 1)

@@ -26,10 +26,12 @@ def define_flags() -> None:
     config_flags.DEFINE_config_file(
         "config", DEFAULT_CONFIG, "Config file (configs/<file>.py[:preset]).", lock_config=True
     )
-    flags.DEFINE_string("workdir", "runs/default", "Output directory (resumes if it holds "
-                        "checkpoints).")
-    flags.DEFINE_string("overrides", None, "YAML or JSON file with nested config keys to "
-                        "overlay (AReaL-style).")
+    flags.DEFINE_string(
+        "workdir", "runs/default", "Output directory (resumes if it holds checkpoints)."
+    )
+    flags.DEFINE_string(
+        "overrides", None, "YAML or JSON file with nested config keys to overlay (AReaL-style)."
+    )
 
 
 # `--config.a.b=None` sets a field to None (config_flags cannot parse None itself).
@@ -94,8 +96,10 @@ def main(argv) -> None:
     logging.info("workdir %s", FLAGS.workdir)
     result = trainer.Trainer(cfg, FLAGS.workdir).run()
     status = "interrupted" if result.interrupted else "finished"
-    print(f"m2po-train: {status} at step {result.final_step}; metrics in "
-          f"{Path(result.workdir) / 'metrics.jsonl'}")
+    print(
+        f"m2po-train: {status} at step {result.final_step}; metrics in "
+        f"{Path(result.workdir) / 'metrics.jsonl'}"
+    )
     if result.eval_accuracy:
         steps = ", ".join(f"{s}: {a:.3f}" for s, a in result.eval_accuracy)
         print(f"m2po-train: held-out accuracy by step: {steps}")

@@ -38,7 +38,7 @@ SCOPES = ("global", "row")
 _INF_BITS = 0x7F800000  # float32 +inf as int32
 _INACTIVE = 0x7FFFFFFF  # larger than every non-negative float32 pattern: sorts after +inf
 # Bisect passes view the values as [rows, 128] and reduce over rows first: on XLA:CPU
-# that vectorises and is ~3-4x faster than one flat reduction.
+# that vectorises, 2-4x faster than one flat reduction.
 _LANES = 128
 _BISECT_STEPS = 31  # ceil(log2(_INF_BITS + 1)): the search interval is [-1, _INF_BITS]
 
@@ -51,10 +51,10 @@ def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {list(valid)}")
 
 
-def _as_float_array(name: str, x: ArrayLike) -> jax.Array:
+def _as_float_array(name: str, x: ArrayLike, what: str = "log-probs") -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating-point array of log-probs, got dtype {x.dtype}")
+        raise TypeError(f"{name} must be a floating-point array of {what}, got dtype {x.dtype}")
     return x
 
 
@@ -165,7 +165,7 @@ def m2po_harmful_tokens(
       bool array shaped like ``behav_logp``.
     """
     behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
-    advantages = _as_float_array("advantages", advantages)
+    advantages = _as_float_array("advantages", advantages, "advantages")
     _check_same_shape("advantages", advantages, "behav_logp", behav_logp)
     return _harmful(behav_logp, prox_logp, logp, advantages, second_moment)
 
@@ -263,7 +263,10 @@ def _kept_by_bisect(key_N: jax.Array, tau: jax.Array, stop_rule: str) -> jax.Arr
             jnp.where(down, count, count_hi),
         )
 
-    init = (jnp.int32(-1), jnp.int32(_INF_BITS), *below(jnp.float32(jnp.inf)))
+    total_all, count_all = below(jnp.float32(jnp.inf))
+    # Bounds derived from data so that, inside shard_map, the carry varies like the data.
+    zero = jnp.zeros_like(count_all)
+    init = (zero - 1, zero + _INF_BITS, total_all, count_all)
     b_star, _, total_le, count_le = lax.fori_loop(0, _BISECT_STEPS, step, init)
     keep_all_le = (count_le > 0) & _passes(total_le / count_le.astype(jnp.float32), tau, stop_rule)
     return lax.cond(
@@ -293,7 +296,7 @@ def _split_boundary_ties(
         live = hi - lo > 1
         return jnp.where(live & ok, mid, lo), jnp.where(live & ~ok, mid, hi)
 
-    num_ties, _ = lax.fori_loop(0, 32, step, (jnp.int32(1), count_eq + 1))
+    num_ties, _ = lax.fori_loop(0, 32, step, (jnp.ones_like(count_eq), count_eq + 1))
     return _keep_first(key_N, v_key, count_lt + num_ties)
 
 
@@ -406,7 +409,7 @@ def m2po_mask_with_stats(
     if candidates == "harmful" and advantages is None:
         raise ValueError("candidates='harmful' needs advantages= (per-token advantages)")
     if advantages is not None:
-        advantages = _as_float_array("advantages", advantages)
+        advantages = _as_float_array("advantages", advantages, "advantages")
         _check_same_shape("advantages", advantages, "loss_mask", loss_mask)
     if scope == "row" and loss_mask.ndim < 2:
         raise ValueError(f"scope='row' needs inputs with ndim >= 2, got shape {loss_mask.shape}")
@@ -508,7 +511,7 @@ def m2po_clip_bound(m2: ArrayLike, loss_mask: ArrayLike, m2_budget: ArrayLike) -
     Returns:
       float32 scalar t >= 0, possibly +inf.
     """
-    m2 = _as_float_array("m2", m2)
+    m2 = _as_float_array("m2", m2, "second moments")
     loss_mask = jnp.asarray(loss_mask)
     _check_same_shape("m2", m2, "loss_mask", loss_mask)
     _check_nonnegative_scalar("m2_budget", m2_budget)

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from m2po_jax import masking
+from m2po_jax import masking, sharding
 from m2po_jax import model as model_lib
-from m2po_jax import sharding
 
 
 class Placement:

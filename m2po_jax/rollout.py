@@ -19,8 +19,16 @@ from m2po_jax.model import ModelConfig
 
 # Host-side rollout: a dict of numpy arrays (see ROLLOUT_KEYS) so it checkpoints as-is.
 ROLLOUT_KEYS = (
-    "tokens_BxT", "valid_BxT", "behav_logp_BxT", "loss_mask_BxT", "prompt_len_B",
-    "completion_len_B", "stopped_B", "version_B", "group_id_B", "rewards_B",
+    "tokens_BxT",
+    "valid_BxT",
+    "behav_logp_BxT",
+    "loss_mask_BxT",
+    "prompt_len_B",
+    "completion_len_B",
+    "stopped_B",
+    "version_B",
+    "group_id_B",
+    "rewards_B",
 )
 
 
@@ -88,9 +96,7 @@ def generate_rollout(
         "group_id_B": np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
     }
     texts = completion_texts(batch, tokenizer, sampling_config.stop_token_ids)
-    rewards = [
-        float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)
-    ]
+    rewards = [float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)]
     batch["rewards_B"] = np.asarray(rewards, np.float32)
     return batch, texts
 

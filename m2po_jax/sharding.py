@@ -642,7 +642,7 @@ def memory_plan(
 
 def device_memory_limit() -> int | None:
     """Memory limit of device 0 from `memory_stats()`, None where unreported (CPU)."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     return None if not stats else stats.get("bytes_limit")
 
 

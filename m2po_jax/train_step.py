@@ -211,8 +211,12 @@ def train_step(
     rs = actor.rejection_sampling
     rejection = (
         losses.RejectionSampling(
-            level=rs.level, action=rs.action, metric=rs.metric, agg=rs.agg,
-            upper=rs.upper, lower=rs.lower,
+            level=rs.level,
+            action=rs.action,
+            metric=rs.metric,
+            agg=rs.agg,
+            upper=rs.upper,
+            lower=rs.lower,
         )
         if rs.enabled
         else None
@@ -223,11 +227,20 @@ def train_step(
         mb_mask, mb_stats = mb["mask"], {}
         if per_minibatch_mask:
             mb_mask, mb_stats = _m2po(
-                actor, mb["behav"], mb["prox"], mb["loss_mask"], mb["adv"],
-                logp=jax.lax.stop_gradient(logp), threshold=threshold,
+                actor,
+                mb["behav"],
+                mb["prox"],
+                mb["loss_mask"],
+                mb["adv"],
+                logp=jax.lax.stop_gradient(logp),
+                threshold=threshold,
             )
         loss, stats = losses.policy_loss(
-            logp, mb["prox"], mb["behav"], mb["adv"], mb_mask,
+            logp,
+            mb["prox"],
+            mb["behav"],
+            mb["adv"],
+            mb_mask,
             eps_clip=eps_clip,
             eps_clip_higher=eps_clip_higher,
             c_clip=actor.c_clip,
@@ -295,11 +308,16 @@ def train_step(
     return new_state, metrics
 
 
-def make_train_step(model_config, actor: ActorSection, tx, schedule, *, jit_kwargs=None,
-                    mask_fn=None):
+def make_train_step(
+    model_config, actor: ActorSection, tx, schedule, *, jit_kwargs=None, mask_fn=None
+):
     """`train_step` with static settings bound, under one `jax.jit` (state donated)."""
     step = functools.partial(
-        train_step, model_config=model_config, actor=actor, tx=tx, schedule=schedule,
+        train_step,
+        model_config=model_config,
+        actor=actor,
+        tx=tx,
+        schedule=schedule,
         mask_fn=mask_fn,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))

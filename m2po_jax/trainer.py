@@ -47,8 +47,13 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
     reward_fn = t.reward_fn or None
     if t.name == "arith":
         kwargs = dict(
-            seed=t.seed, ops=t.ops, min_digits=t.min_digits, max_digits=t.max_digits,
-            eval_size=cfg.eval.num_examples, format_reward=t.format_reward, reward_fn=reward_fn,
+            seed=t.seed,
+            ops=t.ops,
+            min_digits=t.min_digits,
+            max_digits=t.max_digits,
+            eval_size=cfg.eval.num_examples,
+            format_reward=t.format_reward,
+            reward_fn=reward_fn,
         )
         if tokenizer is not None:
             kwargs["tokenizer"] = tokenizer
@@ -58,8 +63,13 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
     if not t.train_path:
         raise ValueError("task.train_path: required for task.name='gsm8k' (a local JSONL file)")
     return make_task(
-        "gsm8k", path=t.train_path, tokenizer=tokenizer, eval_path=t.eval_path or None,
-        num_eval=t.eval_size, seed=t.seed, reward_fn=reward_fn,
+        "gsm8k",
+        path=t.train_path,
+        tokenizer=tokenizer,
+        eval_path=t.eval_path or None,
+        num_eval=t.eval_size,
+        seed=t.seed,
+        reward_fn=reward_fn,
     )
 
 
@@ -146,7 +156,10 @@ class Trainer:
         self.memory_plan = self._check_memory(rows)
         if cfg.model.path:
             params = sharding.load_pretrained_sharded(
-                cfg.model.path, self.model_config, self.placement.mesh, sharding.TRAIN_RULES,
+                cfg.model.path,
+                self.model_config,
+                self.placement.mesh,
+                sharding.TRAIN_RULES,
                 dtype=cfg.model.param_dtype,
             )
         else:
@@ -154,8 +167,13 @@ class Trainer:
         g = cfg.gconfig
         stop_ids = (self.tokenizer.eos_id,)
         self.sampling_config = sampling.SamplingConfig(
-            max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-            top_p=g.top_p, greedy=g.greedy, stop_token_ids=stop_ids, pad_id=self.tokenizer.pad_id,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            greedy=g.greedy,
+            stop_token_ids=stop_ids,
+            pad_id=self.tokenizer.pad_id,
         )
         self.eval_sampling = dataclasses.replace(self.sampling_config, greedy=True)
         a = cfg.actor
@@ -169,7 +187,11 @@ class Trainer:
         ref_sh = self.placement.train_params if a.kl_ctl > 0 else None
         mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
         self.train_step = step_lib.make_train_step(
-            self.model_config, a, self.tx, self.schedule, mask_fn=mask_fn,
+            self.model_config,
+            a,
+            self.tx,
+            self.schedule,
+            mask_fn=mask_fn,
             jit_kwargs=dict(
                 in_shardings=(state_sh, batch_sh, self.placement.replicated, ref_sh),
                 out_shardings=(state_sh, self.placement.replicated),
@@ -194,8 +216,12 @@ class Trainer:
         cfg = self.cfg
         seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
         plan = sharding.memory_plan(
-            self.model_config, self.placement.mesh, batch=rows, seq_len=seq_len,
-            micro_batch=rows // cfg.actor.ppo_n_minibatches, kv_cache_batch=rows,
+            self.model_config,
+            self.placement.mesh,
+            batch=rows,
+            seq_len=seq_len,
+            micro_batch=rows // cfg.actor.ppo_n_minibatches,
+            kv_cache_batch=rows,
             kv_cache_len=seq_len,
         )
         if jax.process_index() == 0:
@@ -211,10 +237,17 @@ class Trainer:
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
         self.data_position += cfg.rollout.batch_size
         batch, _ = rollout_lib.generate_rollout(
-            self.placement.for_sampling(self.state.params), self.model_config,
-            self.sampling_config, examples, self.prompt_tokenizer, self.task.reward, rng,
-            n_samples=cfg.gconfig.n_samples, version=version,
-            max_prompt_len=cfg.task.max_prompt_len, placement=self.placement,
+            self.placement.for_sampling(self.state.params),
+            self.model_config,
+            self.sampling_config,
+            examples,
+            self.prompt_tokenizer,
+            self.task.reward,
+            rng,
+            n_samples=cfg.gconfig.n_samples,
+            version=version,
+            max_prompt_len=cfg.task.max_prompt_len,
+            placement=self.placement,
         )
         return batch
 
@@ -230,9 +263,17 @@ class Trainer:
             # Pad the last chunk so every call has the same shape (no recompile).
             padded = chunk + [chunk[-1]] * (size - len(chunk))
             batch, _ = rollout_lib.generate_rollout(
-                params, self.model_config, self.eval_sampling, padded, self.prompt_tokenizer,
-                verify, jax.random.fold_in(self.rng, _EVAL), n_samples=1, version=0,
-                max_prompt_len=self.cfg.task.max_prompt_len, placement=self.placement,
+                params,
+                self.model_config,
+                self.eval_sampling,
+                padded,
+                self.prompt_tokenizer,
+                verify,
+                jax.random.fold_in(self.rng, _EVAL),
+                n_samples=1,
+                version=0,
+                max_prompt_len=self.cfg.task.max_prompt_len,
+                placement=self.placement,
             )
             correct.extend((batch["rewards_B"][: len(chunk)] >= 1.0).tolist())
         return float(np.mean(correct))
@@ -270,10 +311,15 @@ class Trainer:
             self.sft_steps = i + 1
             if (i + 1) % s.eval_every == 0 or i + 1 == s.max_steps:
                 accuracy = self.evaluate(params)
-                logging.warning("warm-up step %d: loss %.3f, held-out accuracy %.3f", i + 1,
-                                float(loss), accuracy)
-                self.sft_log.append({"sft_step": i + 1, "sft/loss": float(loss),
-                                     "sft/accuracy": accuracy})
+                logging.warning(
+                    "warm-up step %d: loss %.3f, held-out accuracy %.3f",
+                    i + 1,
+                    float(loss),
+                    accuracy,
+                )
+                self.sft_log.append(
+                    {"sft_step": i + 1, "sft/loss": float(loss), "sft/accuracy": accuracy}
+                )
                 if accuracy >= s.stop_at_accuracy:
                     break
         self.state = self._init_state(params)
@@ -286,7 +332,11 @@ class Trainer:
     def save(self) -> None:
         step = int(self.state.step)
         self.checkpointer.save(
-            step, state=self.state, rng=self.rng, queue=self.queue.state(), meta=self._meta(),
+            step,
+            state=self.state,
+            rng=self.rng,
+            queue=self.queue.state(),
+            meta=self._meta(),
             ref_params=self.ref_params,
         )
 
@@ -299,8 +349,9 @@ class Trainer:
         )
         self.state = restored["state"]
         self.rng = restored["rng"]
-        self.queue = rollout_lib.StaleQueue(self.cfg.rollout.max_head_offpolicyness,
-                                            restored["queue"])
+        self.queue = rollout_lib.StaleQueue(
+            self.cfg.rollout.max_head_offpolicyness, restored["queue"]
+        )
         self.data_position = restored["meta"]["data_position"]
         self.sft_steps = restored["meta"]["sft_steps"]
         self.ref_params = restored["ref_params"]
@@ -351,7 +402,9 @@ class Trainer:
         start = int(self.state.step)
         primary = jax.process_index() == 0
         writer = metrics_lib.MetricsWriter(
-            self.workdir, tensorboard=cfg.logging.tensorboard, is_primary=primary,
+            self.workdir,
+            tensorboard=cfg.logging.tensorboard,
+            is_primary=primary,
             wandb={"project": cfg.logging.wandb_project} if cfg.logging.wandb_project else None,
             resume_step=start if resumed else 0,
         )
@@ -368,14 +421,17 @@ class Trainer:
                 for i in range(cfg.rollout.max_head_offpolicyness):
                     rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
                     self.queue.push(self._rollout(rng, version=0))
-            end = cfg.total_steps if stop_after is None else min(cfg.total_steps,
-                                                                 start + stop_after)
+            end = (
+                cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
+            )
             for step in range(start, end):
                 # Step 0 evaluates the initial policy; later evaluations follow the update.
                 accuracy = self.evaluate() if step == 0 else None
                 record = self._one_step(step)
                 last = step + 1 == cfg.total_steps
-                if accuracy is None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                if accuracy is None and (
+                    last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+                ):
                     accuracy = self.evaluate()
                 if accuracy is not None:
                     record["eval/accuracy"] = accuracy
@@ -409,8 +465,9 @@ class Trainer:
         t2 = time.perf_counter()
         if metrics["train/nonfinite"]:
             skipped = int(self.state.nonfinite_steps)
-            logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
-                            step, skipped)
+            logging.warning(
+                "step %d: non-finite loss or gradients; update skipped (%d in a row)", step, skipped
+            )
             if skipped >= self.cfg.max_nonfinite_steps:
                 self.save()
                 raise NonFiniteError(

@@ -27,7 +27,11 @@ from m2po_jax.types import TrainBatch
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = model_lib.ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
     num_kv_heads=2,
 )
 MESHES = {
@@ -57,8 +61,11 @@ def synthetic_batch(rows=16, prompt=4, new=6, seed=0):
     behav = np.where(loss_mask, -rng.uniform(0.5, 4.0, tokens.shape), 0.0).astype(np.float32)
     rewards = rng.integers(0, 2, rows).astype(np.float32)
     return TrainBatch(
-        tokens_BxT=tokens, valid_BxT=valid & (loss_mask | (np.arange(prompt + new) < prompt)),
-        behav_logp_BxT=behav, loss_mask_BxT=loss_mask, rewards_B=rewards,
+        tokens_BxT=tokens,
+        valid_BxT=valid & (loss_mask | (np.arange(prompt + new) < prompt)),
+        behav_logp_BxT=behav,
+        loss_mask_BxT=loss_mask,
+        rewards_B=rewards,
         version_B=np.zeros(rows, np.int32),
     )
 
@@ -72,7 +79,10 @@ def two_steps(mesh_shape, actor):
     state = jax.jit(init_fn, out_shardings=state_sh)(params)
     batch = synthetic_batch()
     step = step_lib.make_train_step(
-        MODEL, actor, tx, schedule,
+        MODEL,
+        actor,
+        tx,
+        schedule,
         jit_kwargs=dict(
             in_shardings=(state_sh, placement.batch_shardings(batch), placement.replicated, None),
             out_shardings=(state_sh, placement.replicated),
@@ -94,13 +104,19 @@ def single_device_run():
 def test_sharded_train_step_equals_single_device(single_device_run, name):
     ref_params, ref_metrics = single_device_run
     params, metrics = two_steps(MESHES[name], actor_section())
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     for key in ("loss", "m2po/masked_fraction", "train/param_norm"):
         np.testing.assert_allclose(metrics[1][key], ref_metrics[1][key], rtol=1e-5, atol=1e-6)
     # The step is not a no-op, and M2PO masked something in this off-policy batch.
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(
-        jax.tree.leaves(params), jax.tree.leaves(model_lib.init_params(MODEL, jax.random.key(0)))))
+    moved = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(
+            jax.tree.leaves(params),
+            jax.tree.leaves(model_lib.init_params(MODEL, jax.random.key(0))),
+            strict=True,
+        )
+    )
     assert moved > 1e-4
     assert metrics[0]["m2po/masked_fraction"] > 0
 
@@ -117,10 +133,12 @@ def test_per_shard_mask_scope_differs_from_global_and_trains():
     mask, stats = placement.mask_fn("sort")(*args, jnp.float32(actor.m2_threshold))
     from m2po_jax import m2po_mask
 
-    per_block = np.concatenate([
-        np.asarray(m2po_mask(*(np.asarray(a)[i * 2:(i + 1) * 2] for a in args), 0.04))
-        for i in range(8)
-    ])
+    per_block = np.concatenate(
+        [
+            np.asarray(m2po_mask(*(np.asarray(a)[i * 2 : (i + 1) * 2] for a in args), 0.04))
+            for i in range(8)
+        ]
+    )
     np.testing.assert_array_equal(np.asarray(mask), per_block)
     assert 0 < float(stats["m2po/masked_fraction"]) < 1
 
@@ -158,18 +176,27 @@ def _free_port() -> int:
 
 def _train(workdir, steps, env_extra, n_procs):
     args = [
-        sys.executable, "-m", "m2po_jax.main", "--config=configs/arith.py:m2po,tiny",
-        f"--workdir={workdir}", f"--config.total_steps={steps}", "--config.rollout.batch_size=8",
-        "--config.task.format_reward=0.5", "--config.logging.tensorboard=False",
+        sys.executable,
+        "-m",
+        "m2po_jax.main",
+        "--config=configs/arith.py:m2po,tiny",
+        f"--workdir={workdir}",
+        f"--config.total_steps={steps}",
+        "--config.rollout.batch_size=8",
+        "--config.task.format_reward=0.5",
+        "--config.logging.tensorboard=False",
     ]
     port = _free_port()
     procs = []
     for pid in range(n_procs):
         env = dict(os.environ, JAX_PLATFORMS="cpu", **env_extra(pid, port))
-        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outputs):
+    for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
 
 
@@ -191,6 +218,6 @@ def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
     multi_records = metrics_lib.read_metrics(tmp_path / "multi" / "metrics.jsonl")
     single_records = metrics_lib.read_metrics(tmp_path / "single" / "metrics.jsonl")
     assert [r["step"] for r in multi_records] == list(range(5))
-    for a, b in zip(multi_records, single_records):
+    for a, b in zip(multi_records, single_records, strict=True):
         for key in ("train/param_norm", "loss", "reward/mean", "m2po/masked_fraction"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)

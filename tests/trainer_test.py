@@ -13,7 +13,11 @@ from m2po_jax import metrics as metrics_lib
 from m2po_jax import trainer as trainer_lib
 
 CONTRACT_KEYS = (
-    "step", "reward/mean", "m2po/masked_fraction", "m2po/m2_before", "m2po/m2_after",
+    "step",
+    "reward/mean",
+    "m2po/masked_fraction",
+    "m2po/m2_before",
+    "m2po/m2_after",
     "staleness/mean",
 )
 
@@ -86,7 +90,9 @@ def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_pa
     result = resumed.run()
     assert result.final_step == 4 and not result.interrupted
     assert strip_times(read(tmp_path)) == strip_times(read(straight_dir))
-    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    for a, b in zip(
+        jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -1,0 +1,459 @@
+"""Model benchmark: our Flax LM vs transformers' LlamaForCausalLM, side by side in one run.
+
+  python benchmarks/model_bench.py                      # small f32 config on the CPU
+  python benchmarks/model_bench.py --size large --dtype bfloat16   # on a GPU
+
+Measures (compile / warm-up excluded, best round of several, ours and torch interleaved
+so both see the same machine load):
+  (a) train step: forward + backward + AdamW on a token-level log-prob loss;
+  (b) sampling: prompts x new tokens at temperature 1 (ours: `sampling.generate`;
+      torch: `generate(do_sample=True)` with min_new_tokens = max_new_tokens);
+  (c) MFU against a matmul peak measured in the same run.
+
+FLOP model (PaLM appendix B): a train step costs 6 * N * tokens + 12 * L * H * D * T per
+token (attention scores and values over the full T x T matrix, as both implementations
+compute it), N = parameters that take part in matmuls (all but the input embedding, which
+is a gather, unless tied). A decoded token costs 2 * N + 4 * L * H * D * context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from m2po_jax import model as model_lib
+from m2po_jax import sampling
+
+SIZES = {
+    "small": dict(
+        model=dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=704,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+        ),
+        batch=16,
+        seq=128,
+    ),
+    "large": dict(
+        model=dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_layers=8,
+            num_heads=16,
+            num_kv_heads=4,
+        ),
+        batch=8,
+        seq=512,
+    ),
+}
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    seconds: float  # per step (train) or per generate call (sampling)
+    tokens: int  # tokens per step / generated tokens per call
+    flops: float  # per step / per call
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def matmul_flops_per_token(config: model_lib.ModelConfig) -> float:
+    """2 * N: parameters used in matmuls (the input embedding is a gather unless tied)."""
+    n = config.num_params()
+    if not config.tie_word_embeddings:
+        n -= config.vocab_size * config.hidden_size
+    return 2.0 * n
+
+
+def train_flops(config: model_lib.ModelConfig, batch: int, seq: int) -> float:
+    """6 N per token plus the full T x T attention (forward 4 L H D T, times 3 with backward)."""
+    attn = 12.0 * config.num_layers * config.num_heads * config.dim_per_head * seq
+    return batch * seq * (3 * matmul_flops_per_token(config) + attn)
+
+
+def sampling_flops(config: model_lib.ModelConfig, batch: int, prompt: int, new: int) -> float:
+    """Prefill forward plus one forward per generated token over its actual context."""
+    per_head = 4.0 * config.num_layers * config.num_heads * config.dim_per_head
+    prefill = batch * prompt * (matmul_flops_per_token(config) + per_head * prompt)
+    mean_context = prompt + (new - 1) / 2
+    decode = batch * (new - 1) * (matmul_flops_per_token(config) + per_head * mean_context)
+    return prefill + decode
+
+
+def best_of(rounds: list[float]) -> float:
+    return min(rounds)
+
+
+# ----------------------------------------------------------------------------- peak
+
+
+def jax_matmul_peak(dtype, n: int, repeats: int) -> float:
+    """FLOP/s of a jitted n^3 matmul (best of `repeats`)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    matmul = jax.jit(lambda a, b: a @ b)
+    matmul(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2.0 * n**3 / min(times)
+
+
+def torch_matmul_peak(torch, device, dtype, n: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        _sync(torch, device)
+        start = time.perf_counter()
+        a @ b
+        _sync(torch, device)
+        times.append(time.perf_counter() - start)
+    return 2.0 * n**3 / min(times)
+
+
+def _sync(torch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def make_jax_train_step(config: model_lib.ModelConfig, optimizer):
+    def loss_fn(params, tokens_BxT, mask_BxT):
+        logits_BxTxV = model_lib.apply(params, config, tokens_BxT)
+        logp_BxT = model_lib.token_logp(logits_BxTxV, tokens_BxT)
+        return -jnp.sum(logp_BxT * mask_BxT) / jnp.sum(mask_BxT)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, tokens_BxT, mask_BxT):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, mask_BxT)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+class JaxTrain:
+    def __init__(self, config, tokens_BxT):
+        self.config = config
+        self.optimizer = optax.adamw(1e-4, weight_decay=0.01)
+        self.params = jax.jit(model_lib.init_params, static_argnums=0)(config, jax.random.key(0))
+        self.opt_state = self.optimizer.init(self.params)
+        self.step = make_jax_train_step(config, self.optimizer)
+        self.tokens = jnp.asarray(tokens_BxT)
+        # Column 0 has no prediction; every other token counts.
+        self.mask = jnp.ones(tokens_BxT.shape, jnp.float32).at[:, 0].set(0.0)
+
+    def run(self, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.params, self.opt_state, loss = self.step(
+                self.params, self.opt_state, self.tokens, self.mask
+            )
+        loss.block_until_ready()
+        return (time.perf_counter() - start) / steps
+
+
+class JaxSample:
+    def __init__(self, config, params, prompts_BxP, new_tokens):
+        self.config, self.params = config, params
+        self.tokens, self.valid = sampling.pad_prompts(prompts_BxP.tolist(), 0)
+        self.sampling = sampling.SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+        self.calls = 0
+
+    def run(self) -> float:
+        self.calls += 1
+        start = time.perf_counter()
+        out = sampling.generate(
+            self.params,
+            self.config,
+            self.tokens,
+            self.valid,
+            jax.random.key(self.calls),
+            self.sampling,
+        )
+        out.tokens_BxT.block_until_ready()
+        elapsed = time.perf_counter() - start
+        assert int(out.completion_len_B.sum()) == out.completion_len_B.size * (
+            self.sampling.max_new_tokens
+        )
+        return elapsed
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def hf_model(torch, transformers, config: model_lib.ModelConfig, device, seed=0):
+    torch.manual_seed(seed)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.float32)
+    return model
+
+
+class TorchTrain:
+    def __init__(self, torch, transformers, config, tokens_BxT, device, autocast_dtype):
+        self.torch, self.device = torch, device
+        self.model = hf_model(torch, transformers, config, device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
+        self.tokens = torch.from_numpy(np.asarray(tokens_BxT, np.int64)).to(device)
+        self.autocast_dtype = autocast_dtype
+
+    def step(self):
+        torch = self.torch
+        with torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        ):
+            # HF's loss: shifted token-level cross-entropy, mean over tokens.
+            loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def run(self, steps: int) -> float:
+        _sync(self.torch, self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step()
+        loss.item()
+        _sync(self.torch, self.device)
+        return (time.perf_counter() - start) / steps
+
+
+class TorchSample:
+    def __init__(self, torch, transformers, config, prompts_BxP, new_tokens, device, dtype):
+        self.torch, self.device = torch, device
+        self.model = hf_model(torch, transformers, config, device).to(dtype).eval()
+        tokens, valid = sampling.pad_prompts(prompts_BxP.tolist(), 0)
+        self.tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
+        self.valid = torch.from_numpy(valid.astype(np.int64)).to(device)
+        self.new_tokens = new_tokens
+
+    def run(self) -> float:
+        torch = self.torch
+        _sync(torch, self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=self.tokens,
+                attention_mask=self.valid,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=self.new_tokens,
+                min_new_tokens=self.new_tokens,
+                pad_token_id=0,
+            )
+        _sync(torch, self.device)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == self.tokens.shape[1] + self.new_tokens
+        return elapsed
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch", type=int, default=None, help="override the size's batch")
+    parser.add_argument("--seq", type=int, default=None, help="override the size's length")
+    parser.add_argument("--train-steps", type=int, default=5, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (best is kept)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--matmul", type=int, default=None, help="n of the n^3 peak matmul (2048 CPU, 8192 GPU)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch intra-op threads (XLA:CPU uses one per core)",
+    )
+    parser.add_argument("--skip-torch", action="store_true")
+    return parser.parse_args(argv)
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    size = SIZES[args.size]
+    # bfloat16: bf16 compute on float32 params (mixed precision), as torch autocast does.
+    config = model_lib.ModelConfig(**size["model"], dtype=args.dtype, param_dtype="float32")
+    batch, seq = args.batch or size["batch"], args.seq or size["seq"]
+    rng = np.random.default_rng(0)
+    tokens_BxT = rng.integers(0, config.vocab_size, (batch, seq), np.int32)
+    prompts_BxP = rng.integers(1, config.vocab_size, (args.prompts, args.prompt_len), np.int32)
+    jax_dtype = model_lib.as_dtype(args.dtype)
+    if args.matmul is None:
+        args.matmul = 2048 if jax.default_backend() == "cpu" else 8192
+
+    torch = transformers = device = None
+    if not args.skip_torch:
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.threads)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        transformers.logging.set_verbosity_error()
+
+    print(
+        f"# model_bench: size={args.size} dtype={args.dtype} params={config.num_params():,} "
+        f"jax={jax.__version__} backend={jax.default_backend()} devices={jax.devices()} "
+        f"torch={'-' if torch is None else torch.__version__} "
+        f"torch_device={device} torch_threads={None if torch is None else torch.get_num_threads()} "
+        f"cpus={len(os.sched_getaffinity(0))}",
+        flush=True,
+    )
+
+    # (a) train step
+    ours_train = JaxTrain(config, tokens_BxT)
+    ours_train.run(2)  # compile + warm-up
+    torch_train = None
+    if torch is not None:
+        autocast = torch.bfloat16 if args.dtype == "bfloat16" else None
+        torch_train = TorchTrain(torch, transformers, config, tokens_BxT, device, autocast)
+        torch_train.run(2)
+    train_times = {"ours": [], "torch": []}
+    for _ in range(args.rounds):
+        train_times["ours"].append(ours_train.run(args.train_steps))
+        if torch_train is not None:
+            train_times["torch"].append(torch_train.run(args.train_steps))
+    step_flops = train_flops(config, batch, seq)
+
+    # (b) sampling
+    ours_sample = JaxSample(config, ours_train.params, prompts_BxP, args.new_tokens)
+    ours_sample.run()  # compile + warm-up
+    torch_sample = None
+    if torch is not None:
+        torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        torch_sample = TorchSample(
+            torch, transformers, config, prompts_BxP, args.new_tokens, device, torch_dtype
+        )
+        torch_sample.run()
+    sample_times = {"ours": [], "torch": []}
+    for _ in range(args.rounds):
+        sample_times["ours"].append(ours_sample.run())
+        if torch_sample is not None:
+            sample_times["torch"].append(torch_sample.run())
+    generated = args.prompts * args.new_tokens
+    call_flops = sampling_flops(config, args.prompts, args.prompt_len, args.new_tokens)
+
+    # (c) peak
+    peak = jax_matmul_peak(jax_dtype, args.matmul, repeats=5)
+    torch_peak = None
+    if torch is not None:
+        torch_peak = torch_matmul_peak(
+            torch, device, getattr(torch, args.dtype), args.matmul, repeats=5
+        )
+
+    results = {
+        "train": {
+            who: Result(who, best_of(ts), batch * seq, step_flops)
+            for who, ts in train_times.items()
+            if ts
+        },
+        "sample": {
+            who: Result(who, best_of(ts), generated, call_flops)
+            for who, ts in sample_times.items()
+            if ts
+        },
+    }
+    rows = []
+    for kind, by_who in results.items():
+        for who, r in by_who.items():
+            ratio = "-"
+            if "torch" in by_who and who == "ours":
+                ratio = f"{by_who['torch'].seconds / r.seconds:.2f}x"
+            unit = "ms/step" if kind == "train" else "ms/call"
+            rows.append(
+                (
+                    kind,
+                    who,
+                    f"{r.seconds * 1e3:.1f} {unit}",
+                    f"{r.tokens_per_s:,.0f}",
+                    ratio,
+                    f"{r.flops / r.seconds / 1e9:.1f}",
+                    f"{100 * r.flops / r.seconds / peak:.1f}%",
+                )
+            )
+    header = (
+        "bench",
+        "impl",
+        "time (best round)",
+        "tokens/s",
+        "speed-up vs torch",
+        "GFLOP/s",
+        "MFU",
+    )
+    print()
+    print(table(rows, header))
+    print()
+    print(
+        f"train: batch {batch} x {seq}, {step_flops / 1e9:.2f} GFLOP/step; "
+        f"sample: {args.prompts} prompts x {args.prompt_len} + {args.new_tokens} new tokens, "
+        f"{call_flops / 1e9:.2f} GFLOP/call, tokens/s counts generated tokens only."
+    )
+    print(
+        f"peak: jitted {args.matmul}^3 {args.dtype} matmul {peak / 1e9:.1f} GFLOP/s (JAX)"
+        + ("" if torch_peak is None else f", {torch_peak / 1e9:.1f} GFLOP/s (torch)")
+        + "; MFU is against the JAX peak for both."
+    )
+    for kind, times in (("train", train_times), ("sample", sample_times)):
+        for who, ts in times.items():
+            if ts:
+                print(
+                    f"{kind} {who} rounds (s): "
+                    + ", ".join(f"{t:.4f}" for t in ts)
+                    + f" (median {statistics.median(ts):.4f})"
+                )
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
