@@ -18,7 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg  # presets live in configs/arith.py
     c = ml_collections.ConfigDict()
     c.seed = 0  # base PRNG seed; every step derives its keys with fold_in(seed, step)
-    c.total_steps = 60  # RL updates (policy versions) to run
+    c.total_steps = 200  # RL updates (policy versions) to run
     c.max_nonfinite_steps = 3  # stop after this many consecutive non-finite steps
 
     c.model = ml_collections.ConfigDict()
@@ -53,8 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sft = ml_collections.ConfigDict()
     c.sft.max_steps = 400  # supervised warm-up steps before RL (0 = none)
     c.sft.batch_size = 64  # warm-up sequences per step
-    c.sft.lr = 3e-3  # warm-up learning rate (AdamW, constant)
-    c.sft.stop_at_accuracy = 0.15  # end the warm-up once held-out greedy accuracy reaches this
+    c.sft.lr = 1e-3  # warm-up learning rate (AdamW, constant)
+    c.sft.stop_at_accuracy = 0.3  # end the warm-up once held-out greedy accuracy reaches this
     c.sft.eval_every = 25  # warm-up steps between accuracy checks
 
     c.gconfig = ml_collections.ConfigDict()
@@ -66,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.gconfig.top_k = 0  # top-k sampling (0 = off)
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.batch_size = 32  # prompts per step (rows = batch_size * n_samples)
+    c.rollout.batch_size = 64  # prompts per step (rows = batch_size * n_samples)
     c.rollout.max_head_offpolicyness = 4  # staleness k: train on the batch made k updates ago
 
     c.actor = ml_collections.ConfigDict()
@@ -101,7 +101,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.use_sapo_loss = False  # SAPO soft gate (needs use_decoupled_loss=False)
     c.actor.sapo_tau_pos = 1.0  # SAPO temperature for positive advantages
     c.actor.sapo_tau_neg = 1.05  # SAPO temperature for negative advantages
-    c.actor.ppo_n_minibatches = 4  # optimizer updates per step (lax.scan over minibatches)
+    c.actor.ppo_n_minibatches = 1  # optimizer updates per step (lax.scan over minibatches)
     c.actor.reward_scaling = 1.0  # R' = clip((R + reward_bias) * reward_scaling, +-reward_clip)
     c.actor.reward_bias = 0.0  # added to the raw reward before scaling
     c.actor.reward_clip = 20.0  # absolute bound on the transformed reward
@@ -117,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.kl_estimator = "k1"  # k1 | k2 | k3
     c.actor.temperature = 1.0  # logits / temperature when recomputing log-probs (= gconfig)
     c.actor.optimizer = ml_collections.ConfigDict()
-    c.actor.optimizer.lr = 1e-3  # peak learning rate (AdamW)
+    c.actor.optimizer.lr = 1e-4  # peak learning rate (AdamW)
     c.actor.optimizer.weight_decay = 0.0  # decoupled weight decay
     c.actor.optimizer.beta1 = 0.9  # Adam beta1
     c.actor.optimizer.beta2 = 0.999  # Adam beta2
@@ -128,12 +128,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.optimizer.min_lr_ratio = 0.0  # final lr / peak lr for linear and cosine decay
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.every = 10  # RL steps between held-out greedy evaluations (0 = only first/last)
+    c.eval.every = 25  # RL steps between held-out greedy evaluations (0 = only first/last)
     c.eval.num_examples = 256  # held-out problems per evaluation
     c.eval.batch_size = 256  # prompts per greedy decoding call
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 20  # steps between orbax checkpoints (0 = only at the end)
+    c.checkpoint.every = 50  # steps between orbax checkpoints (0 = only at the end)
     c.checkpoint.keep = 2  # checkpoints kept
 
     c.logging = ml_collections.ConfigDict()

@@ -391,6 +391,10 @@ def m2po_mask_with_stats(
       logp: current log-probs (gradient is stopped), for the variants that need them.
       advantages: per-token advantages shaped like ``loss_mask``, for "harmful".
 
+    Sharded inputs give the same mask as unsharded ones. Under Explicit mesh axes the
+    inputs are gathered for the global ordering and the mask comes back sharded like
+    ``loss_mask``.
+
     Returns:
       ``(mask, stats)``: mask is bool shaped like ``loss_mask``, carrying no gradient.
       stats (scalars): "m2po/masked_tokens" (int32: valid tokens turned off),

@@ -1,0 +1,126 @@
+"""Config: typed sections, clear errors naming the field, overrides, the CLI's messages."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import arith, default, gsm8k
+from m2po_jax import config as config_lib
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(**changes):
+    c = default.get_config().to_dict()  # a plain dict: any value type can be tried
+    for dotted, value in changes.items():
+        node = c
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config_lib.from_configdict(c)
+
+
+def test_default_and_presets_build():
+    cfg = build()
+    assert cfg.actor.m2_threshold == 0.04
+    assert cfg.rollout.max_head_offpolicyness == 4
+    assert cfg.actor.rejection_sampling.upper == 5.0
+    for preset in ("m2po", "grpo", "stale_grpo", "paper", "authors", "tiny", "stale_grpo,tiny"):
+        config_lib.from_configdict(arith.get_config(preset))
+    grpo = config_lib.from_configdict(arith.get_config("grpo"))
+    assert grpo.actor.m2_threshold is None and grpo.rollout.max_head_offpolicyness == 0
+    g = config_lib.from_configdict(gsm8k.get_config())
+    assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown preset 'tny'.*'tiny'"):
+        arith.get_config("tny")
+
+
+def test_unknown_key_names_itself_and_the_closest_valid_key():
+    c = default.get_config()
+    with c.actor.unlocked():
+        c.actor.m2_threshlod = 0.1
+    with pytest.raises(config_lib.ConfigError, match="'actor.m2_threshlod'.*'actor.m2_threshold'"):
+        config_lib.from_configdict(c)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("actor.m2_threshold", -0.01, r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\]"),
+        ("actor.eps_clip", 1.0, r"actor.eps_clip=1.0 is out of range; allowed \[0.0, 1.0\)"),
+        ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\]"),
+        ("actor.optimizer.lr", 0.0, r"actor.optimizer.lr=0.0 is out of range"),
+        ("gconfig.top_p", 1.5, r"gconfig.top_p=1.5 is out of range"),
+        ("actor.m2po_method", "scan", r"actor.m2po_method='scan' is not one of \['sort', 'bisect'\]"),
+        ("actor.kl_estimator", "k4", r"actor.kl_estimator='k4' is not one of"),
+        ("actor.ppo_n_minibatches", 3, r"ppo_n_minibatches=3 must divide the rows per step"),
+        ("actor.reward_norm.group_size", 4, r"group_size=4 must equal gconfig.n_samples=8"),
+        ("actor.temperature", 0.7, r"must equal gconfig.temperature"),
+        ("total_steps", 2.5, r"total_steps: expected an integer, got 2.5"),
+        ("mesh.fsdp", 0, r"mesh.fsdp=0 must be a positive size or -1"),
+    ],
+)
+def test_out_of_range_values_name_field_value_and_range(field, value, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**{field: value})
+
+
+def test_sapo_with_decoupled_loss_is_refused():
+    with pytest.raises(config_lib.ConfigError, match="use_sapo_loss=True cannot be combined"):
+        build(**{"actor.use_sapo_loss": True})
+    cfg = build(**{"actor.use_sapo_loss": True, "actor.use_decoupled_loss": False})
+    assert cfg.actor.use_sapo_loss
+
+
+def test_yaml_and_json_overrides(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("actor:\n  m2_threshold: 0.08\n  optimizer:\n    lr: 1.0e-5\n")
+    c = default.get_config()
+    config_lib.apply_overrides(c, config_lib.load_overrides(str(yaml_file)))
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.m2_threshold == 0.08 and cfg.actor.optimizer.lr == 1e-5
+
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"actor": {"m2_threshold": None}}))
+    config_lib.apply_overrides(c, config_lib.load_overrides(str(json_file)))
+    assert config_lib.from_configdict(c).actor.m2_threshold is None
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  eps_clp: 0.1\n")
+    with pytest.raises(config_lib.ConfigError, match="'actor.eps_clp'.*'actor.eps_clip'"):
+        config_lib.apply_overrides(c, config_lib.load_overrides(str(bad)))
+    with pytest.raises(config_lib.ConfigError, match="does not exist"):
+        config_lib.load_overrides(str(tmp_path / "missing.yaml"))
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_jax.main", *args], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+    )
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    typo = _cli("--config.actor.m2_threshlod=0.1", f"--workdir={tmp_path}")
+    assert typo.returncode == 2
+    assert "config error" in typo.stderr and "m2_threshold" in typo.stderr
+    assert "Traceback" not in typo.stderr
+
+    negative = _cli("--config.actor.m2_threshold=-1", f"--workdir={tmp_path}")
+    assert negative.returncode == 2
+    assert "actor.m2_threshold=-1.0 is out of range" in negative.stderr
+
+    sapo = _cli("--config.actor.use_sapo_loss=True", f"--workdir={tmp_path}")
+    assert sapo.returncode == 2 and "use_sapo_loss" in sapo.stderr
+
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("rollout:\n  max_head_offpolicynes: 2\n")
+    bad = _cli(f"--overrides={overrides}", f"--workdir={tmp_path}")
+    assert bad.returncode == 2 and "max_head_offpolicyness" in bad.stderr
