@@ -11,6 +11,7 @@ code: harmful tokens, capped-mean clip range), tiny (a seconds-long smoke run fo
 """
 
 import ml_collections
+
 from m2po_jax.configs import default
 
 

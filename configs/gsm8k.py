@@ -14,6 +14,7 @@ scale one accelerator host handles; raise rollout.batch_size and use a mesh for 
 """
 
 import ml_collections
+
 from m2po_jax.configs import default
 
 

@@ -165,7 +165,7 @@ class Trainer:
         else:
             params = self.placement.init_params(jax.random.fold_in(self.rng, _INIT))
         g = cfg.gconfig
-        stop_ids = (self.tokenizer.eos_id,)
+        stop_ids = tuple(getattr(self.tokenizer, "eos_ids", None) or (self.tokenizer.eos_id,))
         self.sampling_config = sampling.SamplingConfig(
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from configs import arith, default, gsm8k
 from m2po_jax import config as config_lib
+from m2po_jax.configs import arith, default, gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,12 +53,20 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("actor.m2_threshold", -0.01, r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\]"),
+        (
+            "actor.m2_threshold",
+            -0.01,
+            r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\]",
+        ),
         ("actor.eps_clip", 1.0, r"actor.eps_clip=1.0 is out of range; allowed \[0.0, 1.0\)"),
         ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\]"),
         ("actor.optimizer.lr", 0.0, r"actor.optimizer.lr=0.0 is out of range"),
         ("gconfig.top_p", 1.5, r"gconfig.top_p=1.5 is out of range"),
-        ("actor.m2po_method", "scan", r"actor.m2po_method='scan' is not one of \['sort', 'bisect'\]"),
+        (
+            "actor.m2po_method",
+            "scan",
+            r"actor.m2po_method='scan' is not one of \['sort', 'bisect'\]",
+        ),
         ("actor.kl_estimator", "k4", r"actor.kl_estimator='k4' is not one of"),
         ("actor.ppo_n_minibatches", 3, r"ppo_n_minibatches=3 must divide the rows per step"),
         ("actor.reward_norm.group_size", 4, r"group_size=4 must equal gconfig.n_samples=8"),
@@ -102,8 +110,11 @@ def test_yaml_and_json_overrides(tmp_path):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "m2po_jax.main", *args], cwd=REPO, capture_output=True,
-        text=True, timeout=120,
+        [sys.executable, "-m", "m2po_jax.main", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

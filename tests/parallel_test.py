@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import arith
 from m2po_jax import config as config_lib
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
@@ -23,6 +22,7 @@ from m2po_jax import placement as placement_lib
 from m2po_jax import sampling
 from m2po_jax import train_step as step_lib
 from m2po_jax import trainer as trainer_lib
+from m2po_jax.configs import arith
 from m2po_jax.types import TrainBatch
 
 REPO = Path(__file__).resolve().parents[1]

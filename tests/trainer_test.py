@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from configs import arith
 from m2po_jax import config as config_lib
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import trainer as trainer_lib
+from m2po_jax.configs import arith
 
 CONTRACT_KEYS = (
     "step",
