@@ -4,7 +4,8 @@
   python benchmarks/model_bench.py --size large --dtype bfloat16   # on a GPU
 
 Measures (compile / warm-up excluded, best round of several, ours and torch interleaved
-so both see the same machine load):
+so both see the same machine load; torch gets `--threads` intra-op threads, default one per
+core like XLA:CPU, and OMP_WAIT_POLICY=PASSIVE unless set, see `--torch-omp-wait-policy`):
   (a) train step: forward + backward + AdamW on a token-level log-prob loss;
   (b) sampling: prompts x new tokens at temperature 1 (ours: `sampling.generate`;
       torch: `generate(do_sample=True)` with min_new_tokens = max_new_tokens);
@@ -310,6 +311,11 @@ def parse_args(argv):
         default=len(os.sched_getaffinity(0)),
         help="torch intra-op threads (XLA:CPU uses one per core)",
     )
+    parser.add_argument(
+        "--torch-omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY for torch's OpenMP threads unless already set (ACTIVE = spin)",
+    )
     parser.add_argument("--skip-torch", action="store_true")
     return parser.parse_args(argv)
 
@@ -335,6 +341,10 @@ def main(argv=None):
 
     torch = transformers = device = None
     if not args.skip_torch:
+        # libgomp reads this when torch loads. Its default (spin-waiting) makes torch 10-50x
+        # slower when other processes share the cores, which would flatter us; passive waiting
+        # costs torch little on an idle machine.
+        os.environ.setdefault("OMP_WAIT_POLICY", args.torch_omp_wait_policy)
         import torch
         import transformers
 
@@ -347,7 +357,8 @@ def main(argv=None):
         f"jax={jax.__version__} backend={jax.default_backend()} devices={jax.devices()} "
         f"torch={'-' if torch is None else torch.__version__} "
         f"torch_device={device} torch_threads={None if torch is None else torch.get_num_threads()} "
-        f"cpus={len(os.sched_getaffinity(0))}",
+        f"omp_wait_policy={os.environ.get('OMP_WAIT_POLICY')} "
+        f"cpus={len(os.sched_getaffinity(0))} load={os.getloadavg()[0]:.1f}",
         flush=True,
     )
 

@@ -22,7 +22,6 @@ CONFIG = model_lib.ModelConfig(
 PROMPTS = [[5, 17, 3, 44, 9], [8, 2], [61, 30, 12], [7]]
 # Jitted once here: op-by-op Flax forwards are slow on a shared CPU.
 _apply = jax.jit(model_lib.apply, static_argnums=1)
-_init_params = jax.jit(model_lib.init_params, static_argnums=0)
 
 
 def _random_params(config, seed, std):

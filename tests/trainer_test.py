@@ -98,7 +98,8 @@ def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_pa
 
 def test_m2po_masks_stale_rollouts_and_is_a_no_op_on_policy(tmp_path):
     stale = trainer_lib.Trainer(
-        tiny_config("m2po,tiny", **{"actor.m2_threshold": 1e-4}), tmp_path / "stale"
+        tiny_config("m2po,tiny", **{"actor.m2_threshold": 1e-4, "actor.optimizer.lr": 1e-3}),
+        tmp_path / "stale",
     )
     stale.run()
     records = read(tmp_path / "stale")
