@@ -83,8 +83,8 @@ def sequence_logp(params, model_config, tokens_BxT, valid_BxT, temperature):
 def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None):
     """M2PO mask and stats for one scope, or the mask unchanged when M2PO is off."""
     if actor.m2_threshold is None or actor.m2po_stop_rule == "capped_clip":
-        zero = jnp.zeros((), jnp.float32)
-        return loss_mask, {"m2po/masked_tokens": zero, "m2po/masked_fraction": zero}
+        # No mask, but the second moment is still reported: it is what staleness does.
+        return loss_mask, _unmasked_stats(behav, prox, loss_mask)
     return masking.m2po_mask_with_stats(
         behav,
         prox,
@@ -98,6 +98,19 @@ def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold
         logp=logp,
         advantages=adv,
     )
+
+
+def _unmasked_stats(behav, prox, loss_mask) -> dict:
+    m2 = masking.m2po_second_moment(behav, prox)
+    finite = jnp.isfinite(m2) & loss_mask
+    mean_m2 = jnp.sum(jnp.where(finite, m2, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
+    zero = jnp.zeros((), jnp.float32)
+    return {
+        "m2po/masked_tokens": zero,
+        "m2po/masked_fraction": zero,
+        "m2po/m2_before": mean_m2,
+        "m2po/m2_after": mean_m2,
+    }
 
 
 def _needs_minibatch_mask(actor: ActorSection) -> bool:

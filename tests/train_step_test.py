@@ -1,0 +1,133 @@
+"""The pure train step: non-finite guard, M2PO statistics, variants, no recompiles."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax import model as model_lib
+from m2po_jax import train_step as step_lib
+from m2po_jax.configs import arith
+from m2po_jax.types import TrainBatch
+
+MODEL = model_lib.ModelConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+)
+
+
+def actor(preset="m2po", **changes):
+    c = arith.get_config(preset).to_dict()
+    c["actor"].update(ppo_n_minibatches=2, **changes)
+    c["actor"]["optimizer"]["lr"] = 1e-3
+    return config_lib.from_configdict(c).actor
+
+
+def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
+    valid = np.ones_like(tokens, bool)
+    loss_mask = np.zeros_like(valid)
+    loss_mask[:, prompt:] = True
+    prox, _ = step_lib.sequence_logp(params, MODEL, tokens, valid, 1.0)
+    behav = np.asarray(prox) * loss_mask
+    if off_policy:
+        behav = behav + rng.normal(0, 0.5, behav.shape).astype(np.float32) * loss_mask
+    return TrainBatch(
+        tokens_BxT=jnp.asarray(tokens),
+        valid_BxT=jnp.asarray(valid),
+        behav_logp_BxT=jnp.asarray(behav, jnp.float32),
+        loss_mask_BxT=jnp.asarray(loss_mask),
+        rewards_B=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
+        version_B=jnp.zeros(rows, jnp.int32),
+    )
+
+
+def setup(a):
+    tx, schedule = step_lib.make_optimizer(a.optimizer, 10)
+    params = model_lib.init_params(MODEL, jax.random.key(0))
+    # The step donates its state: keep `params` alive for building batches.
+    state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), tx)
+    step = step_lib.make_train_step(MODEL, a, tx, schedule)
+    return params, state, step
+
+
+def test_non_finite_step_leaves_params_unchanged_and_is_counted():
+    params, state, step = setup(actor())
+    b = batch(params)
+    before = jax.tree.map(np.asarray, state.params)
+    bad = b.replace(rewards_B=b.rewards_B.at[0].set(jnp.nan))
+    state, metrics = step(state, bad, jax.random.key(0), None)
+    assert int(metrics["train/nonfinite"]) == 1
+    assert int(state.nonfinite_steps) == 1 and int(state.step) == 1
+    for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(x, y)
+    state, metrics = step(state, b, jax.random.key(1), None)
+    assert int(metrics["train/nonfinite"]) == 0 and int(state.nonfinite_steps) == 0
+    moved = [
+        np.abs(np.asarray(x) - y).max()
+        for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True)
+    ]
+    assert max(moved) > 1e-4
+
+
+def test_m2po_masks_off_policy_tokens_and_reports_the_second_moment():
+    params, state, step = setup(actor())
+    b = batch(params)
+    _, metrics = step(state, b, jax.random.key(0), None)
+    prox, _ = step_lib.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    mask = np.asarray(b.loss_mask_BxT)
+    m2 = (np.asarray(b.behav_logp_BxT) - np.asarray(prox)) ** 2
+    np.testing.assert_allclose(metrics["m2po/m2_before"], m2[mask].mean(), rtol=1e-4)
+    assert float(metrics["m2po/masked_fraction"]) > 0
+    assert float(metrics["m2po/m2_after"]) < 0.04
+
+
+def test_on_policy_batch_masks_nothing():
+    params, state, step = setup(actor())
+    _, metrics = step(state, batch(params, off_policy=False), jax.random.key(0), None)
+    assert float(metrics["m2po/masked_fraction"]) == 0
+    assert float(metrics["m2po/m2_before"]) < 1e-10
+
+
+def test_m2po_off_still_reports_the_second_moment():
+    params, state, step = setup(actor("stale_grpo"))
+    _, metrics = step(state, batch(params), jax.random.key(0), None)
+    assert float(metrics["m2po/masked_fraction"]) == 0
+    assert float(metrics["m2po/m2_before"]) == pytest.approx(float(metrics["m2po/m2_after"]))
+    assert float(metrics["m2po/m2_before"]) > 0.1
+
+
+@pytest.mark.parametrize("preset", ["paper", "authors"])
+def test_published_variants_train(preset):
+    params, state, step = setup(actor(preset))
+    state, metrics = step(state, batch(params), jax.random.key(0), None)
+    assert int(metrics["train/nonfinite"]) == 0
+    if preset == "authors":
+        low, high = float(metrics["m2po/clip_bound_low"]), float(metrics["m2po/clip_bound_high"])
+        assert 0 < low < 1 < high
+        np.testing.assert_allclose(low * high, 1.0, rtol=1e-5)  # [e^-t, e^t]
+    else:
+        assert float(metrics["m2po/masked_fraction"]) > 0
+
+
+def test_same_shapes_do_not_recompile():
+    a = actor()
+    tx, schedule = step_lib.make_optimizer(a.optimizer, 10)
+    params = model_lib.init_params(MODEL, jax.random.key(0))
+    traced = chex.assert_max_traces(n=1)(
+        lambda state, b, rng: step_lib.train_step(
+            state, b, rng, None, model_config=MODEL, actor=a, tx=tx, schedule=schedule
+        )
+    )
+    step = jax.jit(traced)
+    batches = [batch(params, seed=seed) for seed in range(3)]
+    state = step_lib.init_train_state(params, tx)
+    for seed, b in enumerate(batches):
+        state, _ = step(state, b, jax.random.key(seed))
