@@ -10,6 +10,8 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
 - With a `KVCache`, the T new tokens are written at columns
   `cache_index .. cache_index + T - 1` of the cache; a query at column c attends to
   cache columns <= c that hold real tokens.
+- The cache stores keys and values as [B, K, S, D] (kv heads before columns): attention
+  reads it in that layout, so a decode step never transposes the whole cache.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer key/value buffers [B, S, K, D] and which of the S columns hold real tokens."""
+    """Per-layer key/value buffers [B, K, S, D] and which of the S columns hold real tokens."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -138,7 +140,7 @@ class KVCache:
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache of `max_len` columns."""
     dtype = as_dtype(config.dtype if dtype is None else dtype)
-    shape = (batch, max_len, config.num_kv_heads, config.dim_per_head)
+    shape = (batch, config.num_kv_heads, max_len, config.dim_per_head)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
 
@@ -171,14 +173,64 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding in the half-split layout used by Hugging Face."""
+def rope_cos_sin(
+    positions_BxT: jax.Array, inv_freq: jax.Array, dtype: Any = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, 1, D] of the rotary angles, half-split like Hugging Face."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :].astype(x_BxTxHxD.dtype)
-    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :].astype(x_BxTxHxD.dtype)
+    angles = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rotate(x_BxTxHxD: jax.Array, cos_BxTx1xD: jax.Array, sin_BxTx1xD: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x_BxTxHxD, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxTxHxD * cos + rotated * sin
+    return x_BxTxHxD * cos_BxTx1xD + rotated * sin_BxTx1xD
+
+
+def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split layout used by Hugging Face."""
+    cos, sin = rope_cos_sin(positions_BxT, inv_freq, x_BxTxHxD.dtype)
+    return _rotate(x_BxTxHxD, cos, sin)
+
+
+# Added to the scores of masked keys. Finite, so a query with no real key (a padding
+# query) gets a uniform softmax instead of NaN, like jax.nn.dot_product_attention.
+_MASKED = -1e30
+
+
+def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:
+    """Additive float32 bias [B, 1, 1, T, S]: 0 where attending is allowed, -1e30 elsewhere."""
+    return jnp.where(mask_BxTxS, 0.0, _MASKED).astype(jnp.float32)[:, None, None]
+
+
+def grouped_attention(
+    q_BxTxHxD: jax.Array, k_BxKxSxD: jax.Array, v_BxKxSxD: jax.Array, bias_Bx1x1xTxS: jax.Array
+) -> jax.Array:
+    """softmax(q k^T / sqrt(D) + bias) v with H = K * G query heads sharing K kv heads.
+
+    Query head h uses kv head h // G (the Hugging Face GQA grouping). Scores and softmax
+    run in float32 unless the inputs are narrower, softmax always in float32.
+
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    b, t, h, d = q_BxTxHxD.shape
+    k, s = k_BxKxSxD.shape[1], k_BxKxSxD.shape[2]
+    g = h // k
+    # Queries as [B, K, G*T, D]: both products are then plain batched matmuls over (B, K)
+    # on the cache layout, with no transpose of keys or values.
+    q_BxKxGTxD = (
+        (q_BxTxHxD * jnp.asarray(d**-0.5, q_BxTxHxD.dtype))
+        .reshape(b, t, k, g, d)
+        .transpose(0, 2, 3, 1, 4)
+        .reshape(b, k, g * t, d)
+    )
+    scores = jnp.einsum("bkqd,bksd->bkqs", q_BxKxGTxD, k_BxKxSxD).reshape(b, k, g, t, s)
+    probs = jax.nn.softmax(scores.astype(jnp.float32) + bias_Bx1x1xTxS, axis=-1)
+    probs_BxKxGTxS = probs.astype(v_BxKxSxD.dtype).reshape(b, k, g * t, s)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs_BxKxGTxS, v_BxKxSxD).reshape(b, k, g, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def _param(module: nn.Module, name: str, shape, axes, init, dtype):
@@ -205,7 +257,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS, cache_kv, cache_index):
+    def __call__(self, x_BxTxE, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.dim_per_head
@@ -229,22 +281,21 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="k_norm")(key)
-        inv_freq = rope_inv_freq(c)
-        q = apply_rope(q, positions_BxT, inv_freq)
-        key = apply_rope(key, positions_BxT, inv_freq)
+        q = _rotate(q, *cos_sin)
+        # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
+        key = _rotate(key, *cos_sin).transpose(0, 2, 1, 3)
+        value = value.transpose(0, 2, 1, 3)
         new_kv = None
         if cache_kv is not None:
             cache_k, cache_v = cache_kv
             key = jax.lax.dynamic_update_slice_in_dim(
-                cache_k, key.astype(cache_k.dtype), cache_index, 1
+                cache_k, key.astype(cache_k.dtype), cache_index, 2
             )
             value = jax.lax.dynamic_update_slice_in_dim(
-                cache_v, value.astype(cache_v.dtype), cache_index, 1
+                cache_v, value.astype(cache_v.dtype), cache_index, 2
             )
             new_kv = (key, value)
-        out = jax.nn.dot_product_attention(
-            q, key.astype(dt), value.astype(dt), mask=mask_BxTxS[:, None, :, :], scale=d**-0.5
-        )
+        out = grouped_attention(q, key.astype(dt), value.astype(dt), bias_Bx1x1xTxS)
         o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
         return jnp.einsum("bthd,hde->bte", out, o.astype(dt)), new_kv
 
@@ -269,12 +320,12 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS, cache_kv, cache_index):
+    def __call__(self, x_BxTxE, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
         attn, new_kv = Attention(c, name="attn")(
-            normed, positions_BxT, mask_BxTxS, cache_kv, cache_index
+            normed, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index
         )
         x_BxTxE = x_BxTxE + attn
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
@@ -282,7 +333,11 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM. Returns float32 logits, and the updated cache when one is given."""
+    """Decoder-only LM. Returns float32 logits, and the updated cache when one is given.
+
+    Logits are [B, T, V], or [B, 1, V] for the last column only with `last_only=True`
+    (what a sampler needs after a prefill or decode step).
+    """
 
     config: ModelConfig
 
@@ -294,6 +349,7 @@ class CausalLM(nn.Module):
         valid_BxT: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
+        last_only: bool = False,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -321,6 +377,9 @@ class CausalLM(nn.Module):
             )
         k_col = jnp.arange(key_valid_BxS.shape[1])
         mask_BxTxS = (k_col[None, None, :] <= q_col[None, :, None]) & key_valid_BxS[:, None, :]
+        # Computed once here and shared by every layer.
+        bias = attention_bias(mask_BxTxS)
+        cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
 
         layer_cls = DecoderLayer
         if c.remat:
@@ -328,12 +387,12 @@ class CausalLM(nn.Module):
         new_k, new_v = [], []
         for i in range(c.num_layers):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer_cls(c, name=f"layers_{i}")(
-                x, positions_BxT, mask_BxTxS, cache_kv, cache_index
-            )
+            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos_sin, bias, cache_kv, cache_index)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
+        if last_only:
+            x = x[:, -1:]
         x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
         if c.tie_word_embeddings:
             logits = jnp.einsum("bte,ve->btv", x, embedding.astype(dt))
@@ -374,10 +433,17 @@ def apply(
     valid_BxT=None,
     cache=None,
     cache_index=0,
+    last_only: bool = False,
 ):
     """`CausalLM(config).apply` on bare params."""
     return CausalLM(config).apply(
-        {"params": params}, tokens_BxT, positions_BxT, valid_BxT, cache, cache_index
+        {"params": params},
+        tokens_BxT,
+        positions_BxT,
+        valid_BxT,
+        cache,
+        cache_index,
+        last_only=last_only,
     )
 
 

@@ -205,12 +205,15 @@ def cache_shardings(
     batch: int,
     max_len: int,
 ) -> model_lib.KVCache:
-    """Shardings for `init_cache(model_config, batch, max_len)`: batch and kv heads split."""
-    shape = (batch, max_len, model_config.num_kv_heads, model_config.dim_per_head)
+    """Shardings for `init_cache(model_config, batch, max_len)`: batch and kv heads split.
+
+    Keys and values are [B, K, S, D] (see `model.KVCache`), the valid mask [B, S].
+    """
+    shape = (batch, model_config.num_kv_heads, max_len, model_config.dim_per_head)
     kv = NamedSharding(
-        mesh, logical_to_spec(("batch", None, "kv_heads", "head_dim"), shape, mesh, rules)
+        mesh, logical_to_spec(("batch", "kv_heads", None, "head_dim"), shape, mesh, rules)
     )
-    valid = NamedSharding(mesh, logical_to_spec(("batch", None), shape[:2], mesh, rules))
+    valid = NamedSharding(mesh, logical_to_spec(("batch", None), (batch, max_len), mesh, rules))
     layers = (kv,) * model_config.num_layers
     return model_lib.KVCache(k=layers, v=layers, valid_BxS=valid)
 

@@ -210,7 +210,18 @@ def test_kv_cache_decode_matches_full_forward(name):
     cached = np.concatenate([np.asarray(s) for s in steps], axis=1)
     np.testing.assert_allclose(cached[valid], full[valid], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(cache.valid_BxS), valid)
-    assert cache.k[0].shape == (3, total, config.num_kv_heads, config.dim_per_head)
+    assert cache.k[0].shape == (3, config.num_kv_heads, total, config.dim_per_head)
+
+
+def test_last_only_returns_the_last_column():
+    config = CONFIGS["llama_gqa"]
+    params = random_params(config, seed=4)
+    tokens, valid = left_padded(5)
+    full = np.asarray(forward(params, config, tokens, None, valid))
+    forward_last = jax.jit(M.apply, static_argnums=1, static_argnames="last_only")
+    last = forward_last(params, config, tokens, None, valid, last_only=True)
+    assert last.shape == (3, 1, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(last), full[:, -1:], atol=1e-5, rtol=0)
 
 
 def test_remat_matches_no_remat():

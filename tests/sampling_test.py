@@ -240,6 +240,35 @@ def test_truncate_keeps_expected_sets():
     np.testing.assert_array_equal(keep(top_k=3, top_p=0.9), [1, 1, 1, 0, 0])
 
 
+@pytest.mark.parametrize(
+    "changes, probs",
+    [
+        # Unscrambled order, a tiny probability and, at temperature 0.5, squared weights.
+        (dict(), [0.05, 0.5, 0.001, 0.2, 0.249]),
+        (dict(temperature=0.5), [0.1, 0.3, 0.2, 0.4, 0.0]),
+        # top-k 2 keeps 0.4 and 0.3 renormalised; the rest must never be drawn.
+        (dict(top_k=2), [0.1, 0.3, 0.2, 0.4, 0.0]),
+    ],
+)
+def test_sample_token_draws_the_softmax_distribution(changes, probs):
+    """Empirical frequencies over 40k rows against hand-computed probabilities."""
+    n = 40_000
+    logits = np.log(np.maximum(np.array(probs), 1e-30))
+    config = sampling.SamplingConfig(max_new_tokens=1, **changes)
+    token_B, _ = jax.jit(sampling.sample_token, static_argnums=2)(
+        jnp.asarray(np.tile(logits, (n, 1)), jnp.float32), jax.random.key(3), config
+    )
+    want = np.array(probs) ** (1.0 / config.temperature)
+    if config.top_k:
+        want[np.argsort(want)[: -config.top_k]] = 0.0
+    want = want / want.sum()
+    freq = np.bincount(np.asarray(token_B), minlength=len(probs)) / n
+    # 5 binomial standard deviations (plus a floor for the tiny probabilities).
+    tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-4
+    np.testing.assert_array_less(np.abs(freq - want), tol)
+    assert np.all(freq[want == 0.0] == 0.0)
+
+
 # ---------------------------------------------------------------- KV cache
 
 

@@ -195,7 +195,7 @@ def test_sharded_cached_decode_matches_unsharded(ref_params, batch):
     mesh = mesh_of("d2f2t2")
     pshard = sharding.param_shardings(CFG, mesh, sharding.SAMPLE_RULES)
     cshard = sharding.cache_shardings(CFG, mesh, sharding.SAMPLE_RULES, B, T + 4)
-    assert cshard.k[0].spec == P(("data", "fsdp"), None, "tensor", None)
+    assert cshard.k[0].spec == P(("data", "fsdp"), "tensor", None, None)
     bshard = sharding.batch_sharding(mesh)
     got_logits, got_cache = jax.jit(
         prefill,
