@@ -143,3 +143,20 @@ def test_repeated_non_finite_steps_stop_with_a_checkpoint(tmp_path):
     records = read(tmp_path)
     assert all(r["train/nonfinite"] == 1 for r in records)
     json.dumps(records)
+
+
+def test_kl_penalty_against_the_reference_policy_trains_and_resumes(tmp_path):
+    cfg = tiny_config(**{"actor.kl_ctl": 0.1, "actor.kl_estimator": "k3"})
+    first = trainer_lib.Trainer(cfg, tmp_path)
+    first.run(stop_after=2)
+    assert first.ref_params is not None
+    resumed = trainer_lib.Trainer(cfg, tmp_path)
+    resumed.run()
+    # The reference policy is the post-warm-up policy, restored from the checkpoint.
+    for a, b in zip(
+        jax.tree.leaves(resumed.ref_params), jax.tree.leaves(first.ref_params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    records = read(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
