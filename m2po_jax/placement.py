@@ -9,7 +9,6 @@ rollouts (numpy), feeds only its own rows into global arrays with
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +119,3 @@ def _per_shard_mask(behav, prox, loss_mask, threshold, *, mesh, method):
         "m2po/m2_before": jnp.sum(m2 * loss_mask) / n_valid,
         "m2po/m2_after": jnp.sum(m2 * mask) / n_kept,
     }
-
-
-def abstract_like(tree: Any):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
