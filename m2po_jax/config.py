@@ -357,7 +357,7 @@ def validate(cfg: Config) -> Config:
             f"actor.ppo_n_minibatches={a.ppo_n_minibatches} must divide the rows per step "
             f"rollout.batch_size * gconfig.n_samples = {rows}"
         )
-    if rn.group_size not in (g.n_samples,):
+    if rn.group_size != g.n_samples:
         raise ConfigError(
             f"actor.reward_norm.group_size={rn.group_size} must equal gconfig.n_samples="
             f"{g.n_samples} (a group is the completions of one prompt)"

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 
 from m2po_jax import masking, sharding
 from m2po_jax import model as model_lib
+from m2po_jax.types import TrainBatch
 
 
 class Placement:
@@ -78,7 +79,21 @@ class Placement:
         )
 
     def batch_shardings(self, batch):
+        """Batch-dim shardings for every array of `batch` (arrays or shape structs)."""
         return jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, np.ndim(x)), batch)
+
+    def train_batch_shardings(self) -> TrainBatch:
+        """`TrainBatch` of shardings: [B, T] fields and [B] fields split over the batch axes."""
+        rows_by_tokens = sharding.batch_sharding(self.mesh, 2)
+        rows = sharding.batch_sharding(self.mesh, 1)
+        return TrainBatch(
+            tokens_BxT=rows_by_tokens,
+            valid_BxT=rows_by_tokens,
+            behav_logp_BxT=rows_by_tokens,
+            loss_mask_BxT=rows_by_tokens,
+            rewards_B=rows,
+            version_B=rows,
+        )
 
     # ---- host <-> device ----------------------------------------------------------------
 
@@ -86,14 +101,15 @@ class Placement:
         """This process's share of a global batch of `rows` rows."""
         return sharding.process_batch_slice(rows, self.mesh)
 
+    def from_local(self, local_tree, rows: int):
+        """Global batch-sharded arrays of `rows` rows from this process's share."""
+        return sharding.global_batch_from_local(local_tree, self.mesh, rows)
+
     def to_global(self, host_tree):
         """Global batch-sharded arrays from full host arrays (each process feeds its rows)."""
-        leaves = jax.tree.leaves(host_tree)
-        rows = np.shape(leaves[0])[0]
+        rows = np.shape(jax.tree.leaves(host_tree)[0])[0]
         local = self.local_rows(rows)
-        return sharding.global_batch_from_local(
-            jax.tree.map(lambda x: np.asarray(x)[local], host_tree), self.mesh, rows
-        )
+        return self.from_local(jax.tree.map(lambda x: np.asarray(x)[local], host_tree), rows)
 
     def to_host(self, tree):
         """Full numpy copies of (possibly multi-process) global arrays, on every process."""

@@ -78,7 +78,7 @@ def generate_rollout(
     else:
         share = placement.local_rows(len(examples))
         local = encode_prompts([e.prompt for e in examples[share]], tokenizer, max_prompt_len)
-        prompts_BxP, valid_BxP = sharding_global(placement, local, len(examples))
+        prompts_BxP, valid_BxP = placement.from_local(local, len(examples))
     out = sampling.generate(
         params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
     )
@@ -99,13 +99,6 @@ def generate_rollout(
     rewards = [float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)]
     batch["rewards_B"] = np.asarray(rewards, np.float32)
     return batch, texts
-
-
-def sharding_global(placement, local_arrays, rows: int):
-    """Global prompt arrays from this process's encoded share."""
-    from m2po_jax import sharding
-
-    return tuple(sharding.global_batch_from_local(a, placement.mesh, rows) for a in local_arrays)
 
 
 class StaleQueue:

@@ -181,9 +181,7 @@ class Trainer:
         self.tx, self.schedule = step_lib.make_optimizer(a.optimizer, total_updates)
         self.state = self._init_state(params)
         state_sh = self.placement.state_shardings(self.state)
-        batch_sh = self.placement.batch_shardings(
-            TrainBatch(*(np.zeros((1,) * n) for n in (2, 2, 2, 2, 1, 1)))
-        )
+        batch_sh = self.placement.train_batch_shardings()
         ref_sh = self.placement.train_params if a.kl_ctl > 0 else None
         mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
         self.train_step = step_lib.make_train_step(

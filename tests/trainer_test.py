@@ -1,6 +1,5 @@
 """End-to-end runs of the trainer on the tiny arithmetic preset."""
 
-import json
 import signal
 
 import jax
@@ -125,24 +124,27 @@ def test_m2po_masks_stale_rollouts_and_is_a_no_op_on_policy(tmp_path):
 def test_repeated_non_finite_steps_stop_with_a_checkpoint(tmp_path):
     trainer = trainer_lib.Trainer(tiny_config(), tmp_path)
     real_step = trainer.train_step
+    seen = []  # host copies of the params each RL step received (the state is donated)
 
     def poisoned(state, batch, rng, ref_params):
+        seen.append(jax.tree.map(lambda x: np.array(x, copy=True), state.params))
         batch = batch.replace(rewards_B=batch.rewards_B * np.nan)
         return real_step(state, batch, rng, ref_params)
 
     trainer.train_step = poisoned
-    before = jax.tree.map(np.asarray, trainer.state.params)
     with pytest.raises(trainer_lib.NonFiniteError, match="3 consecutive steps"):
         trainer.run()
     assert trainer.checkpointer.latest_step() == 3
-    # Warm-up changed the params; every RL step after it was skipped.
+    assert len(seen) == 3
+    # Every skipped step left the post-warm-up params untouched, and the checkpoint holds them.
     restored = trainer_lib.Trainer(tiny_config(), tmp_path)
     assert restored.try_resume()
     assert int(restored.state.nonfinite_steps) == 3
-    del before
+    for params in (seen[1], seen[2], jax.tree.map(np.asarray, restored.state.params)):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seen[0]), strict=True):
+            np.testing.assert_array_equal(a, b)
     records = read(tmp_path)
     assert all(r["train/nonfinite"] == 1 for r in records)
-    json.dumps(records)
 
 
 def test_kl_penalty_against_the_reference_policy_trains_and_resumes(tmp_path):
