@@ -104,8 +104,10 @@ def single_device_run():
 def test_sharded_train_step_equals_single_device(single_device_run, name):
     ref_params, ref_metrics = single_device_run
     params, metrics = two_steps(MESHES[name], actor_section())
+    # Four AdamW updates of ~1e-3 each: summing in another order across shards moves the
+    # normalised update of a near-zero gradient by up to ~1% of one step.
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
     for key in ("loss", "m2po/masked_fraction", "train/param_norm"):
         np.testing.assert_allclose(metrics[1][key], ref_metrics[1][key], rtol=1e-5, atol=1e-6)
     # The step is not a no-op, and M2PO masked something in this off-policy batch.
