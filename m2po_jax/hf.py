@@ -45,6 +45,7 @@ from m2po_jax.model import (
     ModelConfig,
     apply,
     as_dtype,
+    check_token_ids,
     init_params,
 )
 
@@ -505,6 +506,7 @@ class PretrainedModel:
         tokens = jnp.asarray(input_ids_BxT, jnp.int32)
         if tokens.ndim != 2:
             raise ValueError(f"input_ids_BxT: expected rank 2 [B, T], got shape {tokens.shape}")
+        check_token_ids(tokens, self.config.vocab_size, "input_ids_BxT")
         valid = jnp.ones(tokens.shape, bool) if valid_BxT is None else jnp.asarray(valid_BxT, bool)
         if valid.shape != tokens.shape:
             raise ValueError(

@@ -24,6 +24,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -110,6 +111,20 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def _key(self) -> tuple:
+        # head_dim=None and the same head_dim written out describe one architecture: they
+        # compare and hash equal, so jit (where the config is static) compiles once.
+        return tuple(
+            self.dim_per_head if f.name == "head_dim" else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        )
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -463,6 +478,27 @@ class CausalLM(nn.Module):
         if cache is None:
             return logits
         return logits, KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+
+
+def check_token_ids(tokens: Any, vocab_size: int, name: str) -> None:
+    """Raises if a concrete token array holds an id outside [0, vocab_size).
+
+    An out-of-range id would embed as NaN (`jnp.take` fills) and poison every logit after
+    it. Traced or not fully addressable arrays are not checked.
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        return
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name}: token id {bad} is outside the model's vocabulary [0, {vocab_size})"
+        )
 
 
 def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):

@@ -341,6 +341,7 @@ def generate(
                 f"sampling: token id {token_id} is outside the vocabulary [0, {model_config.vocab_size})"
             )
     _check_left_padded(prompt_valid_BxP)
+    model_lib.check_token_ids(prompt_tokens_BxP, model_config.vocab_size, "prompt_tokens_BxP")
     return _generate(
         params,
         prompt_tokens_BxP,

@@ -212,6 +212,14 @@ def test_logits_match_transformers(checkpoints, loaded, name):
     np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
 
 
+def test_out_of_vocabulary_ids_are_refused(loaded):
+    model = loaded[NAMES[0]]
+    ids = _ids(1)
+    ids[0, 3] = VOCAB
+    with pytest.raises(ValueError, match=rf"input_ids_BxT: token id {VOCAB} is outside"):
+        model(ids)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_left_padded_batch_matches_transformers(checkpoints, loaded, name):
     _, torch_model = checkpoints[name]

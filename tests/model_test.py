@@ -380,6 +380,19 @@ def test_config_validation(changes, match):
         M.ModelConfig(**{**TINY, "num_kv_heads": 2, **changes})
 
 
+def test_default_head_dim_and_the_same_head_dim_written_out_share_one_compile():
+    implicit = M.ModelConfig(**TINY)  # head_dim None -> 32 // 4
+    explicit = M.ModelConfig(**TINY, head_dim=8)
+    assert implicit == explicit and hash(implicit) == hash(explicit)
+    assert implicit != M.ModelConfig(**TINY, head_dim=16)
+    assert implicit != M.ModelConfig(**{**TINY, "num_layers": 3})
+    traces = []
+    g = jax.jit(lambda x, config: (traces.append(config), x + 1)[1], static_argnums=1)
+    g(1.0, implicit)
+    g(1.0, explicit)
+    assert len(traces) == 1
+
+
 def test_rope_scaling_dict_becomes_hashable_tuple():
     scaling = dict(CONFIGS["llama3_mqa_tied"].rope_scaling)
     config = M.ModelConfig(**TINY, num_kv_heads=1, rope_scaling=scaling)

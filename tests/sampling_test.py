@@ -123,6 +123,13 @@ def test_generate_rejects_bad_input(params):
     with pytest.raises(ValueError, match="vocabulary"):
         bad = dataclasses.replace(config, stop_token_ids=(CONFIG.vocab_size,))
         sampling.generate(params, CONFIG, tokens, valid, rng, bad)
+    too_large = tokens.copy()
+    too_large[1, -1] = CONFIG.vocab_size + 7
+    match = rf"prompt_tokens_BxP: token id {CONFIG.vocab_size + 7} is outside .*\[0, {CONFIG.vocab_size}\)"
+    with pytest.raises(ValueError, match=match):
+        sampling.generate(params, CONFIG, too_large, valid, rng, config)
+    with pytest.raises(ValueError, match="token id -1"):
+        sampling.generate(params, CONFIG, np.where(valid, tokens, -1), valid, rng, config)
 
 
 # ---------------------------------------------------------------- log-probs and layout
