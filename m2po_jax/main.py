@@ -89,10 +89,10 @@ def main(argv) -> None:
     except (config_lib.ConfigError, ValueError) as e:
         _fail(_clean(e))
 
-    from m2po_jax import sharding, trainer
+    from m2po_jax import distributed, trainer
 
     # Multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a TPU pod.
-    sharding.initialize_distributed()
+    distributed.initialize_distributed()
     logging.info("workdir %s", FLAGS.workdir)
     result = trainer.Trainer(cfg, FLAGS.workdir).run()
     status = "interrupted" if result.interrupted else "finished"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from m2po_jax import masking, sharding
+from m2po_jax import distributed, masking, sharding
 from m2po_jax import model as model_lib
 from m2po_jax.types import TrainBatch
 
@@ -99,11 +99,11 @@ class Placement:
 
     def local_rows(self, rows: int) -> slice:
         """This process's share of a global batch of `rows` rows."""
-        return sharding.process_batch_slice(rows, self.mesh)
+        return distributed.process_batch_slice(rows, self.mesh)
 
     def from_local(self, local_tree, rows: int):
         """Global batch-sharded arrays of `rows` rows from this process's share."""
-        return sharding.global_batch_from_local(local_tree, self.mesh, rows)
+        return distributed.global_batch_from_local(local_tree, self.mesh, rows)
 
     def to_global(self, host_tree):
         """Global batch-sharded arrays from full host arrays (each process feeds its rows)."""

@@ -19,9 +19,7 @@ Typical use::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import importlib.util
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -158,14 +156,14 @@ def logical_to_spec(
 
 
 @functools.lru_cache(maxsize=32)
-def _param_shapes(model_config: model_lib.ModelConfig):
+def param_shapes(model_config: model_lib.ModelConfig):
     return jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
 
 
 def param_specs(model_config: model_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping):
     """Pytree of mesh PartitionSpecs matching `init_params(model_config, ...)`."""
     logical = model_lib.logical_axes(model_config)
-    shapes = _param_shapes(model_config)
+    shapes = param_shapes(model_config)
     return jax.tree.map(
         lambda spec, s: logical_to_spec(tuple(spec), s.shape, mesh, rules),
         logical,
@@ -287,7 +285,7 @@ def load_pretrained_sharded(
 
     dtype = model_lib.as_dtype(dtype or model_config.param_dtype)
     shardings = param_shardings(model_config, mesh, rules)
-    shapes = _param_shapes(model_config)
+    shapes = param_shapes(model_config)
     expected = {
         tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_leaves_with_path(shapes)
     }
@@ -399,273 +397,3 @@ def _per_shard_mask_fn(mesh: Mesh, axes: tuple[str, ...], method: str, ndim: int
             check_vma=False,
         )
     )
-
-
-# ----------------------------------------------------------------------------- multi-host
-
-
-def _platform_hint() -> str | None:
-    """The platform jax will pick, guessed without starting a backend."""
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip().lower()
-    if importlib.util.find_spec("libtpu"):
-        return "tpu"
-    if any(
-        importlib.util.find_spec(m)
-        for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
-    ):
-        return "gpu"
-    return "cpu"
-
-
-def initialize_distributed(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    local_device_ids: Sequence[int] | None = None,
-) -> bool:
-    """Start multi-host JAX once; call before anything touches a device.
-
-    Arguments default to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-    JAX_PROCESS_ID. With none of them set, a TPU pod (or a SLURM / Open MPI job)
-    lets jax detect the cluster itself, and anywhere else this is one process and
-    nothing is started. On CPU the collectives run over gloo.
-
-    Returns:
-      True if jax.distributed is running (started now or earlier).
-    """
-    if jax.distributed.is_initialized():
-        return True
-    env = os.environ
-    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
-    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-        num_processes = int(env["JAX_NUM_PROCESSES"])
-    if process_id is None and env.get("JAX_PROCESS_ID"):
-        process_id = int(env["JAX_PROCESS_ID"])
-    platform = _platform_hint()
-    configured = coordinator_address is not None or num_processes is not None
-    auto_cluster = platform == "tpu" or "SLURM_JOB_ID" in env or "OMPI_COMM_WORLD_SIZE" in env
-    if not configured and not auto_cluster:
-        return False
-    if configured and (coordinator_address is None or num_processes is None or process_id is None):
-        raise ValueError(
-            "initialize_distributed: coordinator_address, num_processes and process_id are all "
-            f"needed, got {coordinator_address!r}, {num_processes!r}, {process_id!r} "
-            "(arguments or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
-        )
-    if platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-    )
-    return True
-
-
-def process_batch_slice(global_batch: int, mesh: Mesh | None = None) -> slice:
-    """The rows of a global batch that this process feeds to `global_batch_from_local`.
-
-    With a mesh, read from where `batch_sharding(mesh)` puts this process's devices;
-    without one, process i takes block i of `process_count` equal blocks.
-    """
-    if global_batch < 1:
-        raise ValueError(f"global_batch: must be positive, got {global_batch}")
-    if mesh is None:
-        count = jax.process_count()
-        if global_batch % count:
-            raise ValueError(
-                f"global_batch {global_batch} is not divisible by the process count {count}"
-            )
-        per = global_batch // count
-        return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
-    shards = batch_shards(mesh)
-    if global_batch % shards:
-        raise ValueError(
-            f"global_batch {global_batch} is not divisible by the {shards} batch shards of the mesh"
-        )
-    rows = batch_sharding(mesh, 1).addressable_devices_indices_map((global_batch,)).values()
-    starts = sorted({r[0].indices(global_batch)[:2] for r in rows})
-    start, stop = starts[0][0], starts[-1][1]
-    if sum(b - a for a, b in starts) != stop - start:
-        raise ValueError(
-            f"this process's rows {starts} are not contiguous in mesh {dict(mesh.shape)}"
-        )
-    return slice(start, stop)
-
-
-def global_batch_from_local(local_tree: Any, mesh: Mesh, global_batch: int | None = None) -> Any:
-    """Global batch-sharded arrays from each process's rows (`process_batch_slice`).
-
-    Args:
-      local_tree: pytree of host arrays [b_local, ...] (e.g. a `TrainBatch`).
-      mesh: the device mesh; dim 0 goes over ("data", "fsdp").
-      global_batch: rows over all processes (default: inferred by jax).
-    """
-
-    def one(local):
-        local = np.asarray(local)
-        if local.ndim == 0:
-            return jax.make_array_from_process_local_data(replicated(mesh), local)
-        shape = None if global_batch is None else (global_batch, *local.shape[1:])
-        sharding = batch_sharding(mesh, local.ndim)
-        return jax.make_array_from_process_local_data(sharding, local, shape)
-
-    return jax.tree.map(one, local_tree)
-
-
-# ----------------------------------------------------------------------------- memory
-
-_OPT_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 0}
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """Estimated bytes per device; see `memory_plan` for what each entry counts."""
-
-    params: int
-    optimizer: int
-    gradients: int
-    activations: int
-    logits: int
-    kv_cache: int
-    mesh_shape: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def total(self) -> int:
-        return (
-            self.params
-            + self.optimizer
-            + self.gradients
-            + self.activations
-            + self.logits
-            + self.kv_cache
-        )
-
-    def format(self) -> str:
-        """A small table in MiB."""
-        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
-        rows = [f"memory per device (mesh {mesh or '?'})"]
-        for name in ("params", "optimizer", "gradients", "activations", "logits", "kv_cache"):
-            rows.append(f"  {name:<12}{getattr(self, name) / 2**20:>12.2f} MiB")
-        rows.append(f"  {'total':<12}{self.total / 2**20:>12.2f} MiB")
-        return "\n".join(rows)
-
-
-def _per_device(n_items: int, splits: int) -> int:
-    return -(-n_items // splits)
-
-
-def memory_plan(
-    model_config: model_lib.ModelConfig,
-    mesh: Mesh,
-    *,
-    rules: Rules | Mapping = TRAIN_RULES,
-    batch: int,
-    seq_len: int,
-    micro_batch: int | None = None,
-    kv_cache_batch: int = 0,
-    kv_cache_len: int | None = None,
-    optimizer: str = "adamw",
-    remat: bool | None = None,
-    param_dtype_bytes: int | None = None,
-    compute_dtype_bytes: int | None = None,
-) -> MemoryPlan:
-    """Estimate peak bytes per device for one train step (plus a sampling KV cache).
-
-    - params / gradients: each param's shard under `rules` (exact);
-    - optimizer: moments (2 for AdamW) sharded like the params, in param dtype;
-    - activations, per micro-batch (rows split over data x fsdp, heads and MLP over
-      tensor when divisible), kept for the backward pass per layer:
-      4 residual-width tensors [b,T,E], q/k/v/out [b,T,(2H+2K)D], scores and probs
-      [b,H,T,T], MLP gate/up/hidden [b,T,F]x3; with remat only each layer's input plus
-      one layer recomputed at a time;
-    - logits: float32 logits and their gradient [b,T,V] (V split over tensor);
-    - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
-      fsdp and K over tensor (0 when `kv_cache_batch` is 0).
-    The total assumes all of these live at once, so it is an upper bound for a
-    trainer that samples and trains on the same devices.
-    """
-    c = model_config
-    if batch < 1 or seq_len < 1:
-        raise ValueError(f"batch ({batch}) and seq_len ({seq_len}) must be positive")
-    micro_batch = batch if micro_batch is None else micro_batch
-    if micro_batch < 1 or batch % micro_batch:
-        raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
-    if optimizer not in _OPT_MOMENTS:
-        raise ValueError(
-            f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}"
-        )
-    remat = c.remat if remat is None else remat
-    pbytes = param_dtype_bytes or model_lib.as_dtype(c.param_dtype).itemsize
-    cbytes = compute_dtype_bytes or model_lib.as_dtype(c.dtype).itemsize
-    kv_cache_len = seq_len if kv_cache_len is None else kv_cache_len
-
-    shardings = param_shardings(c, mesh, rules)
-    shapes = _param_shapes(c)
-    param_items = sum(
-        math.prod(sh.shard_shape(s.shape))
-        for sh, s in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True)
-    )
-    params = param_items * pbytes
-
-    tensor = mesh.shape.get("tensor", 1)
-
-    def split(n: int) -> int:  # per-device share of a tensor-parallel dim
-        return n // tensor if n % tensor == 0 else n
-
-    b, t, e = _per_device(micro_batch, batch_shards(mesh)), seq_len, c.hidden_size
-    h, k, d, f = (
-        split(c.num_heads),
-        split(c.num_kv_heads),
-        c.dim_per_head,
-        split(c.intermediate_size),
-    )
-    layer = b * t * (4 * e + (2 * h + 2 * k) * d + 3 * f) + 2 * b * h * t * t
-    if remat:
-        activations = (c.num_layers * b * t * e + layer) * cbytes
-    else:
-        activations = c.num_layers * layer * cbytes
-    logits = 2 * b * t * split(c.vocab_size) * 4
-
-    kv_b = _per_device(kv_cache_batch, batch_shards(mesh))
-    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * split(c.num_kv_heads) * d * cbytes
-    return MemoryPlan(
-        params=params,
-        optimizer=_OPT_MOMENTS[optimizer] * params,
-        gradients=params,
-        activations=activations,
-        logits=logits,
-        kv_cache=kv_cache,
-        mesh_shape=tuple(mesh.shape.items()),
-    )
-
-
-def device_memory_limit() -> int | None:
-    """Memory limit of device 0 from `memory_stats()`, None where unreported (CPU)."""
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else stats.get("bytes_limit")
-
-
-def check_fits(plan: MemoryPlan, device_memory_bytes: int | None = None) -> int | None:
-    """Raise MemoryError when `plan.total` exceeds the device memory.
-
-    Args:
-      plan: from `memory_plan`.
-      device_memory_bytes: the limit; default the device's own `bytes_limit`.
-        When neither is known (CPU) nothing is checked.
-
-    Returns:
-      The limit checked against, or None when skipped.
-    """
-    limit = device_memory_bytes if device_memory_bytes is not None else device_memory_limit()
-    if limit is None:
-        return None
-    if plan.total > limit:
-        raise MemoryError(
-            f"estimated {plan.total / 2**30:.3f} GiB ({plan.total} bytes) per device exceeds "
-            f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes):\n{plan.format()}"
-        )
-    return limit

@@ -16,11 +16,11 @@ import optax
 from absl import logging
 
 from m2po_jax import checkpoint as ckpt_lib
+from m2po_jax import memory, sampling, sharding
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import rollout as rollout_lib
-from m2po_jax import sampling, sharding
 from m2po_jax import train_step as step_lib
 from m2po_jax.config import Config
 from m2po_jax.tasks import Task, make_task
@@ -213,7 +213,7 @@ class Trainer:
     def _check_memory(self, rows: int):
         cfg = self.cfg
         seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
-        plan = sharding.memory_plan(
+        plan = memory.memory_plan(
             self.model_config,
             self.placement.mesh,
             batch=rows,
@@ -225,7 +225,7 @@ class Trainer:
         if jax.process_index() == 0:
             logging.warning("memory plan per device:\n%s", plan.format())
         limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
-        sharding.check_fits(plan, limit)
+        memory.check_fits(plan, limit)
         return plan
 
     # ---- rollouts and evaluation -------------------------------------------------------
