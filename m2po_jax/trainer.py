@@ -21,6 +21,7 @@ from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import rollout as rollout_lib
+from m2po_jax import tokenizer as tokenizer_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax.config import Config
 from m2po_jax.tasks import Task, make_task
@@ -82,7 +83,7 @@ def build_model(cfg: Config, vocab_size: int):
         model_config = hf.config_from_hf(
             hf.read_hf_config(m.path), dtype=m.dtype, param_dtype=m.param_dtype
         ).replace(remat=m.remat)
-        return model_config, hf.load_tokenizer(m.path, model_config)
+        return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     model_config = model_lib.ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
         hidden_size=m.hidden_size,

@@ -423,50 +423,6 @@ def test_save_rejects_unrepresentable_config(tmp_path):
 # ----------------------------------------------------------------------------- tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<s>", "</s>", "<eot>"])
-    tok.train_from_iterator(["the cat sat on the mat", "a dog ate 12 apples"], trainer)
-    path = tmp_path_factory.mktemp("tokenizer")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": {"content": "</s>"}, "pad_token": "<pad>", "bos_token": "<s>"})
-    )
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
-    return path
-
-
-def test_tokenizer(tokenizer_dir):
-    tok = hf.load_tokenizer(tokenizer_dir)
-    assert tok.vocab_size == 5 + 10  # 5 specials + 10 distinct words
-    assert (tok.eos_id, tok.eos_ids, tok.pad_id, tok.bos_id) == (3, (3, 4), 0, 2)
-    ids = tok.encode("the cat ate 12 apples")
-    assert len(ids) == 5 and all(isinstance(i, int) for i in ids)
-    assert tok.decode(ids) == "the cat ate 12 apples"
-    assert tok.decode([*ids, tok.eos_id]) == "the cat ate 12 apples"  # specials skipped
-    assert tok.encode("zebra") == [tok.token_to_id("<unk>")]
-
-
-def test_tokenizer_vocab_checks(tokenizer_dir, tmp_path):
-    small = ModelConfig(
-        vocab_size=8,
-        hidden_size=16,
-        intermediate_size=16,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-    )
-    with pytest.raises(ValueError, match=r"vocabulary size 15.*vocab_size 8"):
-        hf.load_tokenizer(tokenizer_dir, small)
-    assert hf.load_tokenizer(tokenizer_dir, small.replace(vocab_size=15)).vocab_size == 15
-    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
-        hf.load_tokenizer(tmp_path)
-
-
 def test_model_tokenizer_is_lazy_and_copied_on_save(checkpoints, tokenizer_dir, tmp_path):
     src, _ = checkpoints["llama_gqa"]
     assert hf.load_pretrained(src).tokenizer is None
