@@ -149,25 +149,48 @@ class Trainer:
         mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         self.placement = placement_lib.Placement.from_shape(mesh_shape, self.model_config)
         rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
-        self.placement.check_rows("rollout.batch_size", cfg.rollout.batch_size)
-        self.placement.check_rows("rows per minibatch", rows // cfg.actor.ppo_n_minibatches)
-        self.placement.check_rows("eval.batch_size", cfg.eval.batch_size)
-        if cfg.sft.max_steps:
-            self.placement.check_rows("sft.batch_size", cfg.sft.batch_size)
+        self._check_rows(rows)
         self.memory_plan = self._check_memory(rows)
+        self.sampling_config = self._sampling_config()
+        self.eval_sampling = dataclasses.replace(self.sampling_config, greedy=True)
+        total_updates = cfg.total_steps * cfg.actor.ppo_n_minibatches
+        self.tx, self.schedule = step_lib.make_optimizer(cfg.actor.optimizer, total_updates)
+        self.state = self._init_state(self._initial_params())
+        self.train_step = self._make_train_step()
+        self.ref_params = None
+        self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
+        self.data_position = 0
+        self.sft_steps = 0
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
+        self._stop_requested = False
+        self.sft_log: list[dict] = []
+
+    def _check_rows(self, rows: int) -> None:
+        """Every batch the run makes must split evenly over the mesh's batch shards."""
+        cfg, check = self.cfg, self.placement.check_rows
+        check("rollout.batch_size", cfg.rollout.batch_size)
+        check("rows per minibatch", rows // cfg.actor.ppo_n_minibatches)
+        check("eval.batch_size", cfg.eval.batch_size)
+        if cfg.sft.max_steps:
+            check("sft.batch_size", cfg.sft.batch_size)
+
+    def _initial_params(self):
+        """The checkpoint's params (`model.path`) or a random init, in the train shardings."""
+        cfg = self.cfg
         if cfg.model.path:
-            params = sharding.load_pretrained_sharded(
+            return sharding.load_pretrained_sharded(
                 cfg.model.path,
                 self.model_config,
                 self.placement.mesh,
                 sharding.TRAIN_RULES,
                 dtype=cfg.model.param_dtype,
             )
-        else:
-            params = self.placement.init_params(jax.random.fold_in(self.rng, _INIT))
-        g = cfg.gconfig
+        return self.placement.init_params(jax.random.fold_in(self.rng, _INIT))
+
+    def _sampling_config(self) -> sampling.SamplingConfig:
+        g = self.cfg.gconfig
         stop_ids = tuple(getattr(self.tokenizer, "eos_ids", None) or (self.tokenizer.eos_id,))
-        self.sampling_config = sampling.SamplingConfig(
+        return sampling.SamplingConfig(
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,
             top_k=g.top_k,
@@ -176,16 +199,15 @@ class Trainer:
             stop_token_ids=stop_ids,
             pad_id=self.tokenizer.pad_id,
         )
-        self.eval_sampling = dataclasses.replace(self.sampling_config, greedy=True)
-        a = cfg.actor
-        total_updates = cfg.total_steps * a.ppo_n_minibatches
-        self.tx, self.schedule = step_lib.make_optimizer(a.optimizer, total_updates)
-        self.state = self._init_state(params)
+
+    def _make_train_step(self):
+        """The jitted train step, with the state donated and laid out by the placement."""
+        cfg, a = self.cfg, self.cfg.actor
         state_sh = self.placement.state_shardings(self.state)
         batch_sh = self.placement.train_batch_shardings()
         ref_sh = self.placement.train_params if a.kl_ctl > 0 else None
         mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
-        self.train_step = step_lib.make_train_step(
+        return step_lib.make_train_step(
             self.model_config,
             a,
             self.tx,
@@ -196,13 +218,6 @@ class Trainer:
                 out_shardings=(state_sh, self.placement.replicated),
             ),
         )
-        self.ref_params = None
-        self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
-        self.data_position = 0
-        self.sft_steps = 0
-        self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
-        self._stop_requested = False
-        self.sft_log: list[dict] = []
 
     def _init_state(self, params) -> step_lib.TrainState:
         """A fresh train state laid out in the train shardings (optimizer state included)."""
