@@ -269,9 +269,9 @@ def _attention_bwd(residuals, dout_BxTxHxD):
     dprobs = jnp.einsum("bkqd,bksd->bkqs", dout, v_BxKxSxD).astype(jnp.float32)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     dscores = probs.astype(jnp.float32) * (dprobs - delta)
-    # Masked keys get no gradient. This matters only for a query with no real key: its
-    # softmax is uniform whatever the scores are, so q and k get none either.
-    allowed_Bx1x1xTxS = bias_Bx1x1xTxS == 0
+    # Masked keys (bias _MASKED) get no gradient. This matters only for a query with no real
+    # key: its softmax is uniform whatever the scores are, so q and k get none either.
+    allowed_Bx1x1xTxS = bias_Bx1x1xTxS > _MASKED / 2
     t, s = allowed_Bx1x1xTxS.shape[3:]
     dscores = (dscores.reshape(b, k, gt // t, t, s) * allowed_Bx1x1xTxS).reshape(b, k, gt, s)
     dscores = dscores.astype(q.dtype)

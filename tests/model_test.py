@@ -156,22 +156,26 @@ forward = jax.jit(M.apply, static_argnums=1)
 # ----------------------------------------------------------------------------- tests
 
 
-def autodiff_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, allowed_BxTxS):
-    """Plain per-head attention, differentiated by JAX (reference for the hand-written VJP)."""
+def autodiff_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, allowed_BxTxS, extra_BxTxS=0.0):
+    """Plain per-head attention, differentiated by JAX (reference for the hand-written VJP).
+
+    `extra_BxTxS` is added to the scores of allowed keys (a general additive bias).
+    """
     h, k = q_BxTxHxD.shape[2], k_BxKxSxD.shape[1]
     outs = []
     for head in range(h):
         kv = head // (h // k)
         scores = jnp.einsum("btd,bsd->bts", q_BxTxHxD[:, :, head], k_BxKxSxD[:, kv])
-        scores = scores / math.sqrt(q_BxTxHxD.shape[-1])
+        scores = scores / math.sqrt(q_BxTxHxD.shape[-1]) + extra_BxTxS
         probs = jax.nn.softmax(jnp.where(allowed_BxTxS, scores, -1e30), axis=-1)
         outs.append(jnp.einsum("bts,bsd->btd", probs, v_BxKxSxD[:, kv]))
     return jnp.stack(outs, axis=2)
 
 
+@pytest.mark.parametrize("extra", [False, True], ids=["mask_bias", "plus_finite_bias"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (3, 3)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-def test_grouped_attention_value_and_vjp_match_autodiff(heads, kv_heads, dtype, tol):
+def test_grouped_attention_value_and_vjp_match_autodiff(heads, kv_heads, dtype, tol, extra):
     b, t, s, d = 3, 5, 7, 8  # s > t: queries at the end of a longer cache
     keys = jax.random.split(jax.random.key(heads * 10 + kv_heads), 4)
     q = jax.random.normal(keys[0], (b, t, heads, d))
@@ -183,14 +187,17 @@ def test_grouped_attention_value_and_vjp_match_autodiff(heads, kv_heads, dtype, 
     key_valid_BxS[1, :3] = False  # left padding
     key_valid_BxS[2, :] = False  # a row with no real key at all: uniform, not NaN
     allowed = jnp.asarray(causal_TxS[None] & key_valid_BxS[:, None, :])
+    # Any finite additive bias on allowed keys (ALiBi-like) must keep its gradient path.
+    extra_BxTxS = 0.5 * jax.random.normal(jax.random.key(7), allowed.shape) if extra else 0.0
+    bias = M.attention_bias(allowed) + jnp.where(allowed, extra_BxTxS, 0.0)[:, None, None]
     args = [x.astype(dtype) for x in (q, k, v)]
 
     def ours(q, k, v):
-        return M.grouped_attention(q, k, v, M.attention_bias(allowed))
+        return M.grouped_attention(q, k, v, bias)
 
     def ref(q, k, v):
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return autodiff_attention(*f32, allowed).astype(q.dtype)
+        return autodiff_attention(*f32, allowed, extra_BxTxS).astype(q.dtype)
 
     out, vjp = jax.vjp(ours, *args)
     ref_out, ref_vjp = jax.vjp(ref, *args)
