@@ -387,7 +387,14 @@ def run_torch_worker(argv: list[str], args) -> dict:
     """One torch block in a fresh process (so its spinning threads are gone afterwards)."""
     env = dict(os.environ, OMP_WAIT_POLICY=args.torch_omp_wait_policy)
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *argv, "--torch-worker"],
+        # --matmul resolved here, so the worker never starts a JAX backend.
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            *argv,
+            f"--matmul={args.matmul}",
+            "--torch-worker",
+        ],
         env=env,
         capture_output=True,
         text=True,
