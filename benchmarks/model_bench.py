@@ -42,8 +42,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from m2po_jax import (
+    hf,  # noqa: E402
+    sampling,  # noqa: E402
+)
 from m2po_jax import model as model_lib  # noqa: E402
-from m2po_jax import sampling  # noqa: E402
 
 SIZES = {
     "small": dict(
@@ -218,19 +221,7 @@ class JaxSample:
 
 def hf_model(torch, transformers, config: model_lib.ModelConfig, device, seed=0):
     torch.manual_seed(seed)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    hf_config = transformers.LlamaConfig(**hf.config_to_hf(config, base={"pad_token_id": 0}))
     model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.float32)
     return model
 

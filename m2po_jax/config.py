@@ -407,6 +407,16 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: 
                 config[key] = value
 
 
+def apply_dotted(config: ml_collections.ConfigDict, values: dict) -> None:
+    """`apply_overrides` for {"section.field": value} keys, as the command line writes them."""
+    for dotted, value in values.items():
+        *parents, leaf = dotted.split(".")
+        nested: dict = {leaf: value}
+        for name in reversed(parents):
+            nested = {name: nested}
+        apply_overrides(config, nested)
+
+
 def load_overrides(path: str) -> dict:
     """Reads a YAML or JSON overrides file."""
     file = Path(path)

@@ -61,16 +61,6 @@ def parse_flags(argv: list[str]) -> list[str]:
         _fail(_clean(e))
 
 
-def _set_none(config, dotted: str) -> None:
-    from m2po_jax import config as config_lib
-
-    *parents, leaf = dotted.split(".")
-    nested: dict = {leaf: None}
-    for name in reversed(parents):
-        nested = {name: nested}
-    config_lib.apply_overrides(config, nested)
-
-
 def main(argv) -> None:
     del argv
     from m2po_jax import config as config_lib
@@ -81,8 +71,7 @@ def main(argv) -> None:
 
     try:
         config = FLAGS.config
-        for dotted in _none_keys:
-            _set_none(config, dotted)
+        config_lib.apply_dotted(config, dict.fromkeys(_none_keys))
         if FLAGS.overrides:
             config_lib.apply_overrides(config, config_lib.load_overrides(FLAGS.overrides))
         cfg = config_lib.from_configdict(config)

@@ -355,11 +355,9 @@ def generate(
 
 def _check_left_padded(prompt_valid_BxP: jax.typing.ArrayLike) -> None:
     """Raises unless every row's real tokens are a non-empty run ending in the last column."""
-    if isinstance(prompt_valid_BxP, jax.core.Tracer):
+    valid_BxP = model_lib.host_value(prompt_valid_BxP)
+    if valid_BxP is None:
         return
-    if isinstance(prompt_valid_BxP, jax.Array) and not prompt_valid_BxP.is_fully_addressable:
-        return
-    valid_BxP = np.asarray(prompt_valid_BxP)
     # Left padded <=> valid never goes from True back to False, and the last column is real.
     bad_B = ~valid_BxP[:, -1] | np.any(valid_BxP[:, :-1] & ~valid_BxP[:, 1:], axis=-1)
     if bad_B.any():

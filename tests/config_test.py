@@ -118,6 +118,16 @@ def _cli(*args):
     )
 
 
+def test_apply_dotted_sets_nested_fields_and_rejects_unknown_keys():
+    c = arith.get_config("m2po")
+    config_lib.apply_dotted(c, {"actor.c_clip": None, "actor.optimizer.lr": 3e-4, "seed": 7})
+    assert c.actor.c_clip is None and c.actor.optimizer.lr == 3e-4 and c.seed == 7
+    with pytest.raises(config_lib.ConfigError, match=r"'actor\.optimizer\.lrr'.*lr"):
+        config_lib.apply_dotted(c, {"actor.optimizer.lrr": 1.0})
+    with pytest.raises(config_lib.ConfigError, match="actor: expected a section"):
+        config_lib.apply_dotted(c, {"actor": 1.0})
+
+
 def test_cli_reports_config_errors_in_one_line(tmp_path):
     typo = _cli("--config.actor.m2_threshlod=0.1", f"--workdir={tmp_path}")
     assert typo.returncode == 2
@@ -130,6 +140,11 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
 
     sapo = _cli("--config.actor.use_sapo_loss=True", f"--workdir={tmp_path}")
     assert sapo.returncode == 2 and "use_sapo_loss" in sapo.stderr
+
+    # A typo in a `=None` override (set apart from the others) is a one-line error too.
+    none_typo = _cli("--config.actor.c_clipp=None", f"--workdir={tmp_path}")
+    assert none_typo.returncode == 2 and '"c_clip"' in none_typo.stderr
+    assert "Traceback" not in none_typo.stderr
 
     overrides = tmp_path / "o.yaml"
     overrides.write_text("rollout:\n  max_head_offpolicynes: 2\n")

@@ -330,20 +330,9 @@ def test_greedy_matches_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=CONFIG.vocab_size,
-        hidden_size=CONFIG.hidden_size,
-        intermediate_size=CONFIG.intermediate_size,
-        num_hidden_layers=CONFIG.num_layers,
-        num_attention_heads=CONFIG.num_heads,
-        num_key_value_heads=CONFIG.num_kv_heads,
-        rms_norm_eps=CONFIG.rms_norm_eps,
-        max_position_embeddings=CONFIG.max_position_embeddings,
-        initializer_range=0.1,  # peaked logits: greedy margins >> float error
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    # initializer_range 0.1: peaked logits, so greedy margins >> float error.
+    base = {"initializer_range": 0.1, "pad_token_id": 0}
+    hf_config = transformers.LlamaConfig(**hf.config_to_hf(CONFIG, base=base))
     hf_model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
     hf_model.config._attn_implementation = "eager"
     hf_model.save_pretrained(tmp_path)

@@ -26,12 +26,7 @@ def tiny_config(preset="m2po,tiny", **changes):
     # Partial credit for well-formed answers: an untrained tiny policy gets varied rewards.
     c.task.format_reward = 0.5
     c.mesh.data = 1  # one device (the sharded runs have their own tests)
-    for dotted, value in changes.items():
-        node = c
-        *parents, leaf = dotted.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
+    config_lib.apply_dotted(c, changes)
     return config_lib.from_configdict(c)
 
 
