@@ -82,7 +82,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.m2po_candidates = (
         "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
     )
-    c.actor.m2po_scope = "global"  # global (whole batch) | row (per sequence) | minibatch
+    # global (whole batch) | row (per sequence) | minibatch | microbatch (AReaL: inside each
+    # micro-batch's loss)
+    c.actor.m2po_scope = "global"
     c.actor.eps_clip = 0.2  # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]
     c.actor.eps_clip_higher = placeholder(float)  # upper clip (clip-higher); None = eps_clip
     c.actor.c_clip = placeholder(float)  # dual-clip bound (> 1) for negative advantages; None = off
@@ -102,6 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.sapo_tau_pos = 1.0  # SAPO temperature for positive advantages
     c.actor.sapo_tau_neg = 1.05  # SAPO temperature for negative advantages
     c.actor.ppo_n_minibatches = 1  # optimizer updates per step (lax.scan over minibatches)
+    c.actor.mb_spec = ml_collections.ConfigDict()  # micro-batches (gradient accumulation)
+    c.actor.mb_spec.n_mbs = 1  # at least this many micro-batches per minibatch
+    c.actor.mb_spec.max_tokens_per_mb = 0  # at most this many padded tokens each (0 = no cap)
+    c.actor.logp_chunk_size = 1024  # tokens per output-head chunk when taking log-probs
     c.actor.reward_scaling = 1.0  # R' = clip((R + reward_bias) * reward_scaling, +-reward_clip)
     c.actor.reward_bias = 0.0  # added to the raw reward before scaling
     c.actor.reward_clip = 20.0  # absolute bound on the transformed reward

@@ -18,6 +18,8 @@ from typing import Any
 
 import ml_collections
 
+from m2po_jax import batching
+
 
 class ConfigError(ValueError):
     """A config key or value is invalid."""
@@ -116,6 +118,12 @@ class OptimizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MicroBatchSection:
+    n_mbs: int
+    max_tokens_per_mb: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ActorSection:
     m2_threshold: float | None
     m2po_method: str
@@ -135,6 +143,8 @@ class ActorSection:
     sapo_tau_pos: float
     sapo_tau_neg: float
     ppo_n_minibatches: int
+    mb_spec: MicroBatchSection
+    logp_chunk_size: int
     reward_scaling: float
     reward_bias: float
     reward_clip: float
@@ -290,7 +300,7 @@ def validate(cfg: Config) -> Config:
     )
     _check_choice("actor.m2po_stop_rule", a.m2po_stop_rule, ("lt", "le", "capped_clip"))
     _check_choice("actor.m2po_candidates", a.m2po_candidates, ("all", "harmful"))
-    _check_choice("actor.m2po_scope", a.m2po_scope, ("global", "row", "minibatch"))
+    _check_choice("actor.m2po_scope", a.m2po_scope, ("global", "row", "minibatch", "microbatch"))
     _check_range("actor.eps_clip", a.eps_clip, 0.0, 1.0, high_open=True)
     _check_range("actor.eps_clip_higher", a.eps_clip_higher, 0.0)
     _check_range("actor.c_clip", a.c_clip, 1.0, low_open=True)
@@ -318,6 +328,9 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.rejection_sampling.upper", rs.upper, 0.0, low_open=True)
     _check_range("actor.rejection_sampling.lower", rs.lower, 0.0)
     _check_range("actor.ppo_n_minibatches", a.ppo_n_minibatches, 1)
+    _check_range("actor.mb_spec.n_mbs", a.mb_spec.n_mbs, 1)
+    _check_range("actor.mb_spec.max_tokens_per_mb", a.mb_spec.max_tokens_per_mb, 0)
+    _check_range("actor.logp_chunk_size", a.logp_chunk_size, 1)
     _check_range("actor.reward_scaling", a.reward_scaling, 0.0, low_open=True)
     _check_range("actor.reward_clip", a.reward_clip, 0.0, low_open=True)
     rn = a.reward_norm
@@ -357,6 +370,15 @@ def validate(cfg: Config) -> Config:
             f"actor.ppo_n_minibatches={a.ppo_n_minibatches} must divide the rows per step "
             f"rollout.batch_size * gconfig.n_samples = {rows}"
         )
+    try:
+        batching.micro_batch_count(
+            rows // a.ppo_n_minibatches,
+            cfg.task.max_prompt_len + g.max_new_tokens,
+            a.mb_spec.n_mbs,
+            a.mb_spec.max_tokens_per_mb,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if rn.group_size != g.n_samples:
         raise ConfigError(
             f"actor.reward_norm.group_size={rn.group_size} must equal gconfig.n_samples="

@@ -229,6 +229,7 @@ def policy_loss(
     sapo_tau_neg: float = 1.05,
     denominator: str = "kept",
     valid_mask_BxT: ArrayLike | None = None,
+    count: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict]:
     """Actor loss: AReaL's decoupled PPO (default), GSPO, or SAPO.
 
@@ -251,7 +252,8 @@ def policy_loss(
     Aggregation: `loss = sum(L over kept tokens) / n`, with n the number of
     `mask_BxT` tokens (`denominator="kept"`, AReaL: tokens kept after M2PO) or of
     `valid_mask_BxT` tokens (`"valid"`, the paper: before M2PO); tokens rejected by
-    the behaviour correction stay in n. n = 0 gives loss 0.
+    the behaviour correction stay in n. n = 0 gives loss 0. An explicit `count` replaces
+    n: a micro-batch then contributes its share of a larger batch's loss.
 
     Args:
       logp_BxT: log-probs under the params being optimised (differentiable), [B, T].
@@ -269,6 +271,7 @@ def policy_loss(
       sapo_tau_pos, sapo_tau_neg: SAPO temperatures (> 0).
       denominator: "kept" or "valid".
       valid_mask_BxT: the mask before M2PO; required for denominator "valid".
+      count: the denominator n, when it is counted over more tokens than these.
 
     Returns:
       (loss, stats): a float32 scalar and a dict of float32 scalars. Fractions are
@@ -304,7 +307,7 @@ def policy_loss(
             "use_sapo_loss=True is not compatible with use_decoupled_loss=True; "
             "pass use_decoupled_loss=False (AReaL: actor.use_decoupled_loss=false)"
         )
-    if denominator == "valid" and valid_mask_BxT is None:
+    if denominator == "valid" and valid_mask_BxT is None and count is None:
         raise ValueError("denominator='valid' needs valid_mask_BxT (the mask before M2PO)")
     arrays = {
         "logp_BxT": jnp.asarray(logp_BxT),
@@ -358,8 +361,8 @@ def policy_loss(
             per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
         per_token = per_token * rho
 
-    count_mask = mask.sum()
-    count = count_mask if denominator == "kept" else valid_mask.astype(bool).sum()
+    if count is None:
+        count = mask.sum() if denominator == "kept" else valid_mask.astype(bool).sum()
     loss = jnp.where(keep, per_token, 0.0).sum() / jnp.maximum(count, 1)
 
     stats = _stats(

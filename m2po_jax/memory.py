@@ -1,8 +1,13 @@
 """Per-device memory plan of a run, and the check that refuses a run that cannot fit.
 
-plan = memory_plan(model_config, mesh, batch=rows, seq_len=T, kv_cache_batch=rows)
-print(plan.format())             # params, optimizer, gradients, activations, ...
-check_fits(plan)                 # raises with the numbers when it exceeds the device
+plan = memory_plan(model_config, mesh, batch=rows, seq_len=T, micro_batch=rows_per_mb,
+                   kv_cache_batch=rows)
+print(plan.format())             # params, optimizer, gradients, activations, head, ...
+check_fits(plan)                 # raises with the numbers, and the knob that makes it fit
+
+The plan follows what `train_step` does (micro-batches, rematerialised layers, chunked
+output head) and is checked against XLA's own `memory_analysis()` of the compiled step
+(`compiled_step_memory`, tests/memory_test.py).
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from m2po_jax import logprobs, sharding
 from m2po_jax import model as model_lib
-from m2po_jax import sharding
 
 _OPT_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 0}
+# Attention implementations that keep [B, H, T, S] scores for the backward pass; the
+# others (flash-style kernels) keep O(T) statistics per head.
+_DENSE_ATTENTION = ("xla", "dot_product")
+_FIELDS = ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,26 +38,25 @@ class MemoryPlan:
     optimizer: int
     gradients: int
     activations: int
-    logits: int
+    logits: int  # the output head's chunk buffers
     kv_cache: int
     mesh_shape: tuple[tuple[str, int], ...] = ()
+    micro_batch: int = 0  # rows per micro-batch (global)
 
     @property
     def total(self) -> int:
-        return (
-            self.params
-            + self.optimizer
-            + self.gradients
-            + self.activations
-            + self.logits
-            + self.kv_cache
-        )
+        return sum(getattr(self, name) for name in _FIELDS)
+
+    @property
+    def train_step(self) -> int:
+        """What the compiled train step holds (everything but the sampler's KV cache)."""
+        return self.total - self.kv_cache
 
     def format(self) -> str:
         """A small table in MiB."""
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
-        rows = [f"memory per device (mesh {mesh or '?'})"]
-        for name in ("params", "optimizer", "gradients", "activations", "logits", "kv_cache"):
+        rows = [f"memory per device (mesh {mesh or '?'}, {self.micro_batch} rows per micro-batch)"]
+        for name in _FIELDS:
             rows.append(f"  {name:<12}{getattr(self, name) / 2**20:>12.2f} MiB")
         rows.append(f"  {'total':<12}{self.total / 2**20:>12.2f} MiB")
         return "\n".join(rows)
@@ -69,23 +78,28 @@ def memory_plan(
     kv_cache_len: int | None = None,
     optimizer: str = "adamw",
     remat: bool | None = None,
+    logp_chunk: int = logprobs.DEFAULT_CHUNK,
     param_dtype_bytes: int | None = None,
     compute_dtype_bytes: int | None = None,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
-    - params / gradients: each param's shard under `rules` (exact);
+    - params / gradients: each param's shard under `rules` (exact); with several
+      micro-batches a float32 gradient accumulator besides;
     - optimizer: moments (2 for AdamW) sharded like the params, in param dtype;
-    - activations, per micro-batch (rows split over data x fsdp, heads and MLP over
-      tensor when divisible), kept for the backward pass per layer:
-      4 residual-width tensors [b,T,E], q/k/v/out [b,T,(2H+2K)D], scores and probs
-      [b,H,T,T], MLP gate/up/hidden [b,T,F]x3; with remat only each layer's input plus
-      one layer recomputed at a time;
-    - logits: float32 logits and their gradient [b,T,V] (V split over tensor);
+    - activations of one micro-batch (rows split over data x fsdp, heads and MLP over
+      tensor when divisible) kept for the backward pass per layer: 4 residual-width
+      tensors [b,T,E], q/k/v before and after RoPE and the attention output
+      [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3, and for the attention
+      implementations that materialise them the probabilities [b,H,T,T]; with remat
+      (policy nothing_saveable) only each layer's input plus one layer recomputed and
+      its gradients;
+    - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
+      tensor), its softmax and its gradient;
     - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
       fsdp and K over tensor (0 when `kv_cache_batch` is 0).
-    The total assumes all of these live at once, so it is an upper bound for a
-    trainer that samples and trains on the same devices.
+    `total` adds everything, an upper bound for a trainer that samples and trains on the
+    same devices; `train_step` leaves the KV cache out.
     """
     c = model_config
     if batch < 1 or seq_len < 1:
@@ -109,37 +123,51 @@ def memory_plan(
         for sh, s in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True)
     )
     params = param_items * pbytes
+    gradients = params + (param_items * 4 if micro_batch < batch else 0)
 
     tensor = mesh.shape.get("tensor", 1)
 
     def split(n: int) -> int:  # per-device share of a tensor-parallel dim
         return n // tensor if n % tensor == 0 else n
 
-    b, t, e = _per_device(micro_batch, sharding.batch_shards(mesh)), seq_len, c.hidden_size
+    shards = sharding.batch_shards(mesh)
+    b, t, e = _per_device(micro_batch, shards), seq_len, c.hidden_size
     h, k, d, f = (
         split(c.num_heads),
         split(c.num_kv_heads),
         c.dim_per_head,
         split(c.intermediate_size),
     )
-    layer = b * t * (4 * e + (2 * h + 2 * k) * d + 3 * f) + 2 * b * h * t * t
+    dense_attention = attention_kind(c) in _DENSE_ATTENTION
+    per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
+    scores = b * h * t * t if dense_attention else 0
+    layer = (b * t * per_token + scores) * cbytes
     if remat:
-        activations = (c.num_layers * b * t * e + layer) * cbytes
+        # Each layer's input, plus one layer recomputed and its gradients in the backward.
+        activations = c.num_layers * b * t * e * cbytes + 2 * layer
     else:
-        activations = c.num_layers * layer * cbytes
-    logits = 2 * b * t * split(c.vocab_size) * 4
+        activations = c.num_layers * layer
+    # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows.
+    columns = max(1, min(logp_chunk // micro_batch, t - 1))
+    logits = 3 * b * columns * split(c.vocab_size) * 4
 
-    kv_b = _per_device(kv_cache_batch, sharding.batch_shards(mesh))
+    kv_b = _per_device(kv_cache_batch, shards)
     kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * split(c.num_kv_heads) * d * cbytes
     return MemoryPlan(
         params=params,
         optimizer=_OPT_MOMENTS[optimizer] * params,
-        gradients=params,
+        gradients=gradients,
         activations=activations,
         logits=logits,
         kv_cache=kv_cache,
         mesh_shape=tuple(mesh.shape.items()),
+        micro_batch=micro_batch,
     )
+
+
+def attention_kind(config: model_lib.ModelConfig) -> str:
+    """The attention implementation a config runs on this backend."""
+    return getattr(config, "attention", "xla")
 
 
 def device_memory_limit() -> int | None:
@@ -148,13 +176,62 @@ def device_memory_limit() -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
-def check_fits(plan: MemoryPlan, device_memory_bytes: int | None = None) -> int | None:
+def remedies(
+    model_config: model_lib.ModelConfig, mesh: Mesh, limit: int, **plan_kwargs
+) -> list[str]:
+    """The settings that would make a plan fit in `limit` bytes, each with its total.
+
+    Tried one knob at a time: more micro-batches (down to one row per device), remat of
+    every layer, and the data axis folded into fsdp (params and optimizer state sharded
+    over every batch shard).
+    """
+    base = memory_plan(model_config, mesh, **plan_kwargs)
+    batch, micro = plan_kwargs["batch"], base.micro_batch
+    shards = sharding.batch_shards(mesh)
+    found = []
+
+    def note(setting: str, plan: MemoryPlan) -> bool:
+        if plan.total <= limit:
+            found.append(f"{setting} ({plan.total / 2**30:.2f} GiB)")
+            return True
+        return False
+
+    n = batch // micro
+    for more in range(n + 1, batch // shards + 1):
+        if batch % more == 0 and (batch // more) % shards == 0:
+            changed = {**plan_kwargs, "micro_batch": batch // more}
+            if note(
+                f"{more} micro-batches per minibatch (actor.mb_spec.n_mbs)",
+                memory_plan(model_config, mesh, **changed),
+            ):
+                break
+    if not model_config.remat:
+        note("model.remat=True", memory_plan(model_config.replace(remat=True), mesh, **plan_kwargs))
+    data = mesh.shape.get("data", 1)
+    if data > 1:
+        shape = {
+            "data": 1,
+            "fsdp": data * mesh.shape.get("fsdp", 1),
+            "tensor": mesh.shape.get("tensor", 1),
+        }
+        folded = sharding.make_mesh(shape, mesh.devices.flatten().tolist())
+        note(
+            f"mesh.data=1 mesh.fsdp={shape['fsdp']}",
+            memory_plan(model_config, folded, **plan_kwargs),
+        )
+    return found
+
+
+def check_fits(
+    plan: MemoryPlan, device_memory_bytes: int | None = None, remedies: list[str] | None = None
+) -> int | None:
     """Raise MemoryError when `plan.total` exceeds the device memory.
 
     Args:
       plan: from `memory_plan`.
       device_memory_bytes: the limit; default the device's own `bytes_limit`.
         When neither is known (CPU) nothing is checked.
+      remedies: settings that would fit (`remedies(...)`), named in the error.
 
     Returns:
       The limit checked against, or None when skipped.
@@ -163,8 +240,49 @@ def check_fits(plan: MemoryPlan, device_memory_bytes: int | None = None) -> int 
     if limit is None:
         return None
     if plan.total > limit:
+        advice = (
+            "it would fit with " + "; or ".join(remedies)
+            if remedies
+            else "no single setting makes it fit: use more devices (mesh.fsdp), a shorter "
+            "sequence, or fewer rows per step"
+        )
         raise MemoryError(
             f"estimated {plan.total / 2**30:.3f} GiB ({plan.total} bytes) per device exceeds "
-            f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes):\n{plan.format()}"
+            f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes); {advice}:\n"
+            f"{plan.format()}"
         )
     return limit
+
+
+def compiled_step_memory(
+    model_config: model_lib.ModelConfig, actor, placement, *, rows: int, seq_len: int
+):
+    """XLA's memory analysis of the jitted train step, compiled from abstract shapes.
+
+    Nothing is allocated: params, optimizer state and the batch are `ShapeDtypeStruct`s laid
+    out by `placement`. Returns `compiled.memory_analysis()` (bytes per device).
+    """
+    from m2po_jax import train_step as step_lib
+    from m2po_jax.types import TrainBatch
+
+    tx, schedule = step_lib.make_optimizer(actor.optimizer, 1)
+    params = jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
+    state = jax.eval_shape(lambda p: step_lib.init_train_state(p, tx), params)
+    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)
+    batch = TrainBatch(
+        tokens_BxT=shape(jnp.int32, rows, seq_len),
+        valid_BxT=shape(jnp.bool_, rows, seq_len),
+        behav_logp_BxT=shape(jnp.float32, rows, seq_len),
+        loss_mask_BxT=shape(jnp.bool_, rows, seq_len),
+        rewards_B=shape(jnp.float32, rows),
+        version_B=shape(jnp.int32, rows),
+    )
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    step = step_lib.make_train_step(
+        model_config,
+        actor,
+        tx,
+        schedule,
+        jit_kwargs=placement.train_step_shardings(state, with_ref=False),
+    )
+    return step.lower(state, batch, rng, None).compile().memory_analysis()

@@ -404,7 +404,10 @@ class CausalLM(nn.Module):
     """Decoder-only LM. Returns float32 logits, and the updated cache when one is given.
 
     Logits are [B, T, V], or [B, 1, V] for the last column only with `last_only=True`
-    (what a sampler needs after a prefill or decode step).
+    (what a sampler needs after a prefill or decode step). With `hidden_only=True` (and
+    no cache) it returns the final-normed hidden states [B, T, E] in the compute dtype
+    instead: `head_weight` then gives the output head, so that log-probs can be taken
+    without materialising [B, T, V] logits (`logprobs.py`).
     """
 
     config: ModelConfig
@@ -418,6 +421,7 @@ class CausalLM(nn.Module):
         cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
         last_only: bool = False,
+        hidden_only: bool = False,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -462,6 +466,8 @@ class CausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
+        if hidden_only:
+            return x  # the caller applies the head (`logprobs.py`, in chunks)
         if c.tie_word_embeddings:
             logits = dense(x, embedding.astype(dt).T)
         else:
@@ -529,6 +535,7 @@ def apply(
     cache=None,
     cache_index=0,
     last_only: bool = False,
+    hidden_only: bool = False,
 ):
     """`CausalLM(config).apply` on bare params."""
     return CausalLM(config).apply(
@@ -539,7 +546,14 @@ def apply(
         cache,
         cache_index,
         last_only=last_only,
+        hidden_only=hidden_only,
     )
+
+
+def head_weight(params, config: ModelConfig) -> jax.Array:
+    """The output head [E, V] in the compute dtype (the embedding's transpose when tied)."""
+    w = params["embedding"].T if config.tie_word_embeddings else params["lm_head"]
+    return w.astype(as_dtype(config.dtype))
 
 
 def token_logp(logits_BxTxV: jax.Array, tokens_BxT: jax.Array, temperature: float = 1.0):

@@ -95,6 +95,15 @@ class Placement:
             version_B=rows,
         )
 
+    def train_step_shardings(self, state_shape, with_ref: bool) -> dict:
+        """`jax.jit` keyword arguments that lay out `train_step(state, batch, rng, ref_params)`."""
+        state = self.state_shardings(state_shape)
+        ref = self.train_params if with_ref else None
+        return dict(
+            in_shardings=(state, self.train_batch_shardings(), self.replicated, ref),
+            out_shardings=(state, self.replicated),
+        )
+
     # ---- host <-> device ----------------------------------------------------------------
 
     def local_rows(self, rows: int) -> slice:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from m2po_jax import advantages as adv_lib
-from m2po_jax import losses, masking
+from m2po_jax import batching, logprobs, losses, masking
 from m2po_jax import model as model_lib
 from m2po_jax.config import ActorSection, OptimizerSection
 from m2po_jax.types import TrainBatch
@@ -74,10 +74,19 @@ def init_train_state(params, tx) -> TrainState:
     )
 
 
-def sequence_logp(params, model_config, tokens_BxT, valid_BxT, temperature):
-    """Per-token log-probs aligned with tokens, and the logits."""
-    logits = model_lib.apply(params, model_config, tokens_BxT, valid_BxT=valid_BxT)
-    return model_lib.token_logp(logits, tokens_BxT, temperature), logits
+@flax.struct.dataclass
+class Prepared:
+    """Everything the PPO updates need that is fixed for the whole step."""
+
+    behav_BxT: jax.Array  # float32 behaviour log-probs
+    prox_BxT: jax.Array  # float32 proximal log-probs (params at the start of the step)
+    advantages_BxT: jax.Array
+    loss_mask_BxT: jax.Array  # valid completion tokens
+    mask_BxT: jax.Array  # after the batch-level M2PO mask (loss_mask if it is taken later)
+    entropy_BxT: jax.Array  # of the proximal policy
+    eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
+    eps_clip_higher: Any
+    m2_stats: dict  # batch-level M2PO statistics ({} when the mask is taken later)
 
 
 def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None):
@@ -113,11 +122,19 @@ def _unmasked_stats(behav, prox, loss_mask) -> dict:
     }
 
 
-def _needs_minibatch_mask(actor: ActorSection) -> bool:
-    return actor.m2po_scope == "minibatch" or actor.m2po_second_moment != "behav_prox"
+def _mask_per_minibatch(actor: ActorSection) -> bool:
+    """The mask is taken per minibatch or micro-batch: its scope says so, or its second
+    moment needs the current policy, which changes after each minibatch's update."""
+    return actor.m2po_scope in ("minibatch", "microbatch") or (
+        actor.m2po_second_moment != "behav_prox"
+    )
 
 
-def _clip_range(actor: ActorSection, behav, prox, loss_mask, adv, threshold):
+def _threshold(actor: ActorSection):
+    return None if actor.m2_threshold is None else jnp.float32(actor.m2_threshold)
+
+
+def _clip_range(actor: ActorSection, behav, prox, loss_mask, adv):
     """(eps_clip, eps_clip_higher); the authors' capped-mean rule turns tau into [e^-t, e^t].
 
     The budget applies to m2 = (behav - prox)^2 at the start of the step (in the authors'
@@ -129,55 +146,20 @@ def _clip_range(actor: ActorSection, behav, prox, loss_mask, adv, threshold):
         candidates = loss_mask
         if actor.m2po_candidates == "harmful":
             candidates = loss_mask & masking.m2po_harmful_tokens(behav, prox, adv)
-        bound = masking.m2po_clip_bound(m2, candidates, threshold)
+        bound = masking.m2po_clip_bound(m2, candidates, _threshold(actor))
         return 1.0 - jnp.exp(-bound), jnp.exp(bound) - 1.0
     return actor.eps_clip, actor.eps_clip_higher
 
 
-def train_step(
-    state: TrainState,
-    batch: TrainBatch,
-    rng: jax.Array,
-    ref_params=None,
-    *,
-    model_config: model_lib.ModelConfig,
-    actor: ActorSection,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    mask_fn=None,
-) -> tuple[TrainState, dict]:
-    """One RL update of `state` on `batch`; see the module docstring.
-
-    `mask_fn`, when given, replaces the global M2PO mask (used for the per-shard scope).
-    """
-    temperature = actor.temperature
-    threshold = None if actor.m2_threshold is None else jnp.float32(actor.m2_threshold)
-    loss_mask = batch.loss_mask_BxT
-    behav = batch.behav_logp_BxT.astype(jnp.float32)
-
-    prox, logits = sequence_logp(
-        state.params, model_config, batch.tokens_BxT, batch.valid_BxT, temperature
-    )
-    prox = jax.lax.stop_gradient(prox)
-    entropy = model_lib.token_entropy(jax.lax.stop_gradient(logits), temperature)
-    del logits
-    if not actor.recompute_logprob:
-        prox = behav
-
-    ref_logp = None
-    if ref_params is not None and actor.kl_ctl > 0:
-        ref_logp, _ = sequence_logp(
-            ref_params, model_config, batch.tokens_BxT, batch.valid_BxT, temperature
-        )
-        ref_logp = jax.lax.stop_gradient(ref_logp)
+def _advantages(actor: ActorSection, rewards_B, loss_mask, behav, ref_logp):
     rewards = adv_lib.transform_rewards(
-        batch.rewards_B,
+        rewards_B,
         reward_bias=actor.reward_bias,
         reward_scaling=actor.reward_scaling,
         reward_clip=actor.reward_clip,
     )
     rn = actor.reward_norm
-    advantages = adv_lib.grpo_token_advantages(
+    return adv_lib.grpo_token_advantages(
         rewards,
         loss_mask,
         group_size=rn.group_size,
@@ -193,53 +175,147 @@ def train_step(
         adv_norm=actor.adv_norm,
     )
 
-    per_minibatch_mask = _needs_minibatch_mask(actor)
-    if per_minibatch_mask:
+
+def prepare(
+    params,
+    batch: TrainBatch,
+    ref_params=None,
+    *,
+    model_config: model_lib.ModelConfig,
+    actor: ActorSection,
+    n_parts: int = 1,
+    mask_fn=None,
+) -> Prepared:
+    """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
+
+    The log-probs are recomputed without gradient, `n_parts` groups of rows at a time
+    (the trainer passes minibatches x micro-batches, so no pass is larger than a
+    training micro-batch). `mask_fn`, when given, replaces the global M2PO mask (the
+    per-shard scope).
+    """
+    temperature, chunk = actor.temperature, actor.logp_chunk_size
+    loss_mask = batch.loss_mask_BxT
+    behav = batch.behav_logp_BxT.astype(jnp.float32)
+    tokens, valid = batch.tokens_BxT, batch.valid_BxT
+    prox, entropy = logprobs.micro_batched_logp(
+        params, model_config, tokens, valid, temperature, chunk, n_parts
+    )
+    if not actor.recompute_logprob:
+        prox = behav
+    ref_logp = None
+    if ref_params is not None and actor.kl_ctl > 0:
+        ref_logp, _ = logprobs.micro_batched_logp(
+            ref_params, model_config, tokens, valid, temperature, chunk, n_parts
+        )
+    advantages = _advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
+    threshold = _threshold(actor)
+    if _mask_per_minibatch(actor):
         mask, m2_stats = loss_mask, {}
     elif mask_fn is not None and actor.m2_threshold is not None:
         mask, m2_stats = mask_fn(behav, prox, loss_mask, threshold)
     else:
         mask, m2_stats = _m2po(actor, behav, prox, loss_mask, advantages, threshold=threshold)
-    eps_clip, eps_clip_higher = _clip_range(actor, behav, prox, loss_mask, advantages, threshold)
+    eps_clip, eps_clip_higher = _clip_range(actor, behav, prox, loss_mask, advantages)
+    return Prepared(
+        behav_BxT=behav,
+        prox_BxT=prox,
+        advantages_BxT=advantages,
+        loss_mask_BxT=loss_mask,
+        mask_BxT=mask,
+        entropy_BxT=entropy,
+        eps_clip=eps_clip,
+        eps_clip_higher=eps_clip_higher,
+        m2_stats=m2_stats,
+    )
 
+
+def _rejection(actor: ActorSection) -> losses.RejectionSampling | None:
+    rs = actor.rejection_sampling
+    if not rs.enabled:
+        return None
+    return losses.RejectionSampling(
+        level=rs.level,
+        action=rs.action,
+        metric=rs.metric,
+        agg=rs.agg,
+        upper=rs.upper,
+        lower=rs.lower,
+    )
+
+
+def combine_stats(stats: dict, weights: jax.Array) -> dict:
+    """Per-part statistics stacked on axis 0 -> one value each: token counts add up,
+    minima and maxima stay extreme, the rest are means weighted by `weights`."""
+    share = weights / jnp.maximum(jnp.sum(weights), 1)
+    out = {}
+    for name, values in stats.items():
+        if name.endswith("_tokens"):
+            out[name] = jnp.sum(values)
+        elif name.endswith("_min"):
+            out[name] = jnp.min(values)
+        elif name.endswith("_max"):
+            out[name] = jnp.max(values)
+        else:
+            out[name] = jnp.sum(values * share)
+    return out
+
+
+def ppo_updates(
+    params,
+    opt_state,
+    batch: TrainBatch,
+    prep: Prepared,
+    rng: jax.Array,
+    *,
+    model_config: model_lib.ModelConfig,
+    actor: ActorSection,
+    tx: optax.GradientTransformation,
+    n_micro: int = 1,
+    mask_fn=None,
+):
+    """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over `n_micro`
+    micro-batches (`lax.scan` in `lax.scan`); returns (params, opt_state, stats per minibatch).
+
+    Each micro-batch's loss is divided by the whole minibatch's token count, so the summed
+    gradient is the unsplit minibatch's. Under `m2po_scope="microbatch"` the mask is taken
+    inside each micro-batch's loss (with `mask_fn`: on each data shard), which then uses its
+    own denominator and is weighted by its share of the minibatch's valid tokens: AReaL's
+    `_apply_m2po_masking` per micro-batch and its `loss_weight_fn`.
+    A non-finite minibatch leaves params and optimizer state untouched (the other
+    minibatches of the step still apply).
+    """
+    temperature, chunk = actor.temperature, actor.logp_chunk_size
     n_mb = actor.ppo_n_minibatches
     rows = batch.tokens_BxT.shape[0]
     perm = jax.random.permutation(rng, rows)
-
-    def split(x):
-        return x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:])
-
+    fields = {
+        "tokens": batch.tokens_BxT,
+        "valid": batch.valid_BxT,
+        "behav": prep.behav_BxT,
+        "prox": prep.prox_BxT,
+        "adv": prep.advantages_BxT,
+        "loss_mask": prep.loss_mask_BxT,
+        "mask": prep.mask_BxT,
+    }
     minibatches = jax.tree.map(
-        split,
-        {
-            "tokens": batch.tokens_BxT,
-            "valid": batch.valid_BxT,
-            "behav": behav,
-            "prox": prox,
-            "adv": advantages,
-            "loss_mask": loss_mask,
-            "mask": mask,
-        },
+        lambda x: x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), fields
     )
-    rs = actor.rejection_sampling
-    rejection = (
-        losses.RejectionSampling(
-            level=rs.level,
-            action=rs.action,
-            metric=rs.metric,
-            agg=rs.agg,
-            upper=rs.upper,
-            lower=rs.lower,
-        )
-        if rs.enabled
-        else None
-    )
+    threshold, rejection = _threshold(actor), _rejection(actor)
+    per_minibatch = _mask_per_minibatch(actor)
+    # Where the mask is taken inside the loss (a micro-batch at a time) and where before
+    # the micro-batches are split (a minibatch at a time).
+    mask_in_loss = actor.m2po_scope == "microbatch" or (per_minibatch and n_micro == 1)
+    mask_before_split = per_minibatch and not mask_in_loss
 
-    def loss_fn(params, mb):
-        logp, _ = sequence_logp(params, model_config, mb["tokens"], mb["valid"], temperature)
-        mb_mask, mb_stats = mb["mask"], {}
-        if per_minibatch_mask:
-            mb_mask, mb_stats = _m2po(
+    def loss_fn(params, mb, count, weight):
+        logp, _ = logprobs.sequence_logp(
+            params, model_config, mb["tokens"], mb["valid"], temperature, chunk, False
+        )
+        mask, m2_stats = mb["mask"], {}
+        if mask_in_loss and mask_fn is not None and actor.m2_threshold is not None:
+            mask, m2_stats = mask_fn(mb["behav"], mb["prox"], mb["loss_mask"], threshold)
+        elif mask_in_loss:
+            mask, m2_stats = _m2po(
                 actor,
                 mb["behav"],
                 mb["prox"],
@@ -253,9 +329,9 @@ def train_step(
             mb["prox"],
             mb["behav"],
             mb["adv"],
-            mb_mask,
-            eps_clip=eps_clip,
-            eps_clip_higher=eps_clip_higher,
+            mask,
+            eps_clip=prep.eps_clip,
+            eps_clip_higher=prep.eps_clip_higher,
             c_clip=actor.c_clip,
             use_decoupled_loss=actor.use_decoupled_loss,
             importance_sampling_level=actor.importance_sampling_level,
@@ -265,59 +341,153 @@ def train_step(
             sapo_tau_neg=actor.sapo_tau_neg,
             denominator=actor.loss_denominator,
             valid_mask_BxT=mb["loss_mask"],
+            count=count,
         )
-        return loss, {**stats, **mb_stats}
+        return loss * weight, {**stats, **m2_stats}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def update(carry, mb):
+    def minibatch_update(carry, mb):
         params, opt_state = carry
-        (loss, stats), grads = grad_fn(params, mb)
+        m2_stats = {}
+        if mask_before_split:
+            logp_now = None
+            if actor.m2po_second_moment != "behav_prox":
+                logp_now, _ = logprobs.micro_batched_logp(
+                    params, model_config, mb["tokens"], mb["valid"], temperature, chunk, n_micro
+                )
+            mb["mask"], m2_stats = _m2po(
+                actor, mb["behav"], mb["prox"], mb["loss_mask"], mb["adv"], logp_now, threshold
+            )
+        n_valid = jnp.sum(mb["loss_mask"])
+        count = None
+        if not mask_in_loss:
+            count = jnp.sum(mb["mask"] if actor.loss_denominator == "kept" else mb["loss_mask"])
+
+        def accumulate(grads, part):
+            part_valid = jnp.sum(part["loss_mask"])
+            weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0
+            (loss, stats), part_grads = grad_fn(params, part, count, weight)
+            grads = jax.tree.map(lambda g, p: g + p.astype(g.dtype), grads, part_grads)
+            return grads, (loss, stats, part_valid)
+
+        if n_micro == 1:  # no accumulator: one gradient-sized buffer less
+            (loss, stats), grads = grad_fn(params, mb, count, 1.0)
+            part_loss, part_stats, part_valid = jax.tree.map(
+                lambda x: x[None], (loss, stats, n_valid)
+            )
+        else:
+            micro = jax.tree.map(lambda x: batching.split_rows(x, n_micro), mb)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            grads, (part_loss, part_stats, part_valid) = jax.lax.scan(accumulate, zeros, micro)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        loss = jnp.sum(part_loss)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        # A non-finite minibatch must not touch params or optimizer moments.
-        keep = lambda new, old: jnp.where(finite, new, old)
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        stats = {**stats, "loss": loss, "grad_norm": grad_norm, "finite": finite}
-        return (params, opt_state), stats
 
-    (params, opt_state), mb_stats = jax.lax.scan(
-        update, (state.params, state.opt_state), minibatches
+        def apply_update(operands):
+            params, opt_state, grads = operands
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        # A non-finite minibatch touches neither params nor optimizer moments. A `cond`,
+        # unlike a select between old and new, updates the state in place.
+        params, opt_state = jax.lax.cond(
+            finite, apply_update, lambda operands: operands[:2], (params, opt_state, grads)
+        )
+        stats = {**combine_stats(part_stats, part_valid), **m2_stats}
+        stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
+        return (params, opt_state), (stats, n_valid)
+
+    (params, opt_state), (stats, mb_valid) = jax.lax.scan(
+        minibatch_update, (params, opt_state), minibatches
+    )
+    return params, opt_state, stats, mb_valid
+
+
+def step_metrics(
+    state: TrainState, params, prep: Prepared, mb_stats: dict, mb_valid, all_finite, schedule, n_mb
+) -> dict:
+    """The step's flat metrics dict (minibatch statistics combined, M2PO, entropy, norms)."""
+    loss_mask, n_valid = prep.loss_mask_BxT, jnp.maximum(jnp.sum(prep.loss_mask_BxT), 1)
+    grad_norm_BxM = mb_stats.pop("grad_norm")
+    metrics = combine_stats(mb_stats, mb_valid)
+    metrics["grad_norm"] = jnp.mean(grad_norm_BxM)
+    metrics["actor/loss"] = metrics["loss"]
+    metrics.update(prep.m2_stats)
+    metrics.update(
+        {
+            "train/nonfinite": 1 - all_finite.astype(jnp.int32),
+            "train/lr": schedule(state.step * n_mb),
+            "train/entropy": jnp.sum(prep.entropy_BxT * loss_mask) / n_valid,
+            "train/tokens": jnp.sum(loss_mask),
+            "train/adv_abs_mean": jnp.sum(jnp.abs(prep.advantages_BxT) * loss_mask) / n_valid,
+            "train/grad_norm_max": jnp.max(grad_norm_BxM),
+            "train/param_norm": optax.tree.norm(params),
+            "train/behav_prox_abs_diff": jnp.sum(
+                jnp.abs(prep.behav_BxT - prep.prox_BxT) * loss_mask
+            )
+            / n_valid,
+        }
+    )
+    if isinstance(prep.eps_clip, jax.Array):
+        metrics["m2po/clip_bound_low"] = 1.0 - prep.eps_clip
+        metrics["m2po/clip_bound_high"] = 1.0 + prep.eps_clip_higher
+    return metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: TrainBatch,
+    rng: jax.Array,
+    ref_params=None,
+    *,
+    model_config: model_lib.ModelConfig,
+    actor: ActorSection,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    mask_fn=None,
+) -> tuple[TrainState, dict]:
+    """One RL update of `state` on `batch`: `prepare`, `ppo_updates`, `step_metrics`.
+
+    Micro-batches per minibatch follow `actor.mb_spec` and the batch's static shape.
+    `mask_fn`, when given, replaces the M2PO mask (the per-shard scope).
+    """
+    n_mb = actor.ppo_n_minibatches
+    rows, seq_len = batch.tokens_BxT.shape
+    mb = actor.mb_spec
+    n_micro = batching.micro_batch_count(rows // n_mb, seq_len, mb.n_mbs, mb.max_tokens_per_mb)
+    prep = prepare(
+        state.params,
+        batch,
+        ref_params,
+        model_config=model_config,
+        actor=actor,
+        n_parts=n_mb * n_micro,
+        mask_fn=mask_fn,
+    )
+    params, opt_state, mb_stats, mb_valid = ppo_updates(
+        state.params,
+        state.opt_state,
+        batch,
+        prep,
+        rng,
+        model_config=model_config,
+        actor=actor,
+        tx=tx,
+        n_micro=n_micro,
+        mask_fn=mask_fn,
     )
     all_finite = jnp.all(mb_stats.pop("finite"))
-    # The whole step is undone if any minibatch was non-finite.
-    params = jax.tree.map(lambda new, old: jnp.where(all_finite, new, old), params, state.params)
-    opt_state = jax.tree.map(
-        lambda new, old: jnp.where(all_finite, new, old), opt_state, state.opt_state
-    )
     new_state = TrainState(
         step=state.step + 1,
         params=params,
         opt_state=opt_state,
         nonfinite_steps=jnp.where(all_finite, 0, state.nonfinite_steps + 1),
     )
-
-    n_valid = jnp.maximum(jnp.sum(loss_mask), 1)
-    metrics = {k: jnp.mean(v) for k, v in mb_stats.items()}
-    metrics.update(m2_stats)
-    metrics.update(
-        {
-            "train/nonfinite": 1 - all_finite.astype(jnp.int32),
-            "train/lr": schedule(state.step * n_mb),
-            "train/entropy": jnp.sum(entropy * loss_mask) / n_valid,
-            "train/tokens": jnp.sum(loss_mask),
-            "train/adv_abs_mean": jnp.sum(jnp.abs(advantages) * loss_mask) / n_valid,
-            "train/grad_norm_max": jnp.max(mb_stats["grad_norm"]),
-            "train/param_norm": optax.tree.norm(params),
-            "train/behav_prox_abs_diff": jnp.sum(jnp.abs(behav - prox) * loss_mask) / n_valid,
-        }
+    metrics = step_metrics(
+        state, new_state.params, prep, mb_stats, mb_valid, all_finite, schedule, n_mb
     )
-    if isinstance(eps_clip, jax.Array):
-        metrics["m2po/clip_bound_low"] = 1.0 - eps_clip
-        metrics["m2po/clip_bound_high"] = 1.0 + eps_clip_higher
     return new_state, metrics
 
 
@@ -338,7 +508,9 @@ def make_train_step(
 
 def sft_loss(params, model_config, tokens_BxT, valid_BxT, target_mask_BxT):
     """Mean negative log-likelihood of the target tokens (supervised warm-up)."""
-    logp, _ = sequence_logp(params, model_config, tokens_BxT, valid_BxT, 1.0)
+    logp, _ = logprobs.sequence_logp(
+        params, model_config, tokens_BxT, valid_BxT, 1.0, logprobs.DEFAULT_CHUNK, False
+    )
     count = jnp.maximum(jnp.sum(target_mask_BxT), 1)
     return -jnp.sum(logp * target_mask_BxT) / count
 

@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from absl import logging
 
+from m2po_jax import batching, memory, sampling, sharding
 from m2po_jax import checkpoint as ckpt_lib
-from m2po_jax import memory, sampling, sharding
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
@@ -169,7 +169,12 @@ class Trainer:
         """Every batch the run makes must split evenly over the mesh's batch shards."""
         cfg, check = self.cfg, self.placement.check_rows
         check("rollout.batch_size", cfg.rollout.batch_size)
-        check("rows per minibatch", rows // cfg.actor.ppo_n_minibatches)
+        rows_mb = rows // cfg.actor.ppo_n_minibatches
+        check("rows per minibatch", rows_mb)
+        mb = cfg.actor.mb_spec
+        seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+        n_micro = batching.micro_batch_count(rows_mb, seq_len, mb.n_mbs, mb.max_tokens_per_mb)
+        check(f"rows per micro-batch ({n_micro} per minibatch)", rows_mb // n_micro)
         check("eval.batch_size", cfg.eval.batch_size)
         if cfg.sft.max_steps:
             check("sft.batch_size", cfg.sft.batch_size)
@@ -203,9 +208,6 @@ class Trainer:
     def _make_train_step(self):
         """The jitted train step, with the state donated and laid out by the placement."""
         cfg, a = self.cfg, self.cfg.actor
-        state_sh = self.placement.state_shardings(self.state)
-        batch_sh = self.placement.train_batch_shardings()
-        ref_sh = self.placement.train_params if a.kl_ctl > 0 else None
         mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
         return step_lib.make_train_step(
             self.model_config,
@@ -213,10 +215,7 @@ class Trainer:
             self.tx,
             self.schedule,
             mask_fn=mask_fn,
-            jit_kwargs=dict(
-                in_shardings=(state_sh, batch_sh, self.placement.replicated, ref_sh),
-                out_shardings=(state_sh, self.placement.replicated),
-            ),
+            jit_kwargs=self.placement.train_step_shardings(self.state, with_ref=a.kl_ctl > 0),
         )
 
     def _init_state(self, params) -> step_lib.TrainState:
@@ -227,21 +226,28 @@ class Trainer:
         return init(params)
 
     def _check_memory(self, rows: int):
-        cfg = self.cfg
+        cfg, a = self.cfg, self.cfg.actor
         seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
-        plan = memory.memory_plan(
-            self.model_config,
-            self.placement.mesh,
-            batch=rows,
+        rows_mb = rows // a.ppo_n_minibatches
+        n_micro = batching.micro_batch_count(
+            rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
+        )
+        kwargs = dict(
+            batch=rows_mb,
             seq_len=seq_len,
-            micro_batch=rows // cfg.actor.ppo_n_minibatches,
+            micro_batch=rows_mb // n_micro,
             kv_cache_batch=rows,
             kv_cache_len=seq_len,
+            logp_chunk=a.logp_chunk_size,
         )
+        plan = memory.memory_plan(self.model_config, self.placement.mesh, **kwargs)
         if jax.process_index() == 0:
             logging.warning("memory plan per device:\n%s", plan.format())
         limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
-        memory.check_fits(plan, limit)
+        limit = limit or memory.device_memory_limit()
+        if limit is not None and plan.total > limit:
+            fixes = memory.remedies(self.model_config, self.placement.mesh, limit, **kwargs)
+            memory.check_fits(plan, limit, fixes)
         return plan
 
     # ---- rollouts and evaluation -------------------------------------------------------

@@ -2,8 +2,11 @@
 
 import pytest
 
+from m2po_jax import config as config_lib
 from m2po_jax import memory, sharding
 from m2po_jax import model as model_lib
+from m2po_jax import placement as placement_lib
+from m2po_jax.configs import default
 
 CFG = model_lib.ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
@@ -34,9 +37,14 @@ def test_memory_plan_scales_with_fsdp():
     assert tp.kv_cache == 2 * 2 * 2 * 48 * 1 * 8 * 4  # 2 rows per device, kv heads split
     half = memory.memory_plan(CFG, mesh_of("fsdp8"), **{**kwargs, "micro_batch": 8})
     assert half.activations * 2 == fsdp8.activations
-    assert half.logits == 2 * 1 * 32 * 64 * 4  # f32 logits and grad, 1 row per device
-    remat = memory.memory_plan(CFG, mesh_of("fsdp8"), **kwargs, remat=True)
-    assert remat.activations < fsdp8.activations
+    # The head's chunk: 1 row per device x 31 predicting columns x V, f32 logits, softmax, grad.
+    assert half.logits == 3 * 1 * 31 * 64 * 4
+    assert half.gradients == fsdp8.gradients + fsdp8.params  # + the f32 accumulator
+    # Remat keeps one layer's input per layer plus one layer (and its gradients) in flight.
+    deep = CFG.replace(num_layers=8)
+    full = memory.memory_plan(deep, mesh_of("fsdp8"), **kwargs)
+    remat = memory.memory_plan(deep, mesh_of("fsdp8"), **kwargs, remat=True)
+    assert remat.activations == 8 * 2 * 32 * 32 * 4 + 2 * full.activations // 8
     bf16 = memory.memory_plan(CFG, mesh_of("fsdp8"), **kwargs, param_dtype_bytes=2)
     assert bf16.params * 2 == fsdp8.params
     assert fsdp8.total == sum(
@@ -65,3 +73,62 @@ def test_check_fits():
     # CPU devices report no memory limit: the check is skipped.
     if memory.device_memory_limit() is None:
         assert memory.check_fits(plan) is None
+
+
+def _actor(n_mbs):
+    c = default.get_config().to_dict()
+    c["actor"]["mb_spec"] = {"n_mbs": n_mbs, "max_tokens_per_mb": 0}
+    return config_lib.from_configdict(c).actor
+
+
+BASE = dict(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+)
+
+
+@pytest.mark.parametrize(
+    "model,rows,seq_len,n_mbs",
+    [
+        (BASE, 8, 512, 1),
+        ({**BASE, "remat": True}, 8, 512, 4),
+        (dict(BASE, vocab_size=151936, hidden_size=128, tie_word_embeddings=True), 8, 256, 2),
+    ],
+    ids=["no-remat", "remat-4-micro", "152k-vocab-tied"],
+)
+def test_memory_plan_is_within_25_percent_of_xla(model, rows, seq_len, n_mbs):
+    config = model_lib.ModelConfig(**model)
+    placement = placement_lib.Placement.from_shape({"data": 1, "fsdp": 1, "tensor": 1}, config)
+    xla = memory.compiled_step_memory(config, _actor(n_mbs), placement, rows=rows, seq_len=seq_len)
+    held = (
+        xla.argument_size_in_bytes
+        + xla.temp_size_in_bytes
+        + xla.output_size_in_bytes
+        - xla.alias_size_in_bytes
+    )
+    plan = memory.memory_plan(
+        config, placement.mesh, batch=rows, seq_len=seq_len, micro_batch=rows // n_mbs
+    )
+    assert 0.75 <= plan.train_step / held <= 1.25, (plan.format(), held)
+
+
+def test_a_run_that_does_not_fit_is_told_which_setting_fits():
+    mesh = mesh_of("data8")
+    # Activations dominate: two micro-batches halve them.
+    kwargs = dict(batch=64, seq_len=256, micro_batch=64)
+    plan = memory.memory_plan(CFG, mesh, **kwargs)
+    fixes = memory.remedies(CFG, mesh, plan.total * 3 // 4, **kwargs)
+    assert fixes == [f"2 micro-batches per minibatch (actor.mb_spec.n_mbs) ({0.01:.2f} GiB)"]
+    with pytest.raises(MemoryError, match="it would fit with 2 micro-batches"):
+        memory.check_fits(plan, plan.total * 3 // 4, fixes)
+    # Replicated params dominate: sharding them over the data axis is what fits.
+    big_vocab = CFG.replace(vocab_size=32000)
+    plan = memory.memory_plan(big_vocab, mesh, **kwargs)
+    fixes = memory.remedies(big_vocab, mesh, plan.total * 3 // 4, **kwargs)
+    assert len(fixes) == 1 and fixes[0].startswith("mesh.data=1 mesh.fsdp=8")
+    with pytest.raises(MemoryError, match="no single setting makes it fit"):
+        memory.check_fits(plan, plan.total // 100, [])

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from m2po_jax import config as config_lib
+from m2po_jax import logprobs, sampling
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
-from m2po_jax import sampling
 from m2po_jax import train_step as step_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
@@ -128,7 +128,7 @@ def test_per_shard_mask_scope_differs_from_global_and_trains():
     placement = placement_lib.Placement.from_shape(MESHES["data8"], MODEL)
     batch = synthetic_batch()
     params = placement.init_params(jax.random.key(0))
-    prox, _ = step_lib.sequence_logp(
+    prox, _ = logprobs.sequence_logp(
         params, MODEL, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.valid_BxT), 1.0
     )
     args = placement.to_global((batch.behav_logp_BxT, np.asarray(prox), batch.loss_mask_BxT))

@@ -4,9 +4,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from m2po_jax import config as config_lib
+from m2po_jax import logprobs, losses, masking
 from m2po_jax import model as model_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax.configs import arith
@@ -35,7 +37,7 @@ def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0):
     valid = np.ones_like(tokens, bool)
     loss_mask = np.zeros_like(valid)
     loss_mask[:, prompt:] = True
-    prox, _ = step_lib.sequence_logp(params, MODEL, tokens, valid, 1.0)
+    prox, _ = logprobs.sequence_logp(params, MODEL, tokens, valid, 1.0)
     behav = np.asarray(prox) * loss_mask
     if off_policy:
         behav = behav + rng.normal(0, 0.5, behav.shape).astype(np.float32) * loss_mask
@@ -81,7 +83,7 @@ def test_m2po_masks_off_policy_tokens_and_reports_the_second_moment():
     params, state, step = setup(actor())
     b = batch(params)
     _, metrics = step(state, b, jax.random.key(0), None)
-    prox, _ = step_lib.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
     mask = np.asarray(b.loss_mask_BxT)
     m2 = (np.asarray(b.behav_logp_BxT) - np.asarray(prox)) ** 2
     np.testing.assert_allclose(metrics["m2po/m2_before"], m2[mask].mean(), rtol=1e-4)
@@ -131,3 +133,112 @@ def test_same_shapes_do_not_recompile():
     state = step_lib.init_train_state(params, tx)
     for seed, b in enumerate(batches):
         state, _ = step(state, b, jax.random.key(seed))
+
+
+def _mb_actor(preset="m2po", n_mbs=1, max_tokens=0, **changes):
+    c = arith.get_config(preset).to_dict()
+    c["actor"].update(ppo_n_minibatches=2, logp_chunk_size=5, **changes)
+    c["actor"]["mb_spec"] = {"n_mbs": n_mbs, "max_tokens_per_mb": max_tokens}
+    c["actor"]["optimizer"]["lr"] = 1e-3
+    return config_lib.from_configdict(c).actor
+
+
+def _two_steps(a, seed=0):
+    params, state, step = setup(a)
+    metrics = []
+    for i in range(2):
+        state, m = step(state, batch(params, seed=seed + i), jax.random.key(i), None)
+        metrics.append(m)
+    return state, metrics
+
+
+def _assert_same_params(x, y, atol=1e-5):
+    for a, b in zip(jax.tree.leaves(x.params), jax.tree.leaves(y.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "preset,mb_spec",
+    [
+        ("m2po", {"n_mbs": 2}),
+        ("m2po", {"n_mbs": 4}),
+        ("m2po", {"max_tokens": 14}),  # 4 rows x 7 tokens per minibatch -> 2 micro-batches
+        ("paper", {"n_mbs": 2}),  # per-minibatch mask from the current policy
+        ("authors", {"n_mbs": 2}),
+        ("stale_grpo", {"n_mbs": 4}),
+    ],
+)
+def test_micro_batched_step_equals_unsplit_step(preset, mb_spec):
+    whole, whole_metrics = _two_steps(_mb_actor(preset))
+    split, split_metrics = _two_steps(_mb_actor(preset, **mb_spec))
+    _assert_same_params(whole, split)
+    for name in ("actor/loss", "m2po/masked_fraction", "actor/kept_tokens", "actor/approx_kl"):
+        if name in whole_metrics[1]:
+            np.testing.assert_allclose(split_metrics[1][name], whole_metrics[1][name], atol=1e-5)
+    initial = setup(_mb_actor(preset))[0]
+    moved = [
+        float(jnp.abs(x - y).max())
+        for x, y in zip(jax.tree.leaves(whole.params), jax.tree.leaves(initial), strict=True)
+    ]
+    assert max(moved) > 1e-4  # the steps did train
+
+
+def test_microbatch_scope_with_one_micro_batch_is_the_minibatch_scope():
+    one, _ = _two_steps(_mb_actor(m2po_scope="microbatch"))
+    minibatch, _ = _two_steps(_mb_actor(m2po_scope="minibatch"))
+    _assert_same_params(one, minibatch)
+
+
+def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
+    """Reference: one unsplit loss over each minibatch in which micro-batch i (rows i, i+n,
+    ...) has its own M2PO mask and denominator, weighted by its share of valid tokens."""
+    n_micro = 2
+    a = _mb_actor(m2po_scope="microbatch", n_mbs=n_micro)
+    params, state, step = setup(a)
+    b = batch(params, seed=7)
+    new_state, metrics = step(state, b, jax.random.key(3), None)
+
+    tx, _ = step_lib.make_optimizer(a.optimizer, 10)
+    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    adv = step_lib._advantages(a, b.rewards_B, b.loss_mask_BxT, b.behav_logp_BxT, None)
+    rows = b.tokens_BxT.shape[0]
+    perm = np.asarray(jax.random.permutation(jax.random.key(3), rows))
+    ref_params, opt_state = params, tx.init(params)
+    masked = 0
+    for mb_rows in perm.reshape(2, rows // 2):
+        parts = [mb_rows[i::n_micro] for i in range(n_micro)]
+        masks = []
+        for part in parts:
+            masks.append(
+                masking.m2po_mask(b.behav_logp_BxT[part], prox[part], b.loss_mask_BxT[part], 0.04)
+            )
+            masked += int(jnp.sum(b.loss_mask_BxT[part] & ~masks[-1]))
+
+        def loss(p, mb_rows=mb_rows, parts=parts, masks=masks):
+            logits = model_lib.apply(
+                p, MODEL, b.tokens_BxT[mb_rows], valid_BxT=b.valid_BxT[mb_rows]
+            )
+            logp = model_lib.token_logp(logits, b.tokens_BxT[mb_rows])
+            index = {int(r): j for j, r in enumerate(mb_rows)}
+            n_valid = jnp.sum(b.loss_mask_BxT[mb_rows])
+            total = 0.0
+            for part, mask in zip(parts, masks, strict=True):
+                local = np.array([index[int(r)] for r in part])
+                part_loss, _ = losses.policy_loss(
+                    logp[local],
+                    prox[part],
+                    b.behav_logp_BxT[part],
+                    adv[part],
+                    mask,
+                    eps_clip=a.eps_clip,
+                    rejection_sampling=step_lib._rejection(a),
+                )
+                total = total + part_loss * jnp.sum(b.loss_mask_BxT[part]) / n_valid
+            return total
+
+        grads = jax.grad(loss)(ref_params)
+        updates, opt_state = tx.update(grads, opt_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    assert masked > 0 and int(metrics["m2po/masked_tokens"]) == masked
+    for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)

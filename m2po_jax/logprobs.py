@@ -1,0 +1,141 @@
+"""Token log-probs and entropies without materialising [B, T, V] logits.
+
+At the vocabularies real checkpoints use (128k-152k), float32 logits of a batch are the
+largest tensor of a train step (a 0.5B model's logits outweigh the rest of its
+activations). Here the output head is applied to the final hidden states one chunk of
+columns at a time inside a `lax.scan` whose body is rematerialised (`jax.checkpoint`):
+the forward pass keeps only [B, T] results, and the backward pass recomputes each
+chunk's logits. Peak head memory is about `chunk x V` floats instead of `rows x T x V`,
+`chunk` counting tokens (rows x columns) of the batch the function sees.
+
+    logp_BxT, entropy_BxT = sequence_logp(params, config, tokens_BxT, valid_BxT,
+                                          temperature=1.0, chunk=1024)
+
+Alignment follows `model.token_logp`: column t holds log p(tokens[:, t] | tokens[:, :t]);
+column 0 is 0. Temperature divides the logits first, as the sampler does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from m2po_jax import model as model_lib
+from m2po_jax.batching import merge_rows, split_rows
+
+DEFAULT_CHUNK = 1024  # tokens per output-head chunk
+
+
+def _chunk_logp_entropy(hidden_BxCxE, head_ExV, targets_BxC, temperature, with_entropy):
+    """log p(target) and entropy (or None) of softmax(hidden @ head / temperature), f32 [B, C]."""
+    logits = model_lib.dense(hidden_BxCxE, head_ExV).astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_BxC[..., None], axis=-1)[..., 0]
+    if not with_entropy:
+        return picked - lse, None
+    probs = jnp.exp(logits - lse[..., None])
+    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    return picked - lse, entropy
+
+
+def head_logp_entropy(
+    hidden_BxTxE: jax.Array,
+    head_ExV: jax.Array,
+    tokens_BxT: jax.Array,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs and entropies of the next tokens from final hidden states, chunk by chunk.
+
+    `logits[:, t] = hidden[:, t] @ head / temperature` predicts `tokens[:, t + 1]`. The
+    T - 1 predicting columns are cut into chunks of max(1, chunk // B) columns (the last
+    padded), so a chunk holds about `chunk` tokens;
+    each chunk's logits exist only inside one rematerialised scan iteration, in the forward
+    and in the backward pass. Values and gradients equal `model.token_logp` /
+    `model.token_entropy` of the full logits up to float reordering.
+
+    Args:
+      hidden_BxTxE: final-normed hidden states (`model.apply(..., hidden_only=True)`).
+      head_ExV: output head (`model.head_weight`), same dtype as the hidden states.
+      tokens_BxT: int token ids.
+      temperature: divides the logits (> 0).
+      chunk: tokens per chunk (>= 1); chunk >= B x (T - 1) is one pass over all columns.
+      with_entropy: False skips the entropy (returned as None).
+
+    Returns:
+      (logp_BxT, entropy_BxT), float32, column 0 zero.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk: must be >= 1, got {chunk}")
+    b, t, e = hidden_BxTxE.shape
+    if t < 2:
+        zeros = jnp.zeros((b, t), jnp.float32)
+        return zeros, zeros if with_entropy else None
+    cols = t - 1
+    width = min(max(chunk // b, 1), cols)
+    n = math.ceil(cols / width)
+    pad = n * width - cols
+    hidden = jnp.pad(hidden_BxTxE[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, pad)))
+    # [n, B, chunk, ...]: the scan walks over column chunks; rows keep their sharding.
+    hidden_NxBxCxE = hidden.reshape(b, n, width, e).swapaxes(0, 1)
+    targets_NxBxC = targets.reshape(b, n, width).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def body(head, xs):
+        h, tgt = xs
+        return _chunk_logp_entropy(h, head, tgt, temperature, with_entropy)
+
+    def step(carry, xs):
+        return carry, body(head_ExV, xs)
+
+    _, (logp_NxBxC, ent_NxBxC) = jax.lax.scan(step, None, (hidden_NxBxCxE, targets_NxBxC))
+
+    def unchunk(x_NxBxC):
+        if x_NxBxC is None:
+            return None
+        x = x_NxBxC.swapaxes(0, 1).reshape(b, n * width)[:, :cols]
+        return jnp.pad(x, ((0, 0), (1, 0)))
+
+    return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
+
+
+def sequence_logp(
+    params,
+    config: model_lib.ModelConfig,
+    tokens_BxT: jax.Array,
+    valid_BxT: jax.Array | None = None,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(logp_BxT, entropy_BxT or None) of `tokens_BxT` under `params`, like `token_logp`."""
+    hidden = model_lib.apply(params, config, tokens_BxT, valid_BxT=valid_BxT, hidden_only=True)
+    head = model_lib.head_weight(params, config)
+    return head_logp_entropy(hidden, head, tokens_BxT, temperature, chunk, with_entropy)
+
+
+def micro_batched_logp(
+    params,
+    config: model_lib.ModelConfig,
+    tokens_BxT: jax.Array,
+    valid_BxT: jax.Array,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    n_micro: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """`sequence_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`)."""
+    if n_micro == 1:
+        return jax.lax.stop_gradient(
+            sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk)
+        )
+
+    def one(xs):
+        tokens, valid = xs
+        return sequence_logp(params, config, tokens, valid, temperature, chunk)
+
+    parts = jax.lax.map(one, (split_rows(tokens_BxT, n_micro), split_rows(valid_BxT, n_micro)))
+    return jax.lax.stop_gradient(jax.tree.map(merge_rows, parts))
