@@ -43,10 +43,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.min_digits = 1  # arith: fewest digits per operand
     c.task.max_digits = 2  # arith: most digits per operand
     c.task.ops = "+"  # arith: operators to draw from, subset of "+-*"
-    c.task.train_path = ""  # gsm8k: training JSONL (question, answer ending in '#### n')
-    c.task.eval_path = ""  # gsm8k: held-out JSONL; "" = hold out the last eval_size records
+    c.task.train_path = ""  # gsm8k: training JSONL or .parquet (question, answer ending '#### n')
+    c.task.eval_path = ""  # gsm8k: held-out JSONL / .parquet; "" = the last eval_size records
     c.task.eval_size = 200  # gsm8k: records held out when eval_path is ""
-    c.task.max_prompt_len = 8  # prompt tokens kept (left-padded to this width, longer cut)
+    c.task.question_key = "question"  # gsm8k: JSON key / Parquet column of the question
+    c.task.answer_key = "answer"  # gsm8k: JSON key / Parquet column of the answer
+    c.task.max_prompt_len = 8  # prompt width in tokens (left-padded to it; see long_prompts)
+    c.task.long_prompts = "left"  # longer prompts: left (keep last tokens) | filter | error
+    c.task.chat_template = "auto"  # auto (the checkpoint's, if any) | on (required) | off (raw)
+    c.task.enable_thinking = placeholder(bool)  # Qwen3 thinking switch; None = template default
     c.task.format_reward = 0.0  # arith: reward for a well-formed but wrong answer (shaping)
     c.task.reward_fn = ""  # "pkg.module:function" (completion, answer) -> float; "" = task's
 

@@ -1,8 +1,8 @@
 """GSM8K with a local Hugging Face checkpoint (Qwen2.5 / Llama / Qwen3) and local JSONL.
 
 Nothing is downloaded: point the config at a checkpoint directory (config.json,
-*.safetensors, tokenizer.json) and at GSM8K-format JSONL files (question, answer ending
-in '#### <number>').
+*.safetensors, tokenizer.json) and at GSM8K-format JSONL or Parquet files (question, answer
+ending in '#### <number>'). Instruct checkpoints get their chat template (task.chat_template).
 
   m2po-train --config=configs/gsm8k.py --workdir=/tmp/gsm8k \
       --config.model.path=/models/Qwen2.5-0.5B-Instruct \
@@ -27,10 +27,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = True
     c.task.name = "gsm8k"
-    c.task.train_path = ""  # required: GSM8K-format JSONL
-    c.task.eval_path = ""  # held-out JSONL ("" = the last task.eval_size training records)
+    c.task.train_path = ""  # required: GSM8K-format JSONL or .parquet
+    c.task.eval_path = ""  # held-out JSONL / .parquet ("" = the last task.eval_size records)
     c.task.eval_size = 200
     c.task.max_prompt_len = 256
+    c.task.long_prompts = "filter"  # drop the few over-long problems at start-up (counted)
     c.sft.max_steps = 0  # start RL from the checkpoint
     c.gconfig.n_samples = 8
     c.gconfig.max_new_tokens = 512

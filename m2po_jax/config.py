@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 
 from m2po_jax import batching
+from m2po_jax.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
 
 
 class ConfigError(ValueError):
@@ -53,7 +54,12 @@ class TaskSection:
     train_path: str
     eval_path: str
     eval_size: int
+    question_key: str
+    answer_key: str
     max_prompt_len: int
+    long_prompts: str
+    chat_template: str
+    enable_thinking: bool | None
     reward_fn: str
     format_reward: float
 
@@ -388,6 +394,11 @@ def validate(cfg: Config) -> Config:
     _check_range("task.min_digits", cfg.task.min_digits, 1)
     _check_range("task.max_digits", cfg.task.max_digits, cfg.task.min_digits)
     _check_range("task.max_prompt_len", cfg.task.max_prompt_len, 1)
+    _check_choice("task.long_prompts", cfg.task.long_prompts, LONG_PROMPT_MODES)
+    _check_choice("task.chat_template", cfg.task.chat_template, CHAT_TEMPLATE_MODES)
+    for key in ("question_key", "answer_key"):
+        if not getattr(cfg.task, key):
+            raise ConfigError(f"task.{key}: expected a column name, got ''")
     _check_range("task.format_reward", cfg.task.format_reward, 0.0, 1.0, high_open=True)
     _check_range("eval.every", cfg.eval.every, 0)
     _check_range("eval.num_examples", cfg.eval.num_examples, 1)

@@ -5,7 +5,8 @@
     tok.eos_ids, tok.pad_id, tok.bos_id
 
 Reads `tokenizer.json` through the `tokenizers` library (no transformers, no network) and the
-special ids from `tokenizer_config.json`, `generation_config.json` and `config.json` beside it.
+special ids from `tokenizer_config.json`, `generation_config.json` and `config.json` beside it,
+plus the chat template (`chat_template.jinja` or tokenizer_config.json's `chat_template`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from m2po_jax import chat
 from m2po_jax.model import ModelConfig
 
 PathLike = str | os.PathLike
@@ -46,11 +48,22 @@ class HFTokenizer:
 
     `eos_ids` gathers every end-of-sequence id named in tokenizer_config.json,
     generation_config.json and config.json (chat models stop on more than one);
-    `eos_id` is the first of them.
+    `eos_id` is the first of them. `chat_template` is the checkpoint's template source (or
+    None) and `special_tokens` the named special tokens' strings it is rendered with.
     """
 
-    def __init__(self, tokenizer, eos_ids: tuple[int, ...], pad_id: int | None, bos_id: int | None):
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: tuple[int, ...],
+        pad_id: int | None,
+        bos_id: int | None,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
         self.eos_ids = eos_ids
         self.eos_id = eos_ids[0] if eos_ids else None
         self.pad_id = pad_id if pad_id is not None else self.eos_id
@@ -110,7 +123,16 @@ def load_tokenizer(path: PathLike, model_config: ModelConfig | None = None) -> H
     bos_id = special("bos_token")
     if bos_id is None:
         bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
-    wrapped = HFTokenizer(tokenizer, tuple(eos_ids), pad_id, bos_id)
+    # What transformers' special_tokens_map gives templates: tokenizer_config.json's named tokens.
+    named = {key: _token_content(tok_cfg.get(key)) for key in chat.SPECIAL_TOKEN_KEYS}
+    wrapped = HFTokenizer(
+        tokenizer,
+        tuple(eos_ids),
+        pad_id,
+        bos_id,
+        chat_template=chat.load_chat_template(path, tok_cfg),
+        special_tokens={k: v for k, v in named.items() if v is not None},
+    )
     if model_config is not None and wrapped.vocab_size > model_config.vocab_size:
         raise ValueError(
             f"tokenizer: vocabulary size {wrapped.vocab_size} (max id + 1) exceeds "

@@ -20,6 +20,7 @@ from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
+from m2po_jax import prompts as prompts_lib
 from m2po_jax import rollout as rollout_lib
 from m2po_jax import tokenizer as tokenizer_lib
 from m2po_jax import train_step as step_lib
@@ -43,7 +44,17 @@ class RunResult:
     interrupted: bool = False
 
 
-def build_task(cfg: Config, tokenizer=None) -> Task:
+def build_prompts(cfg: Config, tokenizer) -> prompts_lib.PromptEncoder:
+    """How prompts become ids for rollouts, evaluation and the warm-up (chat template or not)."""
+    return prompts_lib.make_prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.enable_thinking
+    )
+
+
+def build_task(
+    cfg: Config, tokenizer=None, prompts: prompts_lib.PromptEncoder | None = None
+) -> Task:
+    """The configured task; a gsm8k task screens its prompts with `prompts` once, here."""
     t = cfg.task
     reward_fn = t.reward_fn or None
     if t.name == "arith":
@@ -62,7 +73,10 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
     if tokenizer is None:
         raise ValueError("task.name='gsm8k' needs a tokenizer: set model.path to a HF checkpoint")
     if not t.train_path:
-        raise ValueError("task.train_path: required for task.name='gsm8k' (a local JSONL file)")
+        raise ValueError(
+            "task.train_path: required for task.name='gsm8k' (a local JSONL or .parquet file)"
+        )
+    prompts = prompts or build_prompts(cfg, tokenizer)
     return make_task(
         "gsm8k",
         path=t.train_path,
@@ -71,6 +85,11 @@ def build_task(cfg: Config, tokenizer=None) -> Task:
         num_eval=t.eval_size,
         seed=t.seed,
         reward_fn=reward_fn,
+        question_key=t.question_key,
+        answer_key=t.answer_key,
+        prompt_encode=prompts.encode,
+        max_prompt_len=t.max_prompt_len,
+        long_prompts=t.long_prompts,
     )
 
 
@@ -109,26 +128,6 @@ def build_model(cfg: Config, vocab_size: int):
     return model_config, None
 
 
-def _prompt_ids(tokenizer, text: str) -> list[int]:
-    ids = list(tokenizer.encode(text))
-    bos = getattr(tokenizer, "bos_id", None)
-    return ([bos] if bos is not None else []) + ids
-
-
-class _BosTokenizer:
-    """Adds the BOS token to every encoded prompt (the model always sees it first)."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self.pad_id = tokenizer.pad_id
-
-    def encode(self, text):
-        return _prompt_ids(self._tok, text)
-
-    def decode(self, ids):
-        return self._tok.decode(ids)
-
-
 class Trainer:
     """Owns the run's state; `run()` trains until `cfg.total_steps` (resuming if possible)."""
 
@@ -140,12 +139,13 @@ class Trainer:
 
         if cfg.model.path:
             self.model_config, tokenizer = build_model(cfg, 0)
-            self.task = build_task(cfg, tokenizer)
+            self.prompts = build_prompts(cfg, tokenizer)
+            self.task = build_task(cfg, tokenizer, self.prompts)
         else:
             self.task = build_task(cfg)
             self.model_config, _ = build_model(cfg, self.task.tokenizer.vocab_size)
+            self.prompts = build_prompts(cfg, self.task.tokenizer)
         self.tokenizer = self.task.tokenizer
-        self.prompt_tokenizer = _BosTokenizer(self.tokenizer)
         mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         self.placement = placement_lib.Placement.from_shape(mesh_shape, self.model_config)
         rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
@@ -256,12 +256,16 @@ class Trainer:
         cfg = self.cfg
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
         self.data_position += cfg.rollout.batch_size
+        known = getattr(self.task, "prompt_lengths", {})
+        self.prompts_truncated = prompts_lib.count_long(
+            examples, self.prompts, cfg.task.max_prompt_len, known
+        )
         batch, _ = rollout_lib.generate_rollout(
             self.placement.for_sampling(self.state.params),
             self.model_config,
             self.sampling_config,
             examples,
-            self.prompt_tokenizer,
+            self.prompts,
             self.task.reward,
             rng,
             n_samples=cfg.gconfig.n_samples,
@@ -287,7 +291,7 @@ class Trainer:
                 self.model_config,
                 self.eval_sampling,
                 padded,
-                self.prompt_tokenizer,
+                self.prompts,
                 verify,
                 jax.random.fold_in(self.rng, _EVAL),
                 n_samples=1,
@@ -309,7 +313,7 @@ class Trainer:
         valid = np.zeros_like(tokens, bool)
         target = np.zeros_like(tokens, bool)
         for row, (prompt, answer) in enumerate(pairs):
-            p = _prompt_ids(self.tokenizer, prompt)[-width:]
+            p = self.prompts.encode(prompt)[-width:]
             c = (list(self.tokenizer.encode(answer)) + [eos])[:new]
             tokens[row, width - len(p) : width] = p
             tokens[row, width : width + len(c)] = c
@@ -505,9 +509,14 @@ class Trainer:
                 "rollout/fresh_reward_mean": float(fresh["rewards_B"].mean()),
                 "rollout/completion_len_mean": float(host["completion_len_B"].mean()),
                 "rollout/stopped_fraction": float(host["stopped_B"].mean()),
+                "rollout/prompts_truncated": self.prompts_truncated,
                 "time/rollout_s": t1 - t0,
                 "time/train_s": t2 - t1,
                 "time/tokens_per_s": tokens / max(t2 - t0, 1e-9),
             }
         )
+        filtered = getattr(self.task, "prompts_filtered", None)
+        if filtered is not None:
+            record["data/prompts_filtered"] = filtered["train"]
+            record["data/eval_prompts_filtered"] = filtered["eval"]
         return record

@@ -35,6 +35,9 @@ def test_default_and_presets_build():
     assert grpo.actor.m2_threshold is None and grpo.rollout.max_head_offpolicyness == 0
     g = config_lib.from_configdict(gsm8k.get_config())
     assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
+    assert (g.task.long_prompts, cfg.task.long_prompts) == ("filter", "left")
+    assert (cfg.task.chat_template, cfg.task.enable_thinking) == ("auto", None)
+    assert (cfg.task.question_key, cfg.task.answer_key) == ("question", "answer")
 
 
 def test_unknown_preset_lists_the_valid_ones():
@@ -73,6 +76,14 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("actor.temperature", 0.7, r"must equal gconfig.temperature"),
         ("total_steps", 2.5, r"total_steps: expected an integer, got 2.5"),
         ("mesh.fsdp", 0, r"mesh.fsdp=0 must be a positive size or -1"),
+        (
+            "task.long_prompts",
+            "truncate",
+            r"task.long_prompts='truncate' is not one of \['filter', 'left', 'error'\]",
+        ),
+        ("task.chat_template", "none", r"task.chat_template='none' is not one of \['auto', 'on'"),
+        ("task.enable_thinking", "yes", r"task.enable_thinking: expected true or false"),
+        ("task.question_key", "", r"task.question_key: expected a column name"),
     ],
 )
 def test_out_of_range_values_name_field_value_and_range(field, value, message):

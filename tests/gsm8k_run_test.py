@@ -107,3 +107,88 @@ def test_gsm8k_errors_name_the_missing_file(checkpoint, tmp_path):
         trainer_lib.Trainer(
             small_gsm8k(checkpoint, train_path=str(tmp_path / "missing.jsonl")), tmp_path
         )
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }} : {{ m.content }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with a chat template file and two stop ids in generation_config."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny_chat") / "ckpt"
+    shutil.copytree(checkpoint, path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 0]}))
+    return path
+
+
+def test_chat_template_reaches_rollouts_eval_and_warmup_with_one_bos(chat_checkpoint, tmp_path):
+    import transformers
+
+    from m2po_jax import rollout as rollout_lib
+
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(chat_checkpoint))
+    hf.chat_template = TEMPLATE
+    trainer = trainer_lib.Trainer(small_gsm8k(chat_checkpoint), tmp_path)
+    assert trainer.sampling_config.stop_token_ids == (3, 0)  # every generation_config eos id
+    example = trainer.task.train_examples(0, 1)[0]
+    messages = [{"role": "user", "content": example.prompt}]
+    expected = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    assert expected[0] == 2 and expected.count(2) == 1  # "<s>" once, from the template
+    width = trainer.cfg.task.max_prompt_len
+    ids, valid = rollout_lib.encode_prompts([example.prompt], trainer.prompts, width)
+    assert ids[0][valid[0]].tolist() == expected
+    tokens, valid, target = trainer._sft_batch(0, 1)
+    prompt_part = tokens[0][valid[0] & ~target[0]].tolist()
+    assert prompt_part == expected  # the warm-up sees the rollout's prompt tokens
+    assert trainer.task.prompt_lengths[example.uid] == len(expected)
+
+    raw = trainer_lib.Trainer(small_gsm8k(chat_checkpoint, chat_template="off"), tmp_path / "raw")
+    ids, valid = rollout_lib.encode_prompts([example.prompt], raw.prompts, width)
+    assert ids[0][valid[0]].tolist() == [2, *raw.tokenizer.encode(example.prompt)]
+
+
+@pytest.fixture(scope="module")
+def mixed_lengths(checkpoint, tmp_path_factory):
+    """Train JSONL whose odd lines have questions 20 words longer."""
+    lines = []
+    for i in range(16):
+        extra = " how many apples" * 7 if i % 2 else ""
+        question = f"what is {i} plus {i}{extra} ?"
+        lines.append(json.dumps({"question": question, "answer": f"#### {2 * i}"}))
+    path = tmp_path_factory.mktemp("mixed") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_long_prompt_metrics(checkpoint, mixed_lengths, tmp_path):
+    cfg = small_gsm8k(checkpoint, train_path=str(mixed_lengths), max_prompt_len=32)
+    left_cfg = small_gsm8k(
+        checkpoint, train_path=str(mixed_lengths), max_prompt_len=32, long_prompts="left"
+    )
+    left = trainer_lib.Trainer(left_cfg, tmp_path / "left")
+    width = cfg.task.max_prompt_len
+    long = [len(left.prompts.encode(e.prompt)) > width for e in left.task.train_examples(0, 6)]
+    assert 0 < sum(long) < 6
+    left.run()
+    records = metrics_lib.read_metrics(tmp_path / "left" / "metrics.jsonl")
+    # The queue holds one batch (positions 0-1); steps 0 and 1 generate positions 2-3 and 4-5.
+    assert [r["rollout/prompts_truncated"] for r in records] == [sum(long[2:4]), sum(long[4:6])]
+    assert left.task.prompts_filtered == {"train": 0, "eval": 0}
+
+    filtered = trainer_lib.Trainer(cfg, tmp_path / "filter")  # the gsm8k config's "filter"
+    assert cfg.task.long_prompts == "filter"
+    kept = filtered.task.train_examples(0, 16)
+    assert all(len(filtered.prompts.encode(e.prompt)) <= width for e in kept)
+    dropped = filtered.task.prompts_filtered
+    assert dropped["train"] + dropped["eval"] == 8  # every long (odd) line
+    filtered.run(stop_after=1)
+    records = metrics_lib.read_metrics(tmp_path / "filter" / "metrics.jsonl")
+    assert records[0]["data/prompts_filtered"] == dropped["train"]
+    assert records[0]["data/eval_prompts_filtered"] == dropped["eval"]
+    assert records[0]["rollout/prompts_truncated"] == 0

@@ -31,3 +31,22 @@ def test_tokenizer_vocab_checks(tokenizer_dir, tmp_path):
     assert tokenizer.load_tokenizer(tokenizer_dir, small.replace(vocab_size=15)).vocab_size == 15
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         tokenizer.load_tokenizer(tmp_path)
+
+
+def test_eos_ids_keep_every_generation_config_stop_id(tokenizer_dir, tmp_path):
+    """Qwen2.5-Instruct: tokenizer eos <|im_end|>, generation_config [<|im_end|>, <|endoftext|>]."""
+    import json
+    import shutil
+
+    path = tmp_path / "qwen_like"
+    shutil.copytree(tokenizer_dir, path)
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<eot>", "pad_token": "</s>", "bos_token": None})
+    )
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 3]}))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 3}))
+    tok = tokenizer.load_tokenizer(path)
+    assert tok.eos_ids == (4, 3) and tok.eos_id == 4
+    assert tok.special_tokens == {"eos_token": "<eot>", "pad_token": "</s>"}
+    assert tok.chat_template is None
+    assert tokenizer.load_tokenizer(tokenizer_dir).special_tokens["bos_token"] == "<s>"
