@@ -178,9 +178,11 @@ def test_rope_inv_freq_llama3():
     np.testing.assert_allclose(np.asarray(M.rope_inv_freq(config)), ref, rtol=1e-6)
 
 
+# splash runs the full forward only (cached calls use xla): the two paths must agree.
+@pytest.mark.parametrize("attention", ["auto", "dot_product", "chunked", "splash"])
 @pytest.mark.parametrize("name", ["qwen3_qk_norm"])
-def test_kv_cache_decode_matches_full_forward(name):
-    config = CONFIGS[name]
+def test_kv_cache_decode_matches_full_forward(name, attention):
+    config = CONFIGS[name].replace(attention=attention, attention_block_size=4)
     params = random_params(config, seed=3)
     tokens, valid = left_padded(4)
     positions = M.make_positions(valid)
