@@ -119,8 +119,9 @@ def make_mask(
         return Mask(key_valid_BxS=key_valid_BxS, q_start=jnp.asarray(q_start, jnp.int32))
     if implementation == "cudnn":
         valid = valid_BxT.astype(jnp.int32)
-        return Mask(start_B=jnp.argmax(valid, axis=1).astype(jnp.int32),
-                    length_B=jnp.maximum(valid.sum(1), 1).astype(jnp.int32))  # fmt: skip
+        # A row of padding only gets length 1 (its first token attends itself): finite.
+        length_B = jnp.maximum(valid.sum(1), 1).astype(jnp.int32)
+        return Mask(start_B=jnp.argmax(valid, axis=1).astype(jnp.int32), length_B=length_B)
     if implementation == "splash":
         return Mask(segment_BxT=valid_BxT.astype(jnp.int32))
     q_col = q_start + jnp.arange(t)
