@@ -25,7 +25,10 @@ Implementations (`IMPLEMENTATIONS`):
 - "chunked": pure JAX flash-style attention, blockwise over keys with an online softmax
   and a custom VJP; memory O(T * block) per head on any backend.
 - "auto": resolved at trace time from `jax.default_backend()`: "cudnn" on GPU for
-  bfloat16/float16 with head_dim <= 128 and a multiple of 8, "splash" on TPU, else "xla".
+  bfloat16/float16 with head_dim <= 128 and a multiple of 8 (CUDA assumed: "gpu" is also
+  ROCm's name), "splash" on TPU, else "xla".
+The "cudnn" and "splash" wrappers live in `attention_kernels.py`; off a TPU, splash runs
+in Pallas interpret mode (slow; what the tests run).
 """
 
 from __future__ import annotations
