@@ -36,6 +36,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU/TPU
     c.model.param_dtype = "float32"  # storage dtype of params and optimizer state
     c.model.remat = False  # recompute each layer in the backward pass to save memory
+    # With remat: what each layer keeps (m2po_jax.model.REMAT_POLICIES): nothing_saveable
+    # (full remat) | dots_saveable | dots_with_no_batch_dims_saveable | everything_saveable
+    # | save_qkv_proj | save_attention_out
+    c.model.remat_policy = "nothing_saveable"
+    # auto (GPU bf16/fp16: cudnn, TPU: splash, else xla) | xla | dot_product | cudnn | splash
+    # | chunked (flash-style pure JAX, any backend: long sequences); m2po_jax/attention.py
+    c.model.attention = "auto"
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "arith"  # arith (built-in synthetic) | gsm8k (local JSONL)

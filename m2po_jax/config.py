@@ -42,6 +42,8 @@ class ModelSection:
     dtype: str
     param_dtype: str
     remat: bool
+    remat_policy: str
+    attention: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +412,11 @@ def validate(cfg: Config) -> Config:
     m = cfg.model
     _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _check_choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
+    # The library's own lists; imported here so that importing this module needs no JAX.
+    from m2po_jax import attention, model_config
+
+    _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))
+    _check_choice("model.attention", m.attention, attention.IMPLEMENTATIONS)
     _check_range("mesh.device_memory_gib", cfg.mesh.device_memory_gib, 0.0)
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)

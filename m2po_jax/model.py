@@ -12,11 +12,14 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
   cache columns <= c that hold real tokens.
 - The cache stores keys and values as [B, K, S, D] (kv heads before columns): attention
   reads it in that layout, so a decode step never transposes the whole cache.
+- `ModelConfig.attention` selects the attention implementation (`attention.py`); calls
+  with a cache (the sampler's prefill and decode steps) run "xla" unless it is
+  "dot_product" or "chunked". `ModelConfig.remat_policy` (with `remat=True`) selects what
+  each rematerialised layer keeps for the backward pass (`REMAT_POLICIES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -25,122 +28,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def as_dtype(dtype: Any) -> jnp.dtype:
-    """A jnp dtype from a name or dtype."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: unknown name {dtype!r}; expected one of {sorted(DTYPES)}")
-        return jnp.dtype(DTYPES[dtype])
-    return jnp.dtype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a decoder-only transformer (names follow Hugging Face configs)."""
-
-    vocab_size: int = 512
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int | None = None  # None: hidden_size // num_heads
-    model_type: str = "llama"  # llama | qwen2 | qwen3
-    rope_theta: float = 10000.0
-    # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    max_position_embeddings: int = 4096
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    remat: bool = False  # rematerialise each layer in the backward pass
-
-    def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type: {self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a positive multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
-            raise ValueError(f"head_dim: must be positive and even (RoPE), got {self.head_dim}")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
-                f"({self.num_heads}) unless head_dim is given"
-            )
-        if isinstance(self.rope_scaling, dict):
-            # A dict would make the config unhashable (it is a static jit argument).
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-        if self.rope_scaling is not None:
-            scaling = dict(self.rope_scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
-                raise ValueError(
-                    f"rope_scaling: rope_type {rope_type!r} is not supported; "
-                    "supported: default, llama3"
-                )
-            needed = (
-                "factor",
-                "low_freq_factor",
-                "high_freq_factor",
-                "original_max_position_embeddings",
-            )
-            missing = [k for k in needed if k not in scaling]
-            if rope_type == "llama3" and missing:
-                raise ValueError(f"rope_scaling: llama3 scaling needs {missing}; got {scaling}")
-        as_dtype(self.dtype)
-        as_dtype(self.param_dtype)
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    def _key(self) -> tuple:
-        # head_dim=None and the same head_dim written out describe one architecture: they
-        # compare and hash equal, so jit (where the config is static) compiles once.
-        return tuple(
-            self.dim_per_head if f.name == "head_dim" else getattr(self, f.name)
-            for f in dataclasses.fields(self)
-        )
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    def num_params(self) -> int:
-        """Parameter count (embeddings included)."""
-        e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
-        h, k = self.num_heads, self.num_kv_heads
-        attn = e * d * (h + 2 * k) + h * d * e
-        if self.attention_bias:
-            attn += d * (h + 2 * k)
-        if self.qk_norm:
-            attn += 2 * d
-        layer = attn + 3 * e * f + 2 * e
-        head = 0 if self.tie_word_embeddings else e * self.vocab_size
-        return self.num_layers * layer + self.vocab_size * e + e + head
+from m2po_jax import attention
+from m2po_jax.attention import attention_bias, grouped_attention  # noqa: F401 (public here too)
+from m2po_jax.model_config import (  # noqa: F401 (public here too)
+    DTYPES,
+    REMAT_POLICIES,
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    as_dtype,
+)
 
 
 @flax.struct.dataclass
@@ -209,86 +107,6 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return _rotate(x_BxTxHxD, cos, sin)
 
 
-# Added to the scores of masked keys. Finite, so a query with no real key (a padding
-# query) gets a uniform softmax instead of NaN, like jax.nn.dot_product_attention.
-_MASKED = -1e30
-
-
-def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:
-    """Additive float32 bias [B, 1, 1, T, S]: 0 where attending is allowed, -1e30 elsewhere."""
-    return jnp.where(mask_BxTxS, 0.0, _MASKED).astype(jnp.float32)[:, None, None]
-
-
-def grouped_attention(
-    q_BxTxHxD: jax.Array, k_BxKxSxD: jax.Array, v_BxKxSxD: jax.Array, bias_Bx1x1xTxS: jax.Array
-) -> jax.Array:
-    """softmax(q k^T / sqrt(D) + bias) v with H = K * G query heads sharing K kv heads.
-
-    Query head h uses kv head h // G (the Hugging Face GQA grouping). Softmax runs in
-    float32; the products run in the inputs' dtype. The backward pass is written out
-    (`_attention_bwd`, the flash-attention form dS = P * (dP - rowsum(dO * O))): it needs
-    the probabilities and output only; on XLA:CPU it took `benchmarks/model_bench.py`'s
-    train step from about 376 to 340 ms against the autodiff of the forward pass.
-
-    Returns:
-      [B, T, H, D] in q's dtype.
-    """
-    return _attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS)
-
-
-def _to_groups(x_BxTxHxD: jax.Array, k: int) -> jax.Array:
-    """[B, T, H, D] -> [B, K, G*T, D]: both products are then batched matmuls over (B, K)
-    on the cache layout, with no transpose of keys or values."""
-    b, t, h, d = x_BxTxHxD.shape
-    return x_BxTxHxD.reshape(b, t, k, h // k, d).transpose(0, 2, 3, 1, 4).reshape(b, k, -1, d)
-
-
-def _from_groups(x_BxKxGTxD: jax.Array, t: int) -> jax.Array:
-    b, k, gt, d = x_BxKxGTxD.shape
-    g = gt // t
-    return x_BxKxGTxD.reshape(b, k, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, d)
-
-
-def _attention_fwd(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS):
-    b, t, h, d = q_BxTxHxD.shape
-    k, s = k_BxKxSxD.shape[1], k_BxKxSxD.shape[2]
-    q = _to_groups(q_BxTxHxD * jnp.asarray(d**-0.5, q_BxTxHxD.dtype), k)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k_BxKxSxD).reshape(b, k, h // k, t, s)
-    probs = jax.nn.softmax(scores.astype(jnp.float32) + bias_Bx1x1xTxS, axis=-1)
-    probs_BxKxGTxS = probs.astype(v_BxKxSxD.dtype).reshape(b, k, -1, s)
-    out_BxKxGTxD = jnp.einsum("bkqs,bksd->bkqd", probs_BxKxGTxS, v_BxKxSxD)
-    residuals = (q, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS, probs_BxKxGTxS, out_BxKxGTxD)
-    return _from_groups(out_BxKxGTxD, t), residuals
-
-
-def _attention_bwd(residuals, dout_BxTxHxD):
-    q, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS, probs, out = residuals
-    b, k, gt, d = q.shape
-    dout = _to_groups(dout_BxTxHxD, k_BxKxSxD.shape[1])
-    dv = jnp.einsum("bksq,bkqd->bksd", jnp.swapaxes(probs, -1, -2), dout)
-    dprobs = jnp.einsum("bkqd,bksd->bkqs", dout, v_BxKxSxD).astype(jnp.float32)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dscores = probs.astype(jnp.float32) * (dprobs - delta)
-    # Masked keys (bias _MASKED) get no gradient. This matters only for a query with no real
-    # key: its softmax is uniform whatever the scores are, so q and k get none either.
-    allowed_Bx1x1xTxS = bias_Bx1x1xTxS > _MASKED / 2
-    t, s = allowed_Bx1x1xTxS.shape[3:]
-    dscores = (dscores.reshape(b, k, gt // t, t, s) * allowed_Bx1x1xTxS).reshape(b, k, gt, s)
-    dscores = dscores.astype(q.dtype)
-    dq = jnp.einsum("bkqs,bksd->bkqd", dscores, k_BxKxSxD) * jnp.asarray(d**-0.5, q.dtype)
-    dk = jnp.einsum("bksq,bkqd->bksd", jnp.swapaxes(dscores, -1, -2), q)
-    # The bias is built from the token mask: no gradient flows into it.
-    return _from_groups(dq, dout_BxTxHxD.shape[1]), dk, dv, None
-
-
-@jax.custom_vjp
-def _attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS):
-    return _attention_fwd(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, bias_Bx1x1xTxS)[0]
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *w.shape[:n_in]] @ w, contracting the last `n_in` dims of x with w's first.
 
@@ -323,9 +141,10 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     config: ModelConfig
+    implementation: str  # resolved (`attention.resolve`)
 
     @nn.compact
-    def __call__(self, x_BxTxE, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index):
+    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.dim_per_head
@@ -349,10 +168,11 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="k_norm")(key)
-        q = _rotate(q, *cos_sin)
+        # Named for the save_* remat policies.
+        q = checkpoint_name(_rotate(q, *cos_sin), "qkv_proj")
         # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
-        key = _rotate(key, *cos_sin).transpose(0, 2, 1, 3)
-        value = value.transpose(0, 2, 1, 3)
+        key = checkpoint_name(_rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
+        value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
         new_kv = None
         if cache_kv is not None:
             cache_k, cache_v = cache_kv
@@ -363,7 +183,10 @@ class Attention(nn.Module):
                 cache_v, value.astype(cache_v.dtype), cache_index, 2
             )
             new_kv = (key, value)
-        out = grouped_attention(q, key.astype(dt), value.astype(dt), bias_Bx1x1xTxS)
+        out = attention.attend(
+            self.implementation, q, key.astype(dt), value.astype(dt), mask, c.attention_block_size
+        )
+        out = checkpoint_name(out, "attention_out")
         o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
         return dense(out, o.astype(dt), n_in=2), new_kv
 
@@ -386,14 +209,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
+    implementation: str
 
     @nn.compact
-    def __call__(self, x_BxTxE, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index):
+    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
-        attn, new_kv = Attention(c, name="attn")(
-            normed, cos_sin, bias_Bx1x1xTxS, cache_kv, cache_index
+        attn, new_kv = Attention(c, self.implementation, name="attn")(
+            normed, cos_sin, mask, cache_kv, cache_index
         )
         x_BxTxE = x_BxTxE + attn
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
@@ -440,26 +264,26 @@ class CausalLM(nn.Module):
         )
         x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
 
-        q_col = cache_index + jnp.arange(t)
         if cache is None:
             key_valid_BxS = valid_BxT
         else:
             key_valid_BxS = jax.lax.dynamic_update_slice_in_dim(
                 cache.valid_BxS, valid_BxT, cache_index, 1
             )
-        k_col = jnp.arange(key_valid_BxS.shape[1])
-        mask_BxTxS = (k_col[None, None, :] <= q_col[None, :, None]) & key_valid_BxS[:, None, :]
+        impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cache is not None)
         # Computed once here and shared by every layer.
-        bias = attention_bias(mask_BxTxS)
+        mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, cache_index)
         cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
 
         layer_cls = DecoderLayer
         if c.remat:
-            layer_cls = nn.remat(DecoderLayer, static_argnums=())
+            layer_cls = nn.remat(
+                DecoderLayer, policy=REMAT_POLICIES[c.remat_policy], static_argnums=()
+            )
         new_k, new_v = [], []
         for i in range(c.num_layers):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer_cls(c, name=f"layers_{i}")(x, cos_sin, bias, cache_kv, cache_index)
+            x, kv = layer_cls(c, impl, name=f"layers_{i}")(x, cos_sin, mask, cache_kv, cache_index)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])

@@ -84,6 +84,12 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("task.chat_template", "none", r"task.chat_template='none' is not one of \['auto', 'on'"),
         ("task.enable_thinking", "yes", r"task.enable_thinking: expected true or false"),
         ("task.question_key", "", r"task.question_key: expected a column name"),
+        ("model.attention", "flash", r"model.attention='flash' is not one of \['auto', 'xla'"),
+        (
+            "model.remat_policy",
+            "dots",
+            r"model.remat_policy='dots' is not one of \['nothing_saveable'",
+        ),
     ],
 )
 def test_out_of_range_values_name_field_value_and_range(field, value, message):
@@ -161,3 +167,16 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
     overrides.write_text("rollout:\n  max_head_offpolicynes: 2\n")
     bad = _cli(f"--overrides={overrides}", f"--workdir={tmp_path}")
     assert bad.returncode == 2 and "max_head_offpolicyness" in bad.stderr
+
+
+def test_build_model_passes_attention_and_remat_policy():
+    from m2po_jax import trainer
+
+    cfg = build(
+        **{"model.attention": "chunked", "model.remat": True, "model.remat_policy": "dots_saveable"}
+    )
+    model_config, _ = trainer.build_model(cfg, vocab_size=20)
+    assert model_config.attention == "chunked"
+    assert model_config.remat and model_config.remat_policy == "dots_saveable"
+    default_config, _ = trainer.build_model(build(), vocab_size=20)
+    assert default_config.attention == "auto" and not default_config.remat

@@ -156,59 +156,6 @@ forward = jax.jit(M.apply, static_argnums=1)
 # ----------------------------------------------------------------------------- tests
 
 
-def autodiff_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, allowed_BxTxS, extra_BxTxS=0.0):
-    """Plain per-head attention, differentiated by JAX (reference for the hand-written VJP).
-
-    `extra_BxTxS` is added to the scores of allowed keys (a general additive bias).
-    """
-    h, k = q_BxTxHxD.shape[2], k_BxKxSxD.shape[1]
-    outs = []
-    for head in range(h):
-        kv = head // (h // k)
-        scores = jnp.einsum("btd,bsd->bts", q_BxTxHxD[:, :, head], k_BxKxSxD[:, kv])
-        scores = scores / math.sqrt(q_BxTxHxD.shape[-1]) + extra_BxTxS
-        probs = jax.nn.softmax(jnp.where(allowed_BxTxS, scores, -1e30), axis=-1)
-        outs.append(jnp.einsum("bts,bsd->btd", probs, v_BxKxSxD[:, kv]))
-    return jnp.stack(outs, axis=2)
-
-
-@pytest.mark.parametrize("extra", [False, True], ids=["mask_bias", "plus_finite_bias"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (3, 3)])
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-def test_grouped_attention_value_and_vjp_match_autodiff(heads, kv_heads, dtype, tol, extra):
-    b, t, s, d = 3, 5, 7, 8  # s > t: queries at the end of a longer cache
-    keys = jax.random.split(jax.random.key(heads * 10 + kv_heads), 4)
-    q = jax.random.normal(keys[0], (b, t, heads, d))
-    k = jax.random.normal(keys[1], (b, kv_heads, s, d))
-    v = jax.random.normal(keys[2], (b, kv_heads, s, d))
-    cotangent = jax.random.normal(keys[3], (b, t, heads, d))
-    causal_TxS = np.arange(s)[None, :] <= np.arange(s - t, s)[:, None]
-    key_valid_BxS = np.ones((b, s), bool)
-    key_valid_BxS[1, :3] = False  # left padding
-    key_valid_BxS[2, :] = False  # a row with no real key at all: uniform, not NaN
-    allowed = jnp.asarray(causal_TxS[None] & key_valid_BxS[:, None, :])
-    # Any finite additive bias on allowed keys (ALiBi-like) must keep its gradient path.
-    extra_BxTxS = 0.5 * jax.random.normal(jax.random.key(7), allowed.shape) if extra else 0.0
-    bias = M.attention_bias(allowed) + jnp.where(allowed, extra_BxTxS, 0.0)[:, None, None]
-    args = [x.astype(dtype) for x in (q, k, v)]
-
-    def ours(q, k, v):
-        return M.grouped_attention(q, k, v, bias)
-
-    def ref(q, k, v):
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return autodiff_attention(*f32, allowed, extra_BxTxS).astype(q.dtype)
-
-    out, vjp = jax.vjp(ours, *args)
-    ref_out, ref_vjp = jax.vjp(ref, *args)
-    assert out.dtype == dtype
-    np.testing.assert_allclose(np.float32(out), np.float32(ref_out), atol=tol, rtol=tol)
-    grads = zip(vjp(cotangent.astype(dtype)), ref_vjp(cotangent.astype(dtype)), strict=True)
-    for got, want in grads:
-        assert got.dtype == dtype
-        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_forward_matches_numpy_reference(name):
     config = CONFIGS[name]
@@ -231,9 +178,11 @@ def test_rope_inv_freq_llama3():
     np.testing.assert_allclose(np.asarray(M.rope_inv_freq(config)), ref, rtol=1e-6)
 
 
+# splash runs the full forward only (cached calls use xla): the two paths must agree.
+@pytest.mark.parametrize("attention", ["auto", "dot_product", "chunked", "splash"])
 @pytest.mark.parametrize("name", ["qwen3_qk_norm"])
-def test_kv_cache_decode_matches_full_forward(name):
-    config = CONFIGS[name]
+def test_kv_cache_decode_matches_full_forward(name, attention):
+    config = CONFIGS[name].replace(attention=attention, attention_block_size=4)
     params = random_params(config, seed=3)
     tokens, valid = left_padded(4)
     positions = M.make_positions(valid)
@@ -277,25 +226,46 @@ def test_last_only_returns_the_last_column():
     np.testing.assert_allclose(np.asarray(last), full[:, -1:], atol=1e-5, rtol=0)
 
 
-def test_remat_matches_no_remat():
-    config = CONFIGS["qwen2_bias_tied"]
-    params = random_params(config, seed=5)
-    tokens, valid = left_padded(6)
+def grad_loss(config, tokens, valid):
+    """jit(value_and_grad) of the summed token log-prob loss over real tokens."""
 
-    def loss(params, config):
+    def loss(params):
         logits = M.apply(params, config, tokens, None, valid)
         return -jnp.sum(M.token_logp(logits, tokens) * valid)
 
-    value, grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, config)
-    value_r, grads_r = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
-        params, config.replace(remat=True)
-    )
+    return jax.jit(jax.value_and_grad(loss))
+
+
+@pytest.mark.parametrize("policy", list(M.REMAT_POLICIES))
+def test_remat_policies_match_no_remat(policy):
+    config = CONFIGS["qwen2_bias_tied"]
+    params = random_params(config, seed=5)
+    tokens, valid = left_padded(6)
+    value, grads = grad_loss(config, tokens, valid)(params)
+    remat = config.replace(remat=True, remat_policy=policy)
+    value_r, grads_r = grad_loss(remat, tokens, valid)(params)
     np.testing.assert_allclose(value_r, value, rtol=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads_r, grads
     )
     # Padding queries attend to nothing; they must not poison the gradients.
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_remat_policies_trade_memory():
+    config = M.ModelConfig(**{**TINY, "hidden_size": 64, "num_layers": 4}, num_kv_heads=2)
+    params = random_params(config, seed=5)
+    tokens, valid = left_padded(6, batch=3, length=64)
+
+    def temp_bytes(**changes):
+        f = grad_loss(config.replace(**changes), tokens, valid)
+        return f.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    # XLA:CPU schedules recomputation with little regard for memory, so only the two ends
+    # are compared: full remat against saving everything (or not rematerialising at all).
+    full = temp_bytes(remat=True, remat_policy="nothing_saveable")
+    assert full < temp_bytes(remat=True, remat_policy="everything_saveable")
+    assert full < temp_bytes(remat=False)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -380,6 +350,9 @@ def test_make_positions():
         ({"hidden_size": 30}, r"hidden_size \(30\).*num_heads \(4\)"),
         ({"rope_scaling": (("rope_type", "yarn"),)}, r"'yarn'.*default, llama3"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"needs \['low_freq_factor'"),
+        ({"remat_policy": "dots"}, r"remat_policy: unknown name 'dots'.*nothing_saveable"),
+        ({"attention": "flash"}, r"attention: unknown implementation 'flash'.*chunked"),
+        ({"attention_block_size": 0}, r"attention_block_size: must be positive"),
     ],
 )
 def test_config_validation(changes, match):
