@@ -11,6 +11,12 @@ ending in '#### <number>'). Instruct checkpoints get their chat template (task.c
 
 Settings follow AReaL's GSM8K M2PO example (tau 0.04, eps_clip 0.0, one minibatch) at a
 scale one accelerator host handles; raise rollout.batch_size and use a mesh for more.
+
+Presets for real runs (combine left to right, e.g. `configs/gsm8k.py:qwen2.5-7b`); the
+README shows the memory plan of each (`python benchmarks/scale_bench.py --plans`):
+  qwen2.5-0.5b   Qwen2.5-0.5B(-Instruct) on one 80 GB GPU
+  qwen2.5-7b     Qwen2.5-7B(-Instruct) on 8 GPUs (fsdp=8), 512 rows in 4 minibatches
+  qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=16)
 """
 
 import ml_collections
@@ -18,8 +24,53 @@ import ml_collections
 from m2po_jax.configs import default
 
 
+def _qwen25_05b(c):
+    """One 80 GB GPU: 128 rows of 256 + 1,024 tokens, micro-batches of <= 16k tokens."""
+    c.mesh.data, c.mesh.fsdp = 1, 1
+    c.task.max_prompt_len = 256
+    c.gconfig.max_new_tokens = 1024
+    c.rollout.batch_size = 16
+    c.actor.mb_spec.max_tokens_per_mb = 16384
+
+
+def _qwen25_7b(c):
+    """8 GPUs, params and optimizer state sharded 8 ways: 512 rows of 512 + 1,024 tokens in
+    4 minibatches, one row per device per micro-batch."""
+    c.mesh.data, c.mesh.fsdp = 1, 8
+    c.task.max_prompt_len = 512
+    c.gconfig.max_new_tokens = 1024
+    c.rollout.batch_size = 64
+    c.actor.ppo_n_minibatches = 4
+    c.actor.mb_spec.max_tokens_per_mb = 8 * 1536
+
+
+def _qwen3_8b(c):
+    """TPU v5e-16 (16 chips x 16 GB): fsdp=16, bfloat16 params (MaxText's v5e choice), 256
+    rows of 512 + 1,024 tokens in 4 minibatches, one row per chip per micro-batch."""
+    c.mesh.data, c.mesh.fsdp = 1, 16
+    c.model.param_dtype = "bfloat16"
+    c.task.max_prompt_len = 512
+    c.gconfig.max_new_tokens = 1024
+    c.rollout.batch_size = 32
+    c.actor.ppo_n_minibatches = 4
+    c.actor.mb_spec.max_tokens_per_mb = 16 * 1536
+
+
+PRESETS = {"qwen2.5-0.5b": _qwen25_05b, "qwen2.5-7b": _qwen25_7b, "qwen3-8b": _qwen3_8b}
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    c = _base()
+    for name in filter(None, (arg or "").split(",")):
+        if name not in PRESETS:
+            raise ValueError(
+                f"configs/gsm8k.py: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+            )
+        PRESETS[name](c)
+    return c
+
+
+def _base() -> ml_collections.ConfigDict:
     c = default.get_config()
     c.total_steps = 200
     c.model.path = ""  # required: local HF checkpoint directory

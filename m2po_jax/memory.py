@@ -20,13 +20,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from m2po_jax import logprobs, sharding
+from m2po_jax import attention, logprobs, sharding
 from m2po_jax import model as model_lib
 
 _OPT_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 0}
 # Attention implementations that keep [B, H, T, S] scores for the backward pass; the
 # others (flash-style kernels) keep O(T) statistics per head.
 _DENSE_ATTENTION = ("xla", "dot_product")
+# Per token, what a remat policy saves of each layer beyond its input (elements).
+_SAVED_PER_TOKEN = {
+    "nothing_saveable": lambda e, h, k, d, f: 0,
+    "dots_saveable": lambda e, h, k, d, f: (h + 2 * k) * d + 2 * e + 2 * f,
+    "dots_with_no_batch_dims_saveable": lambda e, h, k, d, f: (h + 2 * k) * d + 2 * e + 2 * f,
+    "save_qkv_proj": lambda e, h, k, d, f: (h + 2 * k) * d,
+    "save_attention_out": lambda e, h, k, d, f: h * d,
+}
 _FIELDS = ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
 
 
@@ -91,9 +99,9 @@ def memory_plan(
       tensor when divisible) kept for the backward pass per layer: 4 residual-width
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
       [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3, and for the attention
-      implementations that materialise them the probabilities [b,H,T,T]; with remat
-      (policy nothing_saveable) only each layer's input plus one layer recomputed and
-      its gradients;
+      implementations that materialise them ("xla", "dot_product") the probabilities
+      [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
+      layer recomputed and its gradients;
     - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
       tensor), its softmax and its gradient;
     - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
@@ -142,9 +150,16 @@ def memory_plan(
     per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
     scores = b * h * t * t if dense_attention else 0
     layer = (b * t * per_token + scores) * cbytes
-    if remat:
-        # Each layer's input, plus one layer recomputed and its gradients in the backward.
-        activations = c.num_layers * b * t * e * cbytes + 2 * layer
+    policy = c.remat_policy if remat else "everything_saveable"
+    if policy == "everything_saveable":
+        activations = c.num_layers * layer
+    else:
+        # Each layer's input and what the policy saves, plus one layer recomputed and its
+        # gradients in the backward pass.
+        saved = b * t * _SAVED_PER_TOKEN[policy](e, h, k, d, f) * cbytes
+        if policy == "dots_saveable":
+            saved += scores * cbytes  # the attention matmuls are dots too
+        activations = c.num_layers * (b * t * e * cbytes + saved) + 2 * layer
     else:
         activations = c.num_layers * layer
     # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows.
@@ -166,8 +181,8 @@ def memory_plan(
 
 
 def attention_kind(config: model_lib.ModelConfig) -> str:
-    """The attention implementation a config runs on this backend."""
-    return getattr(config, "attention", "xla")
+    """The attention implementation a config trains with on this backend."""
+    return attention.resolve(config.attention, model_lib.as_dtype(config.dtype), config.dim_per_head)
 
 
 def device_memory_limit() -> int | None:
