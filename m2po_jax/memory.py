@@ -160,8 +160,6 @@ def memory_plan(
         if policy == "dots_saveable":
             saved += scores * cbytes  # the attention matmuls are dots too
         activations = c.num_layers * (b * t * e * cbytes + saved) + 2 * layer
-    else:
-        activations = c.num_layers * layer
     # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows.
     columns = max(1, min(logp_chunk // micro_batch, t - 1))
     logits = 3 * b * columns * split(c.vocab_size) * 4
@@ -182,7 +180,9 @@ def memory_plan(
 
 def attention_kind(config: model_lib.ModelConfig) -> str:
     """The attention implementation a config trains with on this backend."""
-    return attention.resolve(config.attention, model_lib.as_dtype(config.dtype), config.dim_per_head)
+    return attention.resolve(
+        config.attention, model_lib.as_dtype(config.dtype), config.dim_per_head
+    )
 
 
 def device_memory_limit() -> int | None:
