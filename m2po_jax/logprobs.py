@@ -126,8 +126,12 @@ def micro_batched_logp(
     temperature: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
     n_micro: int = 1,
+    layout=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`sequence_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`)."""
+    """`sequence_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`).
+
+    `layout` (`placement.Layout`) keeps each group's rows sharded like the batch's.
+    """
     if n_micro == 1:
         return jax.lax.stop_gradient(
             sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk)
@@ -137,5 +141,7 @@ def micro_batched_logp(
         tokens, valid = xs
         return sequence_logp(params, config, tokens, valid, temperature, chunk)
 
-    parts = jax.lax.map(one, (split_rows(tokens_BxT, n_micro), split_rows(valid_BxT, n_micro)))
+    constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
+    split = lambda x: constrain(split_rows(x, n_micro), 1)
+    parts = jax.lax.map(one, (split(tokens_BxT), split(valid_BxT)))
     return jax.lax.stop_gradient(jax.tree.map(merge_rows, parts))

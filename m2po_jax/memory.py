@@ -299,5 +299,6 @@ def compiled_step_memory(
         tx,
         schedule,
         jit_kwargs=placement.train_step_shardings(state, with_ref=False),
+        layout=placement.layout,
     )
     return step.lower(state, batch, rng, None).compile().memory_analysis()

@@ -185,27 +185,28 @@ def prepare(
     actor: ActorSection,
     n_parts: int = 1,
     mask_fn=None,
+    layout=None,
 ) -> Prepared:
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
     The log-probs are recomputed without gradient, `n_parts` groups of rows at a time
     (the trainer passes minibatches x micro-batches, so no pass is larger than a
     training micro-batch). `mask_fn`, when given, replaces the global M2PO mask (the
-    per-shard scope).
+    per-shard scope); `layout` (`placement.Layout`) keeps regrouped rows on their devices.
     """
     temperature, chunk = actor.temperature, actor.logp_chunk_size
     loss_mask = batch.loss_mask_BxT
     behav = batch.behav_logp_BxT.astype(jnp.float32)
     tokens, valid = batch.tokens_BxT, batch.valid_BxT
     prox, entropy = logprobs.micro_batched_logp(
-        params, model_config, tokens, valid, temperature, chunk, n_parts
+        params, model_config, tokens, valid, temperature, chunk, n_parts, layout
     )
     if not actor.recompute_logprob:
         prox = behav
     ref_logp = None
     if ref_params is not None and actor.kl_ctl > 0:
         ref_logp, _ = logprobs.micro_batched_logp(
-            ref_params, model_config, tokens, valid, temperature, chunk, n_parts
+            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout
         )
     advantages = _advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
     threshold = _threshold(actor)
@@ -272,6 +273,7 @@ def ppo_updates(
     tx: optax.GradientTransformation,
     n_micro: int = 1,
     mask_fn=None,
+    layout=None,
 ):
     """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over `n_micro`
     micro-batches (`lax.scan` in `lax.scan`); returns (params, opt_state, stats per minibatch).
@@ -297,8 +299,9 @@ def ppo_updates(
         "loss_mask": prep.loss_mask_BxT,
         "mask": prep.mask_BxT,
     }
+    constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
     minibatches = jax.tree.map(
-        lambda x: x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), fields
+        lambda x: constrain(x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), 1), fields
     )
     threshold, rejection = _threshold(actor), _rejection(actor)
     per_minibatch = _mask_per_minibatch(actor)
@@ -354,7 +357,14 @@ def ppo_updates(
             logp_now = None
             if actor.m2po_second_moment != "behav_prox":
                 logp_now, _ = logprobs.micro_batched_logp(
-                    params, model_config, mb["tokens"], mb["valid"], temperature, chunk, n_micro
+                    params,
+                    model_config,
+                    mb["tokens"],
+                    mb["valid"],
+                    temperature,
+                    chunk,
+                    n_micro,
+                    layout,
                 )
             mb["mask"], m2_stats = _m2po(
                 actor, mb["behav"], mb["prox"], mb["loss_mask"], mb["adv"], logp_now, threshold
@@ -377,7 +387,7 @@ def ppo_updates(
                 lambda x: x[None], (loss, stats, n_valid)
             )
         else:
-            micro = jax.tree.map(lambda x: batching.split_rows(x, n_micro), mb)
+            micro = jax.tree.map(lambda x: constrain(batching.split_rows(x, n_micro), 1), mb)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             grads, (part_loss, part_stats, part_valid) = jax.lax.scan(accumulate, zeros, micro)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -447,11 +457,13 @@ def train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     mask_fn=None,
+    layout=None,
 ) -> tuple[TrainState, dict]:
     """One RL update of `state` on `batch`: `prepare`, `ppo_updates`, `step_metrics`.
 
     Micro-batches per minibatch follow `actor.mb_spec` and the batch's static shape.
-    `mask_fn`, when given, replaces the M2PO mask (the per-shard scope).
+    `mask_fn`, when given, replaces the M2PO mask (the per-shard scope);
+    `layout` (`placement.Layout`) keeps rows and weights laid out for the mesh.
     """
     n_mb = actor.ppo_n_minibatches
     rows, seq_len = batch.tokens_BxT.shape
@@ -465,6 +477,7 @@ def train_step(
         actor=actor,
         n_parts=n_mb * n_micro,
         mask_fn=mask_fn,
+        layout=layout,
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         state.params,
@@ -477,6 +490,7 @@ def train_step(
         tx=tx,
         n_micro=n_micro,
         mask_fn=mask_fn,
+        layout=layout,
     )
     all_finite = jnp.all(mb_stats.pop("finite"))
     new_state = TrainState(
@@ -492,7 +506,14 @@ def train_step(
 
 
 def make_train_step(
-    model_config, actor: ActorSection, tx, schedule, *, jit_kwargs=None, mask_fn=None
+    model_config,
+    actor: ActorSection,
+    tx,
+    schedule,
+    *,
+    jit_kwargs=None,
+    mask_fn=None,
+    layout=None,
 ):
     """`train_step` with static settings bound, under one `jax.jit` (state donated)."""
     step = functools.partial(
@@ -502,6 +523,7 @@ def make_train_step(
         tx=tx,
         schedule=schedule,
         mask_fn=mask_fn,
+        layout=layout,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))
 

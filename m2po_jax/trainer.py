@@ -218,6 +218,7 @@ class Trainer:
             self.schedule,
             mask_fn=mask_fn,
             jit_kwargs=self.placement.train_step_shardings(self.state, with_ref=a.kl_ctl > 0),
+            layout=self.placement.layout,
         )
 
     def _init_state(self, params) -> step_lib.TrainState:
