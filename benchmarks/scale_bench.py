@@ -106,7 +106,15 @@ def compile_7b(vocab_size: int | None = None) -> dict:
 
     cfg = _gsm8k_actor("qwen2.5-7b")
     changes = {} if vocab_size is None else {"vocab_size": vocab_size}
-    model_config = architectures.model_config("qwen2.5-7b", remat=True, **changes)
+    m = cfg.model
+    model_config = architectures.model_config(
+        "qwen2.5-7b",
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        **changes,
+    )
     mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
     placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
     rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
@@ -160,7 +168,11 @@ def presets_plans() -> str:
         cfg = _gsm8k_actor(preset)
         m = cfg.model
         model_config = architectures.model_config(
-            arch[preset], dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
+            arch[preset],
+            dtype=m.dtype,
+            param_dtype=m.param_dtype,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
         )
         shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         size = shape["data"] * shape["fsdp"] * shape["tensor"]

@@ -43,6 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # auto (GPU bf16/fp16: cudnn, TPU: splash, else xla) | xla | dot_product | cudnn | splash
     # | chunked (flash-style pure JAX, any backend: long sequences); m2po_jax/attention.py
     c.model.attention = "auto"
+    # run the layers of a training pass as one lax.scan: fast compiles and bounded memory for
+    # deep models (each layer's weights gathered and gradients reduced in turn)
+    c.model.scan_layers = False
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "arith"  # arith (built-in synthetic) | gsm8k (local JSONL)

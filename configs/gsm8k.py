@@ -77,6 +77,7 @@ def _base() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = True
+    c.model.scan_layers = True  # real checkpoints are deep: one scanned layer compiles fast
     c.task.name = "gsm8k"
     c.task.train_path = ""  # required: GSM8K-format JSONL or .parquet
     c.task.eval_path = ""  # held-out JSONL / .parquet ("" = the last task.eval_size records)

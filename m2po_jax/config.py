@@ -43,6 +43,7 @@ class ModelSection:
     param_dtype: str
     remat: bool
     remat_policy: str
+    scan_layers: bool
     attention: str
 
 

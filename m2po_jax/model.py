@@ -224,6 +224,31 @@ class DecoderLayer(nn.Module):
         return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
 
 
+def _scan_layers(c: ModelConfig, impl: str, params, x_BxTxE, cos_sin, mask):
+    """The decoder layers as one `lax.scan` over their stacked params.
+
+    Same values as the layer loop. Each iteration gathers one layer's (fsdp-sharded)
+    weights and, in the backward pass, reduces that layer's weight gradients before the
+    next one starts, so no scheduler can keep every layer's gathered weights or full-size
+    gradients alive at once; the program also compiles one layer instead of all of them.
+    """
+    stacked = jax.tree.map(
+        lambda *ws: jnp.stack(ws), *[params[f"layers_{i}"] for i in range(c.num_layers)]
+    )
+    layer = DecoderLayer(c, impl)
+
+    def one(layer_params, x):
+        return layer.apply({"params": layer_params}, x, cos_sin, mask, None, 0)[0]
+
+    if c.remat:
+        one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
+
+    def body(x, layer_params):
+        return one(layer_params, x), None
+
+    return jax.lax.scan(body, x_BxTxE, stacked)[0]
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM. Returns float32 logits, and the updated cache when one is given.
 
@@ -281,12 +306,16 @@ class CausalLM(nn.Module):
                 DecoderLayer, policy=REMAT_POLICIES[c.remat_policy], static_argnums=()
             )
         new_k, new_v = [], []
-        for i in range(c.num_layers):
-            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = layer_cls(c, impl, name=f"layers_{i}")(x, cos_sin, mask, cache_kv, cache_index)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+        if c.scan_layers and cache is None and not self.is_initializing():
+            x = _scan_layers(c, impl, self.variables["params"], x, cos_sin, mask)
+        else:
+            for i in range(c.num_layers):
+                cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+                layer = layer_cls(c, impl, name=f"layers_{i}")
+                x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
         if last_only:
             x = x[:, -1:]
         x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)

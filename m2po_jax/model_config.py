@@ -64,6 +64,7 @@ class ModelConfig:
     remat_policy: str = "nothing_saveable"  # with remat: a name in REMAT_POLICIES
     attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
     attention_block_size: int = 512  # key block of "chunked", block of "splash"
+    scan_layers: bool = False  # run the layers as one lax.scan (training passes, no cache)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -101,7 +101,12 @@ def build_model(cfg: Config, vocab_size: int):
 
         model_config = hf.config_from_hf(
             hf.read_hf_config(m.path), dtype=m.dtype, param_dtype=m.param_dtype
-        ).replace(remat=m.remat, remat_policy=m.remat_policy, attention=m.attention)
+        ).replace(
+            remat=m.remat,
+            remat_policy=m.remat_policy,
+            attention=m.attention,
+            scan_layers=m.scan_layers,
+        )
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     model_config = model_lib.ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
@@ -121,6 +126,7 @@ def build_model(cfg: Config, vocab_size: int):
         remat=m.remat,
         remat_policy=m.remat_policy,
         attention=m.attention,
+        scan_layers=m.scan_layers,
     )
     if model_config.vocab_size < vocab_size:
         raise ValueError(

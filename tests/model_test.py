@@ -382,3 +382,36 @@ def test_rope_scaling_dict_becomes_hashable_tuple():
     assert (
         M.ModelConfig(**{**TINY, "hidden_size": 30}, num_kv_heads=2, head_dim=8).dim_per_head == 8
     )
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_layers_equal_the_layer_loop(remat):
+    """`scan_layers` runs the same layers as one lax.scan: same logits and gradients."""
+    config = M.ModelConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        remat=remat,
+    )
+    scanned = config.replace(scan_layers=True)
+    params = M.init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 97)
+    valid = jnp.ones((2, 9), bool).at[0, :3].set(False)
+
+    def loss(p, cfg):
+        return jnp.sum(M.token_logp(M.apply(p, cfg, tokens, valid_BxT=valid), tokens) * valid)
+
+    np.testing.assert_allclose(
+        M.apply(params, scanned, tokens, valid_BxT=valid),
+        M.apply(params, config, tokens, valid_BxT=valid),
+        atol=1e-5,
+    )
+    grads = jax.grad(loss)(params, scanned)
+    ref = jax.grad(loss)(params, config)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+    # One layer in the program instead of three: the scan is in the jaxpr.
+    assert "scan" in str(jax.make_jaxpr(lambda p: loss(p, scanned))(params))
