@@ -21,6 +21,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import m2po_jax.configs
+from m2po_jax.errors import M2poError
 
 DEFAULT_CONFIG = str(Path(m2po_jax.configs.__file__).parent / "default.py")
 
@@ -148,7 +149,10 @@ def _train(cfg):
 
 
 def _clean(error: BaseException) -> str:
-    text = str(error).strip("'\"").replace("\\n", " ").replace("\n", " ")
+    text = str(error)
+    if not isinstance(error, M2poError):  # KeyError and config_flags quote their messages
+        text = text.strip("'\"")
+    text = text.replace("\\n", " ").replace("\n", " ")
     return text.replace("\\'", "'")
 
 
