@@ -201,30 +201,40 @@ class Checkpointer:
                     f"available: {steps or 'none'})"
                 )
             problem = self.verify(step)
-            if problem:
+            if problem and not self._incomplete(step):
                 raise CheckpointError(f"{self.step_dir(step)}: {problem}")
+            if problem:  # chosen on purpose, e.g. a step saved before manifests existed
+                warn(f"checkpoint {self.step_dir(step)}: {problem}; restoring it unverified")
             for newer in (s for s in steps if s > step):
                 target = self.set_aside(newer, "superseded")
                 warn(f"checkpoint {self.step_dir(newer)}: moved to {target} (restore_step={step})")
             return step
-        problems = []
+        problems, damaged = [], False
         for candidate in reversed(steps):
             problem = self.verify(candidate)
             if problem is None:
                 return candidate
             problems.append(f"step {candidate}: {problem}")
-            target = self.set_aside(candidate, "damaged")
+            incomplete = self._incomplete(candidate)
+            damaged = damaged or not incomplete
+            target = self.set_aside(candidate, "incomplete" if incomplete else "damaged")
             older = [s for s in steps if s < candidate]
             then = f"falling back to step {older[-1]}" if older else "no older checkpoint"
             warn(
                 f"checkpoint {self.step_dir(candidate)} refused: {problem}; moved to {target}; "
                 f"{then}"
             )
-        if problems:
+        if damaged:
             raise CheckpointError(
                 f"{self.directory}: no checkpoint verifies ({'; '.join(problems)})"
             )
+        # Only saves that stopped before their manifest (unfinished, not damaged): as if
+        # none had been started, the run begins again.
         return None
+
+    def _incomplete(self, step: int) -> bool:
+        """True if the step's save stopped before writing its manifest."""
+        return not (self.step_dir(step) / MANIFEST).exists()
 
     def restore(self, step: int | None, *, state_like: Any, ref_like: Any = None) -> dict:
         """Restores a checkpoint into the structure, dtypes and shardings of `state_like`.

@@ -86,7 +86,8 @@ def test_damaged_latest_falls_back_to_the_previous_step(two_steps, damage, probl
     # The damaged step is moved aside (kept, not deleted), so step 4 can be written again.
     assert two_steps.all_steps() == [2]
     aside = list((two_steps.workdir / ckpt_lib.ASIDE_DIR).iterdir())
-    assert [p.name.split("-")[:2] for p in aside] == [["4", "damaged"]]
+    kind = "incomplete" if "did not finish" in problem else "damaged"
+    assert [p.name.split("-")[:2] for p in aside] == [["4", kind]]
     _save(two_steps, 4)
     assert two_steps.verify(4) is None
 
@@ -96,6 +97,19 @@ def test_no_verified_checkpoint_stops_with_every_problem_named(two_steps):
     (two_steps.step_dir(2) / ckpt_lib.MANIFEST).unlink()
     with pytest.raises(CheckpointError, match=r"no checkpoint verifies \(step 4: .*; step 2: "):
         two_steps.choose(warn=lambda m: None)
+
+
+def test_an_unfinished_first_save_starts_the_run_again(tmp_path):
+    ckpt = ckpt_lib.Checkpointer(tmp_path, keep=2)
+    _save(ckpt, 2)
+    (ckpt.step_dir(2) / ckpt_lib.MANIFEST).unlink()  # killed before the manifest
+    messages = []
+    assert ckpt.choose(warn=messages.append) is None
+    assert "no older checkpoint" in messages[0] and ckpt.all_steps() == []
+    # Chosen on purpose, an unhashed step (e.g. from before manifests) restores unverified.
+    _save(ckpt, 2)
+    (ckpt.step_dir(2) / ckpt_lib.MANIFEST).unlink()
+    assert ckpt.choose(2, warn=messages.append) == 2 and "unverified" in messages[-1]
 
 
 def test_restore_step_picks_an_older_checkpoint_and_sets_newer_aside(two_steps):
