@@ -240,7 +240,7 @@ def _case(name: str, workdir: Path, reference: Path) -> str:
     }
     extra = ("--config.checkpoint.keep=1",) if "final" in name else ()
     if name in faults:
-        rc, _, err = _train(workdir, *extra, fault=faults[name])
+        rc, out, err = _train(workdir, *extra, fault=faults[name])
         took = time.time() - _fault_time(err)
         if kill and rc != -signal.SIGKILL:
             return f"FAILED: exit {rc}, expected a SIGKILL"
@@ -249,9 +249,13 @@ def _case(name: str, workdir: Path, reference: Path) -> str:
                 return f"FAILED: exit {rc}: {err.strip()[-300:]}"
             outcome = f"one-line error {took:.1f}s after the fault, exit 2; resumed"
         elif name == "double_sigterm":
+            if rc != -signal.SIGTERM:
+                return f"FAILED: exit {rc}, expected death by the second SIGTERM"
             outcome = "second SIGTERM ended it at once; resumed"
         elif kill:
             outcome = "resumed"
+        elif rc != 0 or "interrupted at step" not in out:
+            return f"FAILED: exit {rc}, expected a clean stop: {err.strip()[-300:]}"
         else:
             outcome = "stopped with a checkpoint; resumed"
     elif name.startswith("corrupt"):
