@@ -19,11 +19,14 @@ from typing import Any
 import ml_collections
 
 from m2po_jax import batching
+from m2po_jax.errors import M2poError
 from m2po_jax.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
 
 
-class ConfigError(ValueError):
+class ConfigError(M2poError, ValueError):
     """A config key or value is invalid."""
+
+    what = "config error"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +215,11 @@ class Config:
     mesh: MeshSection
 
 
+# logits / temperature: below this the float32 log-probs and their gradients (scaled by
+# 1 / temperature) overflow or lose all precision; greedy=True is the argmax limit.
+MIN_TEMPERATURE = 1e-3
+
+
 def _closest(key: str, valid: list[str]) -> str:
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
     return f"; did you mean {match[0]!r}?" if match else ""
@@ -277,16 +285,17 @@ def _build(cls, mapping: Any, prefix: str):
 def _check_range(where: str, value, low=None, high=None, low_open=False, high_open=False):
     if value is None:
         return
-    bad = (
-        isinstance(value, float)
-        and not math.isfinite(value)
-        or (low is not None and (value <= low if low_open else value < low))
-        or (high is not None and (value >= high if high_open else value > high))
+    lo = "-inf" if low is None else str(low)
+    hi = "inf" if high is None else str(high)
+    # An unbounded end is open: inf itself is never allowed.
+    interval = ("(" if low_open or low is None else "[") + f"{lo}, {hi}"
+    interval += ")" if high_open or high is None else "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value!r} is not a finite number; allowed {interval}")
+    bad = (low is not None and (value <= low if low_open else value < low)) or (
+        high is not None and (value >= high if high_open else value > high)
     )
     if bad:
-        lo = "-inf" if low is None else str(low)
-        hi = "inf" if high is None else str(high)
-        interval = ("(" if low_open else "[") + f"{lo}, {hi}" + (")" if high_open else "]")
         raise ConfigError(f"{where}={value!r} is out of range; allowed {interval}")
 
 
@@ -348,7 +357,7 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.reward_norm.eps", rn.eps, 0.0, low_open=True)
     _check_range("actor.kl_ctl", a.kl_ctl, 0.0)
     _check_choice("actor.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
-    _check_range("actor.temperature", a.temperature, 0.0, low_open=True)
+    _check_range("actor.temperature", a.temperature, MIN_TEMPERATURE)
     o = a.optimizer
     _check_range("actor.optimizer.lr", o.lr, 0.0, low_open=True)
     _check_range("actor.optimizer.weight_decay", o.weight_decay, 0.0)
@@ -363,7 +372,7 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.optimizer.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0)
     _check_range("gconfig.n_samples", g.n_samples, 1)
     _check_range("gconfig.max_new_tokens", g.max_new_tokens, 1)
-    _check_range("gconfig.temperature", g.temperature, 0.0, low_open=True)
+    _check_range("gconfig.temperature", g.temperature, MIN_TEMPERATURE)
     _check_range("gconfig.top_p", g.top_p, 0.0, 1.0, low_open=True)
     _check_range("gconfig.top_k", g.top_k, 0)
     if abs(a.temperature - g.temperature) > 1e-9:
@@ -444,8 +453,13 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: 
                 raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
             apply_overrides(current, value, full + ".")
         else:
-            with config.unlocked():
-                config[key] = value
+            try:
+                with config.unlocked():
+                    config[key] = value
+            except (TypeError, ValueError):
+                # ConfigDict refuses a value of another type than the default's.
+                kind = type(current).__name__
+                raise ConfigError(f"{full}: expected a {kind}, got {value!r}") from None
 
 
 def apply_dotted(config: ml_collections.ConfigDict, values: dict) -> None:
@@ -463,15 +477,27 @@ def load_overrides(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--overrides: file {path!r} does not exist")
-    text = file.read_text()
-    if file.suffix in (".yaml", ".yml"):
+    if file.suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"--overrides: {path!r} must end in .yaml, .yml or .json")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if file.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    else:
         import yaml
 
-        data = yaml.safe_load(text)
-    elif file.suffix == ".json":
-        data = json.loads(text)
-    else:
-        raise ConfigError(f"--overrides: {path!r} must end in .yaml, .yml or .json")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--overrides: {path!r} must hold a mapping at the top level")
     return data

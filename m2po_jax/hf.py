@@ -23,6 +23,7 @@ ml_dtypes) and mapped onto the `model.py` param tree:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from m2po_jax.errors import ModelError
 from m2po_jax.model import (
     SUPPORTED_MODEL_TYPES,
     ModelConfig,
@@ -336,6 +338,16 @@ def tensor_layout(config: ModelConfig) -> list[_Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _open_weights(file: str):
+    """`safe_open`, with a damaged file named in the error (safetensors does not name it)."""
+    try:
+        with safe_open(file, framework="np") as fh:
+            yield fh
+    except SafetensorError as e:
+        raise ModelError(f"{file}: not a readable safetensors file ({e})") from None
+
+
 def _weight_files(path: str) -> dict[str, str]:
     """Tensor name -> file that holds it, from the index or the single file."""
     index_path = os.path.join(path, INDEX_FILE)
@@ -351,7 +363,7 @@ def _weight_files(path: str) -> dict[str, str]:
             raise FileNotFoundError(f"{index_path} names shard files that do not exist: {absent}")
         return files
     if os.path.isfile(single_path):
-        with safe_open(single_path, framework="np") as fh:
+        with _open_weights(single_path) as fh:
             return dict.fromkeys(fh.keys(), single_path)
     found = sorted(
         n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth"))
@@ -366,7 +378,7 @@ def _header(files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype tag) read from file headers, without loading data."""
     info = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="np") as fh:
+        with _open_weights(file) as fh:
             for name in fh.keys():
                 if files.get(name) == file:
                     sl = fh.get_slice(name)
@@ -439,7 +451,7 @@ def iter_hf_params(
     for t in layout:
         by_file.setdefault(files[t.hf_name], []).append(t)
     for file, tensors in by_file.items():
-        with safe_open(file, framework="np") as fh:
+        with _open_weights(file) as fh:
             for t in tensors:
                 yield t.param_path, t.to_param(fh.get_tensor(t.hf_name)).astype(np_dtype)
 

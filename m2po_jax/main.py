@@ -3,18 +3,25 @@
   m2po-train                                     # built-in default, workdir runs/default
   m2po-train --config=configs/arith.py:grpo --workdir=/tmp/grpo \
       --config.actor.m2_threshold=0.04 --overrides=my_run.yaml
+  m2po-train --workdir=/tmp/grpo --restore_step=200   # continue from an older checkpoint
+
+Errors a user can fix (config, data, model, workdir, checkpoints, a full disk) print one
+line, `m2po-train: <what>: <file or field>: <problem>`, and exit with status 2;
+`--verbose` adds the traceback.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import traceback
 from pathlib import Path
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import m2po_jax.configs
+from m2po_jax.errors import M2poError
 
 DEFAULT_CONFIG = str(Path(m2po_jax.configs.__file__).parent / "default.py")
 
@@ -32,6 +39,14 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "overrides", None, "YAML or JSON file with nested config keys to overlay (AReaL-style)."
     )
+    flags.DEFINE_integer(
+        "restore_step",
+        None,
+        "Resume from this checkpoint step instead of the newest verified one; newer "
+        "checkpoints are moved to <workdir>/checkpoints_aside.",
+        lower_bound=0,
+    )
+    flags.DEFINE_bool("verbose", False, "On an error, print the traceback too.")
 
 
 # `--config.a.b=None` sets a field to None (config_flags cannot parse None itself).
@@ -39,9 +54,23 @@ _NONE_ARG = re.compile(r"--config\.([\w.]+)=(None|none|null)")
 _none_keys: list[str] = []
 
 
-def _fail(message: str) -> None:
-    print(f"m2po-train: config error: {message}", file=sys.stderr)
+def _fail(message: str, what: str = "config error") -> None:
+    print(f"m2po-train: {what}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def _verbose() -> bool:
+    try:
+        return bool(FLAGS.verbose)
+    except (AttributeError, flags.Error):  # not parsed yet
+        return "--verbose" in sys.argv
+
+
+def _report(error: BaseException, what: str) -> None:
+    """Prints `error` in one line (the traceback too with --verbose) and exits 2."""
+    if _verbose():
+        traceback.print_exception(error)
+    _fail(_clean(error), what)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -75,15 +104,25 @@ def main(argv) -> None:
         if FLAGS.overrides:
             config_lib.apply_overrides(config, config_lib.load_overrides(FLAGS.overrides))
         cfg = config_lib.from_configdict(config)
-    except (config_lib.ConfigError, ValueError) as e:
-        _fail(_clean(e))
+    except (config_lib.ConfigError, ValueError, TypeError) as e:
+        _report(e, "config error")
 
-    from m2po_jax import distributed, trainer
+    from m2po_jax import distributed, errors, workdir
 
     # Multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a TPU pod.
     distributed.initialize_distributed()
     logging.info("workdir %s", FLAGS.workdir)
-    result = trainer.Trainer(cfg, FLAGS.workdir).run()
+    import jax
+
+    try:
+        # Taken before the trainer is built, so a second run is refused at once; the
+        # trainer's own hold nests inside this one.
+        with workdir.hold(FLAGS.workdir, enabled=jax.process_index() == 0):
+            result = _train(cfg)
+    except errors.M2poError as e:
+        _report(e, e.what)
+    except MemoryError as e:
+        _report(e, "memory error")
     status = "interrupted" if result.interrupted else "finished"
     print(
         f"m2po-train: {status} at step {result.final_step}; metrics in "
@@ -94,8 +133,26 @@ def main(argv) -> None:
         print(f"m2po-train: held-out accuracy by step: {steps}")
 
 
-def _clean(error: Exception) -> str:
-    text = str(error).strip("'\"").replace("\\n", " ").replace("\n", " ")
+def _train(cfg):
+    """Builds the trainer (setup errors are the user's: model, data, mesh) and runs it."""
+    from m2po_jax import errors, trainer
+
+    try:
+        run = trainer.Trainer(cfg, FLAGS.workdir)
+    except errors.M2poError:
+        raise
+    except (ValueError, OSError) as e:
+        # The setup's checks (model, data, mesh) raise ValueError / OSError naming the file
+        # or field; errors once training runs are the project's own types only.
+        _report(e, "setup error")
+    return run.run(restore_step=FLAGS.restore_step)
+
+
+def _clean(error: BaseException) -> str:
+    text = str(error)
+    if not isinstance(error, M2poError):  # KeyError and config_flags quote their messages
+        text = text.strip("'\"")
+    text = text.replace("\\n", " ").replace("\n", " ")
     return text.replace("\\'", "'")
 
 

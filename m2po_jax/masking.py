@@ -66,11 +66,13 @@ def _check_same_shape(name: str, x: jax.Array, ref_name: str, ref: jax.Array) ->
 
 
 def _check_nonnegative_scalar(name: str, value: object) -> None:
-    """Checks a threshold/budget given as a host value; jax arrays (traced or not) pass unchecked."""
+    """Checks a threshold/budget; only traced values (unknown until run) pass unchecked."""
     if isinstance(value, jax.Array):
         if value.ndim != 0:
             raise ValueError(f"{name} must be a scalar, got shape {value.shape}")
-        return
+        if isinstance(value, jax.core.Tracer) or not value.is_fully_addressable:
+            return
+        value = np.asarray(value)  # concrete: checked like a numpy scalar
     if isinstance(value, (numbers.Real, np.ndarray, np.generic)):
         arr = np.asarray(value)
         if arr.shape != ():

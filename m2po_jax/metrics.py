@@ -7,15 +7,18 @@ non-finite values are written as null and their names listed under "nonfinite".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from m2po_jax.errors import WriterError, describe_os_error
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -96,17 +99,31 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+@contextlib.contextmanager
+def _io_errors(path: str) -> Iterator[None]:
+    """An OSError (disk full, I/O) becomes a WriterError naming `path`."""
+    try:
+        yield
+    except WriterError:
+        raise
+    except OSError as e:
+        raise WriterError(describe_os_error(e, path)) from e
+
+
 class MetricsWriter:
     """Writes metric dicts to `workdir/metrics.jsonl`, TensorBoard and (optionally) wandb.
 
     Args:
       workdir: output directory (created if needed).
-      tensorboard: also write scalars to `workdir/tensorboard` with tensorboardX.
+      tensorboard: also write scalars to `workdir/tensorboard` (`m2po_jax.tensorboard`:
+        on this thread, so a full disk raises here instead of hanging a writer thread).
       wandb: keyword arguments for `wandb.init`, or None for no wandb.
       is_primary: False on every process but 0 of a multi-host run; then nothing is
         written and no file is opened.
       resume_step: when resuming, records with step >= resume_step are dropped from an
         existing metrics.jsonl (and TensorBoard events purged) so steps never repeat.
+
+    A failed write (disk full, I/O error) raises `WriterError` naming the file.
     """
 
     def __init__(
@@ -142,16 +159,17 @@ class MetricsWriter:
                     "wandb logging was requested but the wandb package is not installed: "
                     "pip install wandb (or m2po-jax[wandb]), or set wandb=None"
                 ) from e
-        os.makedirs(workdir, exist_ok=True)
-        if resume_step is not None and os.path.exists(self.path):
-            self._truncate(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        tb_dir = os.path.join(os.fspath(workdir), TENSORBOARD_DIR)
+        with _io_errors(self.path):
+            os.makedirs(workdir, exist_ok=True)
+            if resume_step is not None and os.path.exists(self.path):
+                self._truncate(resume_step)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (see close())
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from m2po_jax.tensorboard import EventFile
 
-            self._tb = SummaryWriter(
-                logdir=os.path.join(os.fspath(workdir), TENSORBOARD_DIR), purge_step=resume_step
-            )
+            with _io_errors(tb_dir):
+                self._tb = EventFile(tb_dir, purge_step=resume_step)
         if wandb_module is not None:
             self._wandb_run = wandb_module.init(**dict(wandb))
 
@@ -166,6 +184,8 @@ class MetricsWriter:
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -194,29 +214,37 @@ class MetricsWriter:
             raise TypeError(
                 f"metrics at step {step}: a value is not JSON-serialisable ({e})"
             ) from e
-        self._file.write(line + "\n")
-        self._file.flush()
+        with _io_errors(self.path):
+            self._file.write(line + "\n")
+            self._file.flush()
         scalars = {k: float(v) for k, v in values.items() if _is_number(v)}
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
+            with _io_errors(self._tb.path):
+                self._tb.add_scalars(step, scalars)
         if self._wandb_run is not None:
             self._wandb_run.log(scalars, step=step)
 
     def flush(self) -> None:
+        """Writes everything to disk (fsync): the trainer calls it before each checkpoint."""
         if self._file is not None:
-            self._file.flush()
+            with _io_errors(self.path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
         if self._tb is not None:
-            self._tb.flush()
+            with _io_errors(self._tb.path):
+                self._tb.sync()
 
     def close(self) -> None:
-        """Flushes and closes everything; safe to call twice."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flushes and closes everything; safe to call twice, closes all even if one fails."""
+        file, tb, self._file, self._tb = self._file, self._tb, None, None
+        try:
+            if file is not None:
+                with _io_errors(self.path):
+                    file.close()
+        finally:
+            if tb is not None:
+                with _io_errors(tb.path):
+                    tb.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import signal
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from m2po_jax import prompts as prompts_lib
 from m2po_jax import rollout as rollout_lib
 from m2po_jax import tokenizer as tokenizer_lib
 from m2po_jax import train_step as step_lib
+from m2po_jax import workdir as workdir_lib
 from m2po_jax.config import Config
+from m2po_jax.errors import M2poError, WriterError, describe_os_error
 from m2po_jax.tasks import Task, make_task
 from m2po_jax.types import TrainBatch
 
@@ -32,8 +35,10 @@ from m2po_jax.types import TrainBatch
 _GEN, _TRAIN, _FILL, _INIT, _SFT, _EVAL = range(6)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(M2poError, RuntimeError):
     """Too many consecutive steps had non-finite loss or gradients."""
+
+    what = "training stopped"
 
 
 @dataclasses.dataclass
@@ -362,8 +367,14 @@ class Trainer:
     def _meta(self) -> dict:
         return {"data_position": self.data_position, "sft_steps": self.sft_steps}
 
-    def save(self) -> None:
+    def save(self, writer: metrics_lib.MetricsWriter | None = None) -> None:
+        """Checkpoints the state unless its step is committed already (never rewritten)."""
         step = int(self.state.step)
+        if step in self.checkpointer.all_steps():
+            return
+        if writer is not None:
+            # The rows (and events) of the steps before the checkpoint reach the disk first.
+            writer.flush()
         self.checkpointer.save(
             step,
             state=self.state,
@@ -373,13 +384,16 @@ class Trainer:
             ref_params=self.ref_params,
         )
 
-    def try_resume(self) -> bool:
-        if self.checkpointer.latest_step() is None:
+    def try_resume(self, restore_step: int | None = None) -> bool:
+        """Restores the newest checkpoint that verifies (or `restore_step`); False if none."""
+        step = self.checkpointer.choose(restore_step, warn=logging.warning)
+        if step is None:
             return False
         need_ref = self.cfg.actor.kl_ctl > 0
         restored = self.checkpointer.restore(
-            None, state_like=self.state, ref_like=self.state.params if need_ref else None
+            step, state_like=self.state, ref_like=self.state.params if need_ref else None
         )
+        logging.warning("resuming from checkpoint %s", self.checkpointer.step_dir(step))
         self.state = restored["state"]
         self.rng = restored["rng"]
         self.queue = rollout_lib.StaleQueue(
@@ -414,7 +428,15 @@ class Trainer:
     @contextlib.contextmanager
     def _signals(self):
         def handler(signum, frame):
+            if self._stop_requested:
+                # A second signal ends the process now, whatever the main thread waits on.
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             self._stop_requested = True
+            logging.warning(
+                "signal %d: stopping after this step (send it again to stop now)", signum
+            )
 
         previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -428,12 +450,21 @@ class Trainer:
             for sig, old in previous.items():
                 signal.signal(sig, old)
 
-    def run(self, stop_after: int | None = None) -> RunResult:
-        """Trains to `total_steps` (or `stop_after` more steps, for tests); resumes if possible."""
+    def run(self, stop_after: int | None = None, restore_step: int | None = None) -> RunResult:
+        """Trains to `total_steps` (or `stop_after` more steps, for tests); resumes if possible.
+
+        Holds the workdir's lock throughout (process 0). Resumes from the newest checkpoint
+        that verifies, or from `restore_step` (newer checkpoints are then set aside).
+        """
+        with workdir_lib.hold(self.workdir, enabled=jax.process_index() == 0):
+            return self._run(stop_after, restore_step)
+
+    def _run(self, stop_after: int | None, restore_step: int | None) -> RunResult:
         cfg = self.cfg
-        resumed = self.try_resume()
+        resumed = self.try_resume(restore_step)
         start = int(self.state.step)
         primary = jax.process_index() == 0
+        self._nonfinite_stop = None
         writer = metrics_lib.MetricsWriter(
             self.workdir,
             tensorboard=cfg.logging.tensorboard,
@@ -445,6 +476,24 @@ class Trainer:
             cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
         )
         accuracies = []
+        interrupted = False
+        try:
+            interrupted = self._loop(writer, progress, resumed, start, stop_after, accuracies)
+            writer.close()
+        finally:
+            progress.close()
+            with contextlib.suppress(OSError):
+                writer.close()  # after an error: close what is open, keep the first error
+        if cfg.logging.plots and jax.process_index() == 0:
+            try:
+                metrics_lib.plot_metrics(self.workdir / "metrics.jsonl", self.workdir)
+            except OSError as e:
+                raise WriterError(describe_os_error(e, self.workdir)) from e
+        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted)
+
+    def _loop(self, writer, progress, resumed, start, stop_after, accuracies) -> bool:
+        """The steps from `start`; True if a signal stopped them."""
+        cfg = self.cfg
         interrupted = False
         with self._signals():
             if not resumed:
@@ -471,17 +520,17 @@ class Trainer:
                     accuracies.append((step, accuracy))
                 writer.write(step, record)
                 progress.update(step + 1, record)
+                if self._nonfinite_stop:
+                    # The failing step has its row; the checkpoint holds the last good params.
+                    self.save(writer)
+                    raise NonFiniteError(self._nonfinite_stop)
                 if self._stop_requested:
                     interrupted = True
                     break
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-                    self.save()
-            self.save()
-        writer.close()
-        progress.close()
-        if cfg.logging.plots and jax.process_index() == 0:
-            metrics_lib.plot_metrics(self.workdir / "metrics.jsonl", self.workdir)
-        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted)
+                    self.save(writer)
+            self.save(writer)
+        return interrupted
 
     def _one_step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -502,10 +551,11 @@ class Trainer:
                 "step %d: non-finite loss or gradients; update skipped (%d in a row)", step, skipped
             )
             if skipped >= self.cfg.max_nonfinite_steps:
-                self.save()
-                raise NonFiniteError(
-                    f"{skipped} consecutive steps had non-finite loss or gradients (last: step "
-                    f"{step}); the last good state is saved in {self.checkpointer.directory}"
+                # Raised by the loop once this step's metrics row is written.
+                self._nonfinite_stop = (
+                    f"max_nonfinite_steps: {skipped} consecutive steps had non-finite loss or "
+                    f"gradients (last: step {step}); the last good state is saved in "
+                    f"{self.checkpointer.directory}"
                 )
         rewards = host["rewards_B"]
         record.update(metrics)

@@ -59,10 +59,10 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         (
             "actor.m2_threshold",
             -0.01,
-            r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\]",
+            r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\)",
         ),
         ("actor.eps_clip", 1.0, r"actor.eps_clip=1.0 is out of range; allowed \[0.0, 1.0\)"),
-        ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\]"),
+        ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\)"),
         ("actor.optimizer.lr", 0.0, r"actor.optimizer.lr=0.0 is out of range"),
         ("gconfig.top_p", 1.5, r"gconfig.top_p=1.5 is out of range"),
         (
@@ -74,6 +74,13 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("actor.ppo_n_minibatches", 3, r"ppo_n_minibatches=3 must divide the rows per step"),
         ("actor.reward_norm.group_size", 4, r"group_size=4 must equal gconfig.n_samples=8"),
         ("actor.temperature", 0.7, r"must equal gconfig.temperature"),
+        ("actor.m2_threshold", float("inf"), r"m2_threshold=inf is not a finite number"),
+        ("actor.optimizer.lr", float("nan"), r"lr=nan is not a finite number"),
+        (
+            "gconfig.temperature",
+            1e-30,
+            r"gconfig.temperature=1e-30 is out of range; allowed \[0.001",
+        ),
         ("total_steps", 2.5, r"total_steps: expected an integer, got 2.5"),
         ("mesh.fsdp", 0, r"mesh.fsdp=0 must be a positive size or -1"),
         (
@@ -123,6 +130,28 @@ def test_yaml_and_json_overrides(tmp_path):
         config_lib.apply_overrides(c, config_lib.load_overrides(str(bad)))
     with pytest.raises(config_lib.ConfigError, match="does not exist"):
         config_lib.load_overrides(str(tmp_path / "missing.yaml"))
+
+
+def test_bad_overrides_files_name_the_file_line_and_key(tmp_path):
+    c = default.get_config()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("actor:\n  eps_clip: 0.1\n   lr: [1\n")
+    with pytest.raises(config_lib.ConfigError, match=r"broken.yaml:3:\d+: not valid YAML"):
+        config_lib.load_overrides(str(broken))
+    broken_json = tmp_path / "broken.json"
+    broken_json.write_text('{"actor":\n {"eps_clip": }}')
+    with pytest.raises(config_lib.ConfigError, match=r"broken.json:2:\d+: not valid JSON"):
+        config_lib.load_overrides(str(broken_json))
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"actor:\n  m2po_method: \xe9\n")
+    with pytest.raises(config_lib.ConfigError, match=r"latin.yaml: not UTF-8 text"):
+        config_lib.load_overrides(str(latin))
+    wrong_type = tmp_path / "wrong.yaml"
+    wrong_type.write_text("actor:\n  eps_clip: abc\n")
+    with pytest.raises(
+        config_lib.ConfigError, match=r"actor.eps_clip: expected a float, got 'abc'"
+    ):
+        config_lib.apply_overrides(c, config_lib.load_overrides(str(wrong_type)))
 
 
 def _cli(*args):

@@ -485,6 +485,11 @@ class ErrorsTest(parameterized.TestCase):
             m2po_mask(z4, z4, m4, -0.1)
         with pytest.raises(ValueError, match=r"m2_threshold must be >= 0"):
             m2po_mask(z4, z4, m4, float("nan"))
+        # Concrete jax scalars are checked like Python and numpy ones; only traced ones pass.
+        for bad in (jnp.float32(jnp.nan), jnp.float32(-0.1)):
+            with pytest.raises(ValueError, match=r"m2_threshold must be >= 0"):
+                m2po_mask(z4, z4, m4, bad)
+        self.assertEqual(jax.jit(lambda t: m2po_mask(z4, z4, m4, t))(-0.1).shape, (4,))
         with pytest.raises(ValueError, match=r"m2_threshold must be a scalar"):
             m2po_mask(z4, z4, m4, np.array([0.1, 0.2]))
         with pytest.raises(ValueError, match=r"method='quick' is not one of \['sort', 'bisect'\]"):

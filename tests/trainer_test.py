@@ -139,6 +139,8 @@ def test_repeated_non_finite_steps_stop_with_a_checkpoint(tmp_path):
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seen[0]), strict=True):
             np.testing.assert_array_equal(a, b)
     records = read(tmp_path)
+    # The failing step has its row too: a resumed run's metrics skip no step.
+    assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["train/nonfinite"] == 1 for r in records)
 
 

@@ -1,0 +1,346 @@
+"""Fault drill: kills, signals, corruptions, a full disk and a second trainer on the tiny preset.
+
+  python benchmarks/fault_drill.py            # every case, then the table (a few minutes)
+  python benchmarks/fault_drill.py --cases=kill_step_3,corrupt_bytes
+
+Each case runs `m2po-train` in child processes, injects its fault, reruns to the end, and
+compares `metrics.jsonl` and the TensorBoard scalars with an uninterrupted run: a row that
+is missing or differs is lost. The last line reads `N faults, 0 lost` when nothing was.
+
+`child` mode (used by the cases and tests) runs `m2po-train` with a fault armed:
+  python benchmarks/fault_drill.py child --fault=kill:step:3 -- --workdir=... [flags]
+Faults: kill:step:N (SIGKILL as step N starts), kill:save:N:{orbax,manifest,rotate}
+(SIGKILL inside the save of step N), signal:N:{TERM,INT,TERM2} (TERM2: twice),
+full:N:{tensorboard,metrics,checkpoint} (ENOSPC on those writes from step N on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET = ["--config=configs/arith.py:m2po,tiny", "--config.mesh.data=1"]
+CACHE = Path(tempfile.gettempdir()) / "m2po_fault_drill_jax_cache"
+
+
+def _die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(fault: str, workdir: Path) -> None:
+    """Patches the trainer in this process so that `fault` happens."""
+    from m2po_jax import checkpoint as ckpt_lib
+    from m2po_jax import trainer as trainer_lib
+
+    kind, *args = fault.split(":")
+    one_step = trainer_lib.Trainer._one_step
+
+    def at_step(n, action):
+        def patched(self, step):
+            if step == n:
+                print(f"fault_drill: fault at {time.time()}", file=sys.stderr, flush=True)
+                action()
+            return one_step(self, step)
+
+        trainer_lib.Trainer._one_step = patched
+
+    if kind == "kill" and args[0] == "step":
+        at_step(int(args[1]), _die)
+    elif kind == "kill":
+        step, point = int(args[1]), args[2]
+        save = ckpt_lib.Checkpointer.save
+
+        def patched_save(self, s, **kwargs):
+            if s == step and point == "orbax":
+                # Dies while orbax's writer threads have the step's files half written.
+                self._manager.wait_until_finished = lambda: (time.sleep(0.05), _die())
+            elif s == step and point == "manifest":
+                ckpt_lib.os.replace = _die
+            elif s == step and point == "rotate":
+                self._manager.delete = _die
+            return save(self, s, **kwargs)
+
+        ckpt_lib.Checkpointer.save = patched_save
+    elif kind == "signal":
+        sig = {"TERM": [signal.SIGTERM], "INT": [signal.SIGINT]}.get(args[1], [signal.SIGTERM] * 2)
+        at_step(int(args[0]), lambda: [os.kill(os.getpid(), s) for s in sig])
+    elif kind == "full":
+        _arm_full_disk(int(args[0]), args[1], workdir, at_step)
+    else:
+        raise SystemExit(f"fault_drill: unknown fault {fault!r}")
+
+
+def _arm_full_disk(step: int, target: str, workdir: Path, at_step) -> None:
+    """From step `step`, writes to `target` fail with ENOSPC, as on a full disk."""
+    from m2po_jax import checkpoint as ckpt_lib
+
+    full = {"on": False}
+    real_open = builtins.open
+    prefix = str(workdir / ("tensorboard" if target == "tensorboard" else "metrics.jsonl"))
+
+    def no_space(path):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    class File:
+        def __init__(self, f, path):
+            self._f, self._path = f, path
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+        def write(self, data):
+            if full["on"]:
+                raise no_space(self._path)
+            return self._f.write(data)
+
+        def flush(self):
+            if full["on"]:
+                raise no_space(self._path)
+            return self._f.flush()
+
+    def fake_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, str | os.PathLike) else ""
+        return File(f, path) if path.startswith(prefix) else f
+
+    if target == "checkpoint":
+        real_manifest = ckpt_lib.write_manifest
+
+        def manifest(step_dir):
+            if full["on"]:
+                raise no_space(step_dir / ckpt_lib.MANIFEST)
+            return real_manifest(step_dir)
+
+        ckpt_lib.write_manifest = manifest
+    else:
+        builtins.open = fake_open
+    at_step(step, lambda: full.update(on=True))
+
+
+def child(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="fault_drill.py child")
+    parser.add_argument("--fault", default="")
+    args, rest = parser.parse_known_args(argv)
+    rest = [a for a in rest if a != "--"]
+    workdir = next(Path(a.split("=", 1)[1]) for a in rest if a.startswith("--workdir="))
+    if args.fault:
+        _arm(args.fault, workdir.absolute())
+    from m2po_jax import main
+
+    sys.argv = ["m2po-train", *rest]
+    main.run()
+
+
+# ---- the drill ---------------------------------------------------------------------------
+
+
+def _train(workdir: Path, *extra: str, fault: str = "", wait: bool = True):
+    cmd = [sys.executable, __file__, "child", f"--fault={fault}", "--"]
+    cmd += [*PRESET, f"--workdir={workdir}", *extra]
+    # Children share a compilation cache: the runs differ in their faults, not their programs.
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(CACHE))
+    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _rows(workdir: Path) -> dict[int, dict]:
+    from m2po_jax import metrics as metrics_lib
+
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    return {
+        r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")}
+        for r in metrics_lib.read_metrics(path)
+    }
+
+
+def _lost(workdir: Path, reference: Path) -> int:
+    """Reference rows missing or different in metrics.jsonl or in the TensorBoard scalars."""
+    from m2po_jax import tensorboard
+
+    want, got = _rows(reference), _rows(workdir)
+    events = tensorboard.read_scalars(workdir / "tensorboard")
+    lost = 0
+    for step, row in want.items():
+        tb_ok = events.get("reward/mean", {}).get(step) == _f32(row["reward/mean"])
+        lost += got.get(step) != row or not tb_ok
+    return lost + len(set(got) - set(want))
+
+
+def _f32(x):
+    import numpy as np
+
+    return float(np.float32(x))
+
+
+def _corrupt(workdir: Path, how: str) -> None:
+    step_dir = max((workdir / "checkpoints").iterdir(), key=lambda p: int(p.name))
+    if how == "metadata":
+        (step_dir / "meta" / "metadata").write_bytes(os.urandom(64))
+        return
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    if how == "bit":
+        data[len(data) // 2] ^= 1
+    else:
+        data[len(data) // 2 : len(data) // 2 + 64] = os.urandom(64)
+    target.write_bytes(bytes(data))
+
+
+def _fault_time(err: str) -> float:
+    marks = [x for x in err.splitlines() if x.startswith("fault_drill: fault at ")]
+    return float(marks[0].rsplit(" ", 1)[1]) if marks else float("nan")
+
+
+def _one_line_error(rc: int, err: str, needle: str) -> bool:
+    lines = [x for x in err.splitlines() if x.startswith("m2po-train:")]
+    return rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+
+
+def _case(name: str, workdir: Path, reference: Path) -> str:
+    """Runs case `name`; returns its outcome (the rows lost are counted after)."""
+    kill = name.startswith("kill")
+    faults = {
+        "kill_step_1": "kill:step:1",
+        "kill_step_3": "kill:step:3",
+        "kill_in_orbax_write": "kill:save:2:orbax",
+        "kill_before_manifest": "kill:save:2:manifest",
+        "kill_in_final_rotation": "kill:save:4:rotate",
+        "kill_in_final_write": "kill:save:4:orbax",
+        "sigterm": "signal:2:TERM",
+        "sigint": "signal:1:INT",
+        "double_sigterm": "signal:3:TERM2",
+        "full_disk_tensorboard": "full:3:tensorboard",
+        "full_disk_metrics": "full:2:metrics",
+        "full_disk_checkpoint": "full:3:checkpoint",
+    }
+    extra = ("--config.checkpoint.keep=1",) if "final" in name else ()
+    if name in faults:
+        rc, out, err = _train(workdir, *extra, fault=faults[name])
+        took = time.time() - _fault_time(err)
+        if kill and rc != -signal.SIGKILL:
+            return f"FAILED: exit {rc}, expected a SIGKILL"
+        if name.startswith("full"):
+            if not _one_line_error(rc, err, "No space left on device"):
+                return f"FAILED: exit {rc}: {err.strip()[-300:]}"
+            outcome = f"one-line error {took:.1f}s after the fault, exit 2; resumed"
+        elif name == "double_sigterm":
+            if rc != -signal.SIGTERM:
+                return f"FAILED: exit {rc}, expected death by the second SIGTERM"
+            outcome = "second SIGTERM ended it at once; resumed"
+        elif kill:
+            outcome = "resumed"
+        elif rc != 0 or "interrupted at step" not in out:
+            return f"FAILED: exit {rc}, expected a clean stop: {err.strip()[-300:]}"
+        else:
+            outcome = "stopped with a checkpoint; resumed"
+    elif name.startswith("corrupt"):
+        rc, _, err = _train(workdir)
+        _corrupt(workdir, name.split("_")[1])
+        rc, _, err = _train(workdir)
+        if rc != 0 or "falling back to step 2" not in err:
+            return f"FAILED: exit {rc}, no fallback message: {err.strip()[-300:]}"
+        return "refused, fell back to step 2"
+    elif name == "second_trainer":
+        first = _train(workdir, "--config.total_steps=6", wait=False)
+        lock = workdir / ".lock"
+        while not (lock.exists() and lock.read_text().strip()) and first.poll() is None:
+            time.sleep(0.2)
+        rc, _, err = _train(workdir, "--config.total_steps=6")
+        refused = _one_line_error(rc, err, f"in use by another run (pid {first.pid} on")
+        running = first.poll() is None
+        first.communicate(timeout=300)
+        if not refused or first.returncode != 0:
+            return f"FAILED: second exit {rc}, first exit {first.returncode}: {err[-300:]}"
+        return "refused in one line" + ("" if running else " (first had finished)")
+    else:
+        raise SystemExit(f"fault_drill: unknown case {name!r}")
+    rc, _, err = _train(workdir, *extra)
+    return outcome if rc == 0 else f"FAILED: rerun exit {rc}: {err.strip()[-300:]}"
+
+
+CASES = [
+    "kill_step_1",
+    "kill_step_3",
+    "kill_in_orbax_write",
+    "kill_before_manifest",
+    "kill_in_final_write",
+    "kill_in_final_rotation",
+    "sigterm",
+    "sigint",
+    "double_sigterm",
+    "corrupt_bytes",
+    "corrupt_bit",
+    "corrupt_metadata",
+    "full_disk_tensorboard",
+    "full_disk_metrics",
+    "full_disk_checkpoint",
+    "second_trainer",
+]
+
+
+def drill(cases: list[str]) -> int:
+    root = Path(tempfile.mkdtemp(prefix="fault_drill_"))
+    reference = root / "reference"
+    rc, _, err = _train(reference)
+    if rc != 0:
+        raise SystemExit(f"fault_drill: the reference run failed: {err[-2000:]}")
+    reference6 = root / "reference6"
+    if "second_trainer" in cases:
+        _train(reference6, "--config.total_steps=6")
+    rows = []
+    for name in cases:
+        workdir = root / name
+        t0 = time.perf_counter()
+        outcome = _case(name, workdir, reference)
+        lost = _lost(workdir, reference6 if name == "second_trainer" else reference)
+        rows.append((name, outcome, lost, time.perf_counter() - t0))
+        print(f"  {name}: {outcome}; {lost} rows lost ({rows[-1][3]:.0f}s)", flush=True)
+    print()
+    print("| case | outcome | rows lost |")
+    print("|---|---|---|")
+    for name, outcome, lost, _ in rows:
+        print(f"| {name} | {outcome} | {lost} |")
+    total = sum(r[2] for r in rows) + sum("FAILED" in r[1] for r in rows)
+    print(f"\n{len(rows)} faults, {total} lost")
+    shutil.rmtree(root, ignore_errors=True)
+    return 1 if total else 0
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        child(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    sys.exit(drill([c for c in args.cases.split(",") if c]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

@@ -1,0 +1,128 @@
+"""`m2po-train` reports what a user can fix in one line and exits 2 (`--verbose`: traceback)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2po_jax import hf, model
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--config=configs/arith.py:m2po,tiny", "--config.mesh.data=1"]
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_jax.main", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _one_line(result, prefix, *needles):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [x for x in result.stderr.splitlines() if x.startswith("m2po-train:")]
+    assert len(lines) == 1 and lines[0].startswith(f"m2po-train: {prefix}: "), lines
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    """A tokenizer, a config.json, weights and GSM8K-style data (the tests damage copies)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    config = model.ModelConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+        num_kv_heads=1, model_type="llama", dtype="float32",
+    )  # fmt: skip
+    (path / "config.json").write_text(json.dumps(hf.config_to_hf(config)))
+    (path / "model.safetensors").write_bytes(b"\xff" * 256)
+    good = [{"question": "the cat ate 12 ?", "answer": "a dog #### 12"}] * 24
+    lines = b"".join((json.dumps(r) + "\n").encode() for r in good)
+    (path / "train.jsonl").write_bytes(lines)
+    (path / "latin1.jsonl").write_bytes(lines[:100] + b'{"question": "caf\xe9"}\n')
+    return path
+
+
+def _gsm8k_args(path, workdir, data="train.jsonl"):
+    return [
+        "--config=configs/gsm8k.py",
+        f"--config.model.path={path}",
+        f"--config.task.train_path={path / data}",
+        f"--workdir={workdir}",
+        "--config.task.eval_size=8",
+        "--config.task.max_prompt_len=32",
+        "--config.gconfig.n_samples=2",
+        "--config.gconfig.max_new_tokens=4",
+        "--config.actor.reward_norm.group_size=2",
+        "--config.rollout.batch_size=2",
+        "--config.eval.num_examples=8",
+        "--config.eval.batch_size=8",
+        "--config.mesh.data=1",
+    ]
+
+
+def test_corrupt_safetensors_names_the_file(model_dir, tmp_path):
+    result = _cli(*_gsm8k_args(model_dir, tmp_path))
+    _one_line(result, "model error", f"{model_dir / 'model.safetensors'}: not a readable")
+
+
+def test_non_utf8_data_names_the_file_and_line(model_dir, tmp_path):
+    result = _cli(*_gsm8k_args(model_dir, tmp_path, "latin1.jsonl"))
+    _one_line(result, "setup error", "latin1.jsonl:2: not UTF-8 text")
+
+
+def test_config_and_override_errors_are_one_line(tmp_path):
+    _one_line(
+        _cli(*TINY, "--config.actor.m2_threshold=inf", f"--workdir={tmp_path}"),
+        "config error",
+        "actor.m2_threshold=inf is not a finite number",
+    )
+    _one_line(
+        _cli(*TINY, "--config.gconfig.temperature=1e-30", "--config.actor.temperature=1e-30"),
+        "config error",
+        "temperature=1e-30 is out of range",
+    )
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("actor:\n  eps_clip: [0.1\n")
+    _one_line(
+        _cli(*TINY, f"--overrides={bad_yaml}", f"--workdir={tmp_path}"),
+        "config error",
+        f"{bad_yaml}:3:",
+        "not valid YAML",
+    )
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("actor:\n  eps_clip: abc\n")
+    _one_line(
+        _cli(*TINY, f"--overrides={wrong}", f"--workdir={tmp_path}"),
+        "config error",
+        "actor.eps_clip: expected a float, got 'abc'",
+    )
+    verbose = _cli(*TINY, f"--overrides={wrong}", f"--workdir={tmp_path}", "--verbose")
+    assert verbose.returncode == 2 and "Traceback" in verbose.stderr
+
+
+def test_unusable_checkpoints_stop_in_one_line(tmp_path):
+    step_dir = tmp_path / "checkpoints" / "2"
+    (step_dir / "state").mkdir(parents=True)
+    (step_dir / "_CHECKPOINT_METADATA").write_bytes(b"\xff\xfe\x00garbage")
+    (step_dir / "m2po_manifest.json").write_text('{"version": 1, "files": {"state/x": {}}}')
+    _one_line(
+        _cli(*TINY, f"--workdir={tmp_path}"),
+        "checkpoint error",
+        f"{tmp_path / 'checkpoints'}: no checkpoint verifies (step 2: m2po_manifest.json",
+    )
+    _one_line(
+        _cli(*TINY, f"--workdir={tmp_path / 'fresh'}", "--restore_step=7"),
+        "checkpoint error",
+        "checkpoints/7: no such checkpoint (restore_step=7",
+    )
