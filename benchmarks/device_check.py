@@ -26,8 +26,9 @@ What the numbers mean:
       head are not counted, and flash kernels that skip the masked half do less work than
       counted. Nominal peak: NVIDIA's dense bf16 figure for the device (H200 SXM: 989.4
       TFLOP/s, half the data sheet's 1,979 "with sparsity"; H200 NVL 835), or
-      `--peak-tflops`. mfu_vs_matmul: against a bf16 8192^3 matmul measured in the same
-      process (the only peak on a CPU).
+      `--peak-tflops`. mfu_vs_matmul: against an 8192^3 matmul in the compute dtype
+      measured in the same process (1024^3 on a CPU, 512^3 with --tiny; the only peak
+      there).
       memory (section 3): peak_bytes = `memory_stats()["peak_bytes_in_use"]` of the worker
       after the steps (None on CPU), plan_train_step_bytes = `memory.memory_plan(...)
       .train_step` for the same shapes, xla_step_bytes = XLA's argument + temp + output -

@@ -3,9 +3,9 @@
   python benchmarks/device_check_sections.py SECTION ARG SETTINGS_JSON
 
 SECTION is train (ARG: attention implementation), sampler or rl_step (device_check_rl.py);
-SETTINGS_JSON is the
-settings dict device_check.py builds. The worker prints one line `RESULT_PREFIX + json` with
-the section's numbers (see the functions below and device_check.py's docstring).
+SETTINGS_JSON is the settings dict device_check.py builds. The worker prints one line
+`RESULT_PREFIX + json` with the section's numbers (see the functions below and
+device_check.py's docstring).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from m2po_jax.configs import gsm8k  # noqa: E402
 from m2po_jax.types import TrainBatch  # noqa: E402
 
 RESULT_PREFIX = "DEVICE_CHECK_RESULT "
-GiB = 2**30
 # Dense bf16 tensor-core peaks in TFLOP/s (NVIDIA data sheets list twice these "with
 # sparsity"): H100/H200 SXM 989.4 (1,979 sparse), H200 NVL 835 (1,671 sparse), H100 PCIe 756
 # (1,513 sparse), A100 312. Matched against `device_kind`, most specific first.
@@ -229,7 +228,8 @@ def run_train(s: dict, attention: str) -> dict:
     flops = step_flops(mc, rows, seq)
     median = statistics.median(times)
     device = device_info(s["peak_tflops"])
-    matmul = jax_matmul_peak(jnp.dtype(s["dtype"]), 512 if s["tiny"] else 8192, 10)
+    size = 512 if s["tiny"] else 8192 if jax.default_backend() != "cpu" else 1024
+    matmul = jax_matmul_peak(jnp.dtype(s["dtype"]), size, 10)
     result = {
         "device": device,
         "attention_resolved": memory.attention_kind(mc),
