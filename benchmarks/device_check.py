@@ -122,20 +122,29 @@ def run_worker(section: str, arg: str, settings: dict, timeout: float) -> dict:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        tail = _tail((err.stdout or b"") + (err.stderr or b""))
+        tail = _tail(_text(err.stdout) + "\n" + _text(err.stderr))
         raise TimeoutError(f"timed out after {timeout:.0f} s; output tail:\n{tail}") from None
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
+    how = f"status {proc.returncode}"
+    if proc.returncode < 0:
+        how = f"signal {-proc.returncode}" + (
+            " (out of host memory?)" if proc.returncode == -9 else ""
+        )
     raise RuntimeError(
-        f"worker exited with status {proc.returncode} and no result; output tail:\n"
-        + _tail(proc.stdout + proc.stderr)
+        f"worker ended with {how} and no result; output tail:\n" + _tail(proc.stdout + proc.stderr)
     )
 
 
-def _tail(text, lines: int = 25) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
+def _text(output) -> str:
+    """Captured output as str (a timeout hands it over as bytes, or None)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
+def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
