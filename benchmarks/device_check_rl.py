@@ -1,0 +1,156 @@
+"""Section 4 of benchmarks/device_check.py: full RL steps of the GSM8K trainer.
+
+A random checkpoint of the benchmarked architecture (transformers when installed, else
+`m2po_jax.hf.save_pretrained`), the fixture tokenizer and GSM8K-format data go to a temp
+dir; `Trainer(configs/gsm8k.py:qwen2.5-0.5b + overrides).run()` trains on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fixtures
+from device_check_sections import TINY_HF, device_info, hf_config, peak_memory, random_params
+
+from m2po_jax import config as config_lib
+from m2po_jax import hf
+from m2po_jax import trainer as trainer_lib
+from m2po_jax.configs import gsm8k
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def write_with_transformers(path: Path, s: dict) -> str | None:
+    """`fixtures.write_checkpoint` in a child process that sees no GPU (torch's CUDA
+    libraries stay out of this JAX process); None on success, else the error's last line."""
+    code = (
+        "import json, sys; from pathlib import Path; import fixtures; "
+        "fixtures.write_checkpoint(Path(sys.argv[1]), sys.argv[2], **json.loads(sys.argv[3]))"
+    )
+    changes = json.dumps(TINY_HF if s["tiny"] else {})
+    path_var = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path_var}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), s["arch"], changes],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode == 0:
+        return None
+    return (proc.stderr.strip().splitlines() or [f"status {proc.returncode}"])[-1]
+
+
+def write_checkpoint(path: Path, s: dict) -> str:
+    """A random checkpoint + tokenizer: by transformers when it works, else by m2po_jax."""
+    note = "not tried"
+    if s["checkpoint_writer"] != "jax":
+        note = write_with_transformers(path, s)
+        if note is None:
+            return "transformers"
+        if s["checkpoint_writer"] == "transformers":
+            raise RuntimeError(f"fixtures.write_checkpoint failed: {note}")
+    hf_cfg = {**hf_config(s), "bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
+    mc = hf.config_from_hf(hf_cfg, dtype="float32", param_dtype="float32")
+    params = random_params(mc)
+    hf.save_pretrained(params, path, config=mc, hf_config=hf_cfg)
+    fixtures.write_tokenizer(path)
+    return f"m2po_jax.hf.save_pretrained (transformers: {note})"
+
+
+class TimedTrainer(trainer_lib.Trainer):
+    """Notes when each step ends; skips the end-of-run checkpoint (not part of a step)."""
+
+    def _one_step(self, step: int) -> dict:
+        record = super()._one_step(step)
+        self.step_ends.append(time.perf_counter())
+        return record
+
+    def save(self) -> None:
+        pass
+
+
+def rl_config(s: dict, work: Path):
+    """configs/gsm8k.py:qwen2.5-0.5b with this run's shapes, small eval, logging off."""
+    c = gsm8k.get_config("qwen2.5-0.5b")
+    seq = s["rl_prompt_len"] + s["rl_new_tokens"]
+    rows = s["rl_prompts"] * c.gconfig.n_samples
+    overrides = {
+        "model.path": str(work / "model"),
+        "model.dtype": s["dtype"],
+        "model.attention": s["rl_attention"],
+        "model.remat_policy": s["remat_policy"],
+        "task.train_path": str(work / "train.jsonl"),
+        "task.eval_path": str(work / "eval.jsonl"),
+        "task.max_prompt_len": s["rl_prompt_len"],
+        "gconfig.max_new_tokens": s["rl_new_tokens"],
+        "rollout.batch_size": s["rl_prompts"],
+        "rollout.max_head_offpolicyness": 0,
+        "actor.mb_spec.max_tokens_per_mb": max(seq, rows * seq // 2),  # 2 micro-batches
+        "total_steps": s["rl_steps"],
+        "eval.every": 0,
+        "eval.num_examples": s["rl_eval"],
+        "eval.batch_size": s["rl_eval"],
+        "checkpoint.every": 0,
+        "logging.tensorboard": False,
+        "logging.progress": False,
+        "logging.plots": False,
+    }
+    config_lib.apply_dotted(c, overrides)
+    return config_lib.from_configdict(c)
+
+
+def run_rl_step(s: dict) -> dict:
+    """Section 4: `rl_steps` steps of the GSM8K trainer on a random checkpoint."""
+    work = Path(tempfile.mkdtemp(prefix="device_check_rl_"))
+    try:
+        return _run(s, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(s: dict, work: Path) -> dict:
+    start = time.perf_counter()
+    writer = write_checkpoint(work / "model", s)
+    fixtures.write_gsm8k(work / "train.jsonl", max(64, 4 * s["rl_prompts"] * s["rl_steps"]))
+    fixtures.write_gsm8k(work / "eval.jsonl", s["rl_eval"], seed=1)
+    written = time.perf_counter()
+    cfg = rl_config(s, work)
+    trainer = TimedTrainer(cfg, work / "run")
+    trainer.step_ends = []
+    built = time.perf_counter()
+    trainer.run()
+    done = time.perf_counter()
+    rows = [json.loads(line) for line in open(work / "run" / "metrics.jsonl")]
+    step_s = [r["time/rollout_s"] + r["time/train_s"] for r in rows]
+    plan = trainer.memory_plan
+    return {
+        "device": device_info(s["peak_tflops"]),
+        "checkpoint_writer": writer,
+        "rows": cfg.rollout.batch_size * cfg.gconfig.n_samples,
+        "seq_len": cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens,
+        "steps": len(rows),
+        "checkpoint_write_s": written - start,
+        "trainer_init_s": built - written,
+        "time_to_first_step_s": trainer.step_ends[0] - written,
+        "run_s": done - built,
+        "step_s": step_s,
+        "rollout_s": [r["time/rollout_s"] for r in rows],
+        "train_s": [r["time/train_s"] for r in rows],
+        "tokens_per_s": [r["time/tokens_per_s"] for r in rows],
+        "last_step_s": step_s[-1],
+        "eval_accuracy": rows[-1].get("eval/accuracy"),
+        "plan_total_bytes": plan.total,
+        "plan_train_step_bytes": plan.train_step,
+        "plan": plan.format(),
+        **peak_memory(),
+    }
