@@ -75,7 +75,7 @@ class TimedTrainer(trainer_lib.Trainer):
         self.step_ends.append(time.perf_counter())
         return record
 
-    def save(self) -> None:
+    def save(self, writer=None) -> None:
         pass
 
 
