@@ -25,7 +25,7 @@ M2_THRESHOLD = 0.04
 
 @torch.no_grad()
 def torch_m2po_mask(old_logp, prox_logp, loss_mask, m2_threshold):
-    """AReaL's _apply_m2po_masking, restated (M2PO.md): the reference to beat."""
+    """AReaL's _apply_m2po_masking, restated (docs/algorithm.md): the reference to beat."""
     m2 = (old_logp - prox_logp) ** 2
     mask_flat = loss_mask.reshape(-1)
     m2_selected = m2.reshape(-1)[mask_flat]

@@ -1,7 +1,7 @@
 """Actor losses for off-policy RL of LLMs: decoupled PPO with behaviour correction
 (AReaL), dual clip, clip-higher, GSPO sequence-level ratios and SAPO.
 
-Semantics follow M2PO.md ("The loss") and, where it is silent, AReaL's
+Semantics follow docs/algorithm.md ("The loss") and, where it is silent, AReaL's
 `areal/utils/functional/functional.py` (`ppo_actor_loss_fn`,
 `apply_rejection_sampling`, `_compute_sequence_level_ratio_and_advantages`,
 `sapo_loss_fn`) and `RejectionSamplingConfig` in `areal/api/cli_args.py`.

@@ -1,6 +1,6 @@
 """M2PO token masking: drop the few tokens whose second moment pushes a batch over a threshold.
 
-The default reproduces AReaL's ``actor.m2_threshold`` (see ``M2PO.md``):
+The default reproduces AReaL's ``actor.m2_threshold`` (see ``docs/algorithm.md``):
 
     m2_t = (behav_logp_t - prox_logp_t)^2                 (float32)
     keep the largest set of smallest-m2 valid tokens whose mean m2 is < m2_threshold,
@@ -477,7 +477,7 @@ def m2po_mask(
     *,
     method: str = "sort",
 ) -> jax.Array:
-    """AReaL's M2PO mask over the whole array (the public contract of DESIGN.md).
+    """AReaL's M2PO mask over the whole array (the public contract in docs/design.md).
 
         m2 = (behav_logp - prox_logp)^2 in float32, over tokens with loss_mask True;
         keep the largest set of smallest-m2 tokens with mean m2 < m2_threshold (at

@@ -1,6 +1,6 @@
 """Rollout batches with policy versions, and the stale-k queue.
 
-Stale-k (DESIGN.md): a FIFO of k generated batches. Each step generates one batch with
+Stale-k (docs/design.md): a FIFO of k generated batches. Each step generates one batch with
 the current params and trains on the batch generated k steps earlier; the queue starts
 filled with k batches from the initial params. Every row carries the policy version
 that generated it, so staleness is measured, not assumed.

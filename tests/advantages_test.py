@@ -1,4 +1,4 @@
-"""Tests for m2po_jax.advantages against numpy references written from M2PO.md / AReaL."""
+"""Tests for m2po_jax.advantages against numpy references written from docs/algorithm.md / AReaL."""
 
 import functools
 import itertools

@@ -1,4 +1,4 @@
-"""Tests for m2po_jax.losses against numpy references written from M2PO.md."""
+"""Tests for m2po_jax.losses against numpy references written from docs/algorithm.md."""
 
 import functools
 import math
@@ -31,7 +31,7 @@ def make_inputs(seed=0, B=4, T=6):
 
 
 # ----------------------------------------------------------------------------------------
-# numpy reference, written from M2PO.md ("The loss") with explicit loops
+# numpy reference, written from docs/algorithm.md ("The loss") with explicit loops
 # ----------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Tests of m2po_jax.masking against numpy references written from M2PO.md.
+"""Tests of m2po_jax.masking against numpy references written from docs/algorithm.md.
 
 Most data lies on a grid (log-ratios in units of 1/8, thresholds at odd multiples of
 1/128): then every sum and mean is exact in float32 and float64 alike, so the JAX
@@ -34,7 +34,7 @@ HYPOTHESIS = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 def ref_kept(m2, participating, tau, stop_rule="lt"):
-    """M2PO.md steps 2-6 literally, on flat numpy arrays; returns kept flags.
+    """docs/algorithm.md mask steps 1-4 literally, on flat numpy arrays; returns kept flags.
 
     Among equal m2 values the highest flat index is masked first (so the lowest is
     kept), the tie-break the JAX methods document.

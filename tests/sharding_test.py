@@ -257,7 +257,7 @@ def test_reshard_train_sample_roundtrip(ref_params):
 
 
 def numpy_m2po_mask(behav, prox, mask, tau):
-    """AReaL's rule from M2PO.md, written as a plain loop."""
+    """AReaL's rule from docs/algorithm.md, written as a plain loop."""
     m2 = (behav.astype(np.float32) - prox.astype(np.float32)) ** 2
     idx = np.flatnonzero(mask)
     out = mask.copy()
