@@ -15,15 +15,16 @@ from pathlib import Path
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_end|>"]
 
 
-def write_tokenizer(path: Path) -> Path:
-    """A word-level tokenizer.json over digits, operators and GSM8K words, with special ids in
-    tokenizer_config.json and generation_config.json (two eos ids, like Qwen instruct)."""
+def write_tokenizer(path: Path, numbers: int = 1000) -> Path:
+    """A word-level tokenizer.json over the numbers below `numbers`, operators and GSM8K
+    words, with special ids in tokenizer_config.json and generation_config.json (two eos ids,
+    like Qwen instruct)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = [str(i) for i in range(1000)] + list("+-*/=$.,:?#()")
+    words = [str(i) for i in range(numbers)] + list("+-*/=$.,:?#()")
     words += "Solve the math problem step by step and end with final numeric answer".split()
     words += "Question Answer Tom has apples buys more gives away how many left total".split()
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIALS)
