@@ -53,7 +53,7 @@ ARCH = dict(
     num_key_value_heads=2,
     head_dim=64,
     tie_word_embeddings=False,
-    max_position_embeddings=8192,
+    max_position_embeddings=16384,
 )
 
 

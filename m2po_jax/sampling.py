@@ -208,24 +208,31 @@ def _generate(
     n_samples: int,
 ) -> SampleOutput:
     """The jitted body of `generate` (inputs already validated)."""
-    tokens_BxP = jnp.repeat(prompt_tokens_BxP.astype(jnp.int32), n_samples, axis=0)
-    valid_BxP = jnp.repeat(prompt_valid_BxP.astype(bool), n_samples, axis=0)
+    prompt_tokens_GxP = prompt_tokens_BxP.astype(jnp.int32)
+    prompt_valid_GxP = prompt_valid_BxP.astype(bool)
+    tokens_BxP = jnp.repeat(prompt_tokens_GxP, n_samples, axis=0)
+    valid_BxP = jnp.repeat(prompt_valid_GxP, n_samples, axis=0)
     batch, width = tokens_BxP.shape
     max_new = sampling.max_new_tokens
     prompt_len_B = jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32)
 
-    cache = model_lib.init_cache(model_config, batch, width + max_new)
+    # The prefill runs once per prompt, not once per sample: the n_samples rows of a prompt
+    # share its keys and values, so the cache is filled for the prompts and then repeated.
+    cache = model_lib.init_cache(model_config, prompt_tokens_GxP.shape[0], width + max_new)
     # Left padding puts every row's last prompt token in the last column: only its logits
     # are needed, so the LM head runs on that column alone.
-    logits_Bx1xV, cache = model_lib.apply(
+    logits_Gx1xV, cache = model_lib.apply(
         params,
         model_config,
-        tokens_BxP,
-        model_lib.make_positions(valid_BxP),
-        valid_BxP,
+        prompt_tokens_GxP,
+        model_lib.make_positions(prompt_valid_GxP),
+        prompt_valid_GxP,
         cache,
         0,
         last_only=True,
+    )
+    logits_Bx1xV, cache = jax.tree.map(
+        lambda x: jnp.repeat(x, n_samples, axis=0), (logits_Gx1xV, cache)
     )
     token_B, logp_B = sample_token(logits_Bx1xV[:, 0], jax.random.fold_in(rng, 0), sampling)
     zeros_BxN = jnp.zeros((batch, max_new), jnp.int32)
