@@ -118,6 +118,70 @@ def sequence_logp(
     return head_logp_entropy(hidden, head, tokens_BxT, temperature, chunk, with_entropy)
 
 
+def shared_prompt_logp(
+    params,
+    config: model_lib.ModelConfig,
+    tokens_BxT: jax.Array,
+    valid_BxT: jax.Array,
+    prompt_len: int,
+    group_size: int,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`sequence_logp` of completions whose `group_size` consecutive rows share a prompt.
+
+    The first `prompt_len` columns of rows g * group_size ... (g + 1) * group_size - 1 must
+    hold the same (left-padded) prompt, as the sampler writes them. The trunk then runs
+    over each prompt once (into a key/value cache that the group's rows share, gradients
+    included) and over each row's completion columns, instead of over every row's whole
+    sequence; the head runs on the completion columns only. Prompt columns of the result
+    are 0 (log-probs there are never used). Values and gradients equal `sequence_logp`'s
+    on the completion columns up to float reordering.
+
+    Args:
+      tokens_BxT, valid_BxT: [B, P + N] rows, B a multiple of `group_size`.
+      prompt_len: P, the prompt width (>= 1).
+      group_size: rows per prompt.
+      temperature, chunk, with_entropy: as in `sequence_logp`.
+    """
+    b, t = tokens_BxT.shape
+    if not 1 <= prompt_len < t or group_size < 1 or b % group_size:
+        raise ValueError(
+            f"shared_prompt_logp: prompt_len={prompt_len} must be in [1, {t}) and "
+            f"group_size={group_size} must divide the {b} rows"
+        )
+    prompt_GxP = tokens_BxT[::group_size, :prompt_len]
+    prompt_valid_GxP = valid_BxT[::group_size, :prompt_len]
+    cache = model_lib.init_cache(config, prompt_GxP.shape[0], t)
+    hidden_GxPxE, cache = model_lib.apply(
+        params, config, prompt_GxP, None, prompt_valid_GxP, cache, 0, hidden_only=True
+    )
+    repeat = lambda x: jnp.repeat(x, group_size, axis=0)  # noqa: E731
+    cache = jax.tree.map(repeat, cache)
+    completion_valid = valid_BxT[:, prompt_len:]
+    prompt_count_B = jnp.sum(prompt_valid_GxP, axis=-1, dtype=jnp.int32)
+    positions = repeat(prompt_count_B)[:, None] + jnp.cumsum(completion_valid, axis=-1) - 1
+    hidden_BxNxE, _ = model_lib.apply(
+        params,
+        config,
+        tokens_BxT[:, prompt_len:],
+        jnp.maximum(positions, 0),
+        completion_valid,
+        cache,
+        prompt_len,
+        hidden_only=True,
+    )
+    # The prompt's last column predicts the first completion token.
+    hidden = jnp.concatenate([repeat(hidden_GxPxE[:, -1:]), hidden_BxNxE], axis=1)
+    head = model_lib.head_weight(params, config)
+    logp, entropy = head_logp_entropy(
+        hidden, head, tokens_BxT[:, prompt_len - 1 :], temperature, chunk, with_entropy
+    )
+    pad = lambda x: None if x is None else jnp.pad(x[:, 1:], ((0, 0), (prompt_len, 0)))  # noqa: E731
+    return pad(logp), pad(entropy)
+
+
 def micro_batched_logp(
     params,
     config: model_lib.ModelConfig,

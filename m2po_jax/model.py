@@ -253,9 +253,9 @@ class CausalLM(nn.Module):
     """Decoder-only LM. Returns float32 logits, and the updated cache when one is given.
 
     Logits are [B, T, V], or [B, 1, V] for the last column only with `last_only=True`
-    (what a sampler needs after a prefill or decode step). With `hidden_only=True` (and
-    no cache) it returns the final-normed hidden states [B, T, E] in the compute dtype
-    instead: `head_weight` then gives the output head, so that log-probs can be taken
+    (what a sampler needs after a prefill or decode step). With `hidden_only=True` it
+    returns the final-normed hidden states [B, T, E] in the compute dtype instead (with
+    the cache when one is given): `head_weight` then gives the output head, so that log-probs can be taken
     without materialising [B, T, V] logits (`logprobs.py`).
     """
 
@@ -319,8 +319,11 @@ class CausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
-        if hidden_only:
-            return x  # the caller applies the head (`logprobs.py`, in chunks)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+        if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)
+            return x if cache is None else (x, new_cache)
         if c.tie_word_embeddings:
             logits = dense(x, embedding.astype(dt).T)
         else:
@@ -334,9 +337,7 @@ class CausalLM(nn.Module):
             )
             logits = dense(x, head.astype(dt))
         logits = logits.astype(jnp.float32)
-        if cache is None:
-            return logits
-        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+        return logits if cache is None else (logits, new_cache)
 
 
 def host_value(x: Any) -> np.ndarray | None:

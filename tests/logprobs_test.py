@@ -101,3 +101,56 @@ def test_head_memory_scales_with_chunk_not_sequence():
     full_logits = rows * cols * v * 4
     assert whole >= full_logits
     assert chunked < full_logits / 4, (chunked, whole)
+
+
+def _grouped(groups=3, group_size=4, prompt=6, new=5, seed=3):
+    """Rows whose prompt columns repeat per group, with left-padded prompts and completions
+    that stop early (right padding)."""
+    rng = np.random.default_rng(seed)
+    prompt_GxP = rng.integers(1, CONFIG.vocab_size, (groups, prompt))
+    prompt_valid = np.ones((groups, prompt), bool)
+    prompt_valid[0, :2] = False
+    prompt_valid[2, :1] = False
+    completion = rng.integers(1, CONFIG.vocab_size, (groups * group_size, new))
+    completion_valid = np.ones((groups * group_size, new), bool)
+    completion_valid[1, 3:] = False
+    completion_valid[5, 1:] = False
+    tokens = np.concatenate([np.repeat(prompt_GxP, group_size, 0), completion], 1)
+    valid = np.concatenate([np.repeat(prompt_valid, group_size, 0), completion_valid], 1)
+    scored = valid.copy()
+    scored[:, :prompt] = False
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), jnp.asarray(scored)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk", [5, 1024])
+def test_shared_prompt_logp_equals_whole_sequences(tied, chunk):
+    config = CONFIG.replace(tie_word_embeddings=tied)
+    params = model_lib.init_params(config, jax.random.key(4))
+    tokens, valid, scored = _grouped()
+    ref_logp, ref_ent = _full(params, config, tokens, valid, 0.8)
+    logp, ent = logprobs.shared_prompt_logp(params, config, tokens, valid, 6, 4, 0.8, chunk)
+    np.testing.assert_allclose(
+        jnp.where(scored, logp, 0), jnp.where(scored, ref_logp, 0), atol=1e-5
+    )
+    np.testing.assert_allclose(jnp.where(scored, ent, 0), jnp.where(scored, ref_ent, 0), atol=1e-5)
+    assert float(jnp.abs(logp[:, :6]).max()) == 0.0  # prompt columns carry nothing
+
+    # Gradients flow through the shared prompt keys/values as through each row's own.
+    weights = jnp.where(scored, jnp.arange(1.0, tokens.shape[1] + 1), 0.0)
+    loss = lambda fn: lambda p: jnp.sum(fn(p)[0] * weights)  # noqa: E731
+    grads = jax.grad(loss(lambda p: logprobs.sequence_logp(p, config, tokens, valid, 0.8)))(params)
+    shared = jax.grad(
+        loss(lambda p: logprobs.shared_prompt_logp(p, config, tokens, valid, 6, 4, 0.8, chunk))
+    )(params)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(shared), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prompt_logp_refuses_bad_groups():
+    params = model_lib.init_params(CONFIG, jax.random.key(0))
+    tokens, valid, _ = _grouped()
+    with pytest.raises(ValueError, match="group_size=5 must divide the 12 rows"):
+        logprobs.shared_prompt_logp(params, CONFIG, tokens, valid, 6, 5)
+    with pytest.raises(ValueError, match="prompt_len=11"):
+        logprobs.shared_prompt_logp(params, CONFIG, tokens, valid, 11, 4)
