@@ -47,6 +47,12 @@ def define_flags() -> None:
         lower_bound=0,
     )
     flags.DEFINE_bool("verbose", False, "On an error, print the traceback too.")
+    flags.DEFINE_string(
+        "compile_cache",
+        None,
+        "Directory of JAX's persistent compilation cache, so that a restarted run skips "
+        "compiling; 'off' disables it. Default: $M2PO_COMPILE_CACHE or ~/.cache/m2po_jax/xla.",
+    )
 
 
 # `--config.a.b=None` sets a field to None (config_flags cannot parse None itself).
@@ -107,8 +113,9 @@ def main(argv) -> None:
     except (config_lib.ConfigError, ValueError, TypeError) as e:
         _report(e, "config error")
 
-    from m2po_jax import distributed, errors, workdir
+    from m2po_jax import compile_cache, distributed, errors, workdir
 
+    compile_cache.enable(FLAGS.compile_cache)
     # Multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a TPU pod.
     distributed.initialize_distributed()
     logging.info("workdir %s", FLAGS.workdir)
