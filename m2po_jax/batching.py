@@ -45,3 +45,46 @@ def split_rows(x: jax.Array, n: int) -> jax.Array:
 def merge_rows(x: jax.Array) -> jax.Array:
     """The inverse of `split_rows`: [n, R / n, ...] -> [R, ...]."""
     return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+MIN_COMPLETION_WIDTH = 16
+
+
+def completion_width(longest: int, max_new_tokens: int) -> int:
+    """The completion columns a train step runs over: a bucket >= `longest`, <= the buffer.
+
+    Buckets are 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x powers of two), then
+    `max_new_tokens` itself: at most two compiled shapes per doubling of the length, and
+    at most a third of the columns are padding (beyond the longest completion).
+    """
+    if not 0 <= longest <= max_new_tokens:
+        raise ValueError(f"longest={longest} must be in [0, max_new_tokens={max_new_tokens}]")
+    width = MIN_COMPLETION_WIDTH
+    while width < longest:
+        width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+    return min(width, max_new_tokens)
+
+
+def trim_completions(arrays: dict, prompt_len: int, max_new_tokens: int) -> tuple[dict, int]:
+    """Cuts every [B, prompt_len + max_new_tokens] array of `arrays` to the bucket of the
+    longest completion (`completion_width`); other arrays pass through.
+
+    `arrays["valid_BxT"]` marks real tokens; completion columns past the bucket must hold
+    none. Returns (trimmed arrays, completion width).
+    """
+    valid = arrays["valid_BxT"]
+    total = prompt_len + max_new_tokens
+    if valid.shape[1] != total:
+        raise ValueError(
+            f"valid_BxT has {valid.shape[1]} columns; expected prompt_len + max_new_tokens = "
+            f"{prompt_len} + {max_new_tokens}"
+        )
+    used = valid[:, prompt_len:].any(axis=0)
+    longest = int(used.nonzero()[0].max()) + 1 if used.any() else 0
+    width = completion_width(longest, max_new_tokens)
+    end = prompt_len + width
+    trimmed = {
+        name: x[:, :end] if getattr(x, "ndim", 0) == 2 and x.shape[1] == total else x
+        for name, x in arrays.items()
+    }
+    return trimmed, width

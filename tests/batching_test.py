@@ -1,0 +1,41 @@
+"""Micro-batch counts, row splits and the bucketed completion trim."""
+
+import numpy as np
+import pytest
+
+from m2po_jax import batching
+
+
+def test_completion_width_buckets():
+    widths = [batching.completion_width(n, 256) for n in range(257)]
+    assert sorted(set(widths)) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    for longest, width in enumerate(widths):
+        assert width >= longest  # never drops a generated column
+        assert width == 16 or width <= max(longest, 1) * 1.5  # padding stays bounded
+    assert batching.completion_width(5, 8) == 8  # capped by the buffer
+    with pytest.raises(ValueError, match="longest=9"):
+        batching.completion_width(9, 8)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_trim_keeps_every_generated_token(seed):
+    rng = np.random.default_rng(seed)
+    rows, prompt, new = 6, 5, 100
+    lengths = rng.integers(0, 60, rows)
+    valid = np.zeros((rows, prompt + new), bool)
+    valid[:, 2:prompt] = True
+    for r, n in enumerate(lengths):
+        valid[r, prompt : prompt + n] = True
+    tokens = np.where(valid, rng.integers(1, 50, valid.shape), 0)
+    arrays = {"tokens_BxT": tokens, "valid_BxT": valid, "rewards_B": np.ones(rows)}
+    out, width = batching.trim_completions(arrays, prompt, new)
+    assert width == batching.completion_width(int(lengths.max()), new)
+    assert out["tokens_BxT"].shape == (rows, prompt + width)
+    assert out["valid_BxT"].sum() == valid.sum()  # nothing generated is lost
+    np.testing.assert_array_equal(out["tokens_BxT"], tokens[:, : prompt + width])
+    assert out["rewards_B"] is arrays["rewards_B"]
+
+
+def test_trim_refuses_a_wrong_width():
+    with pytest.raises(ValueError, match="expected prompt_len \\+ max_new_tokens = 5 \\+ 10"):
+        batching.trim_completions({"valid_BxT": np.ones((2, 12), bool)}, 5, 10)
