@@ -64,7 +64,6 @@ def part_a(steps: int = 3) -> dict:
         "--config.model.dtype=float32",
         "--config.rollout.batch_size=2",
         "--config.gconfig.n_samples=2",
-        "--config.actor.reward_norm.group_size=2",
         "--config.task.max_prompt_len=128",
         "--config.gconfig.max_new_tokens=64",
         "--config.rollout.max_head_offpolicyness=0",

@@ -33,7 +33,7 @@ def _paper(c):
     c.actor.m2_threshold = 0.04
     c.actor.m2po_second_moment = "current_behav"
     c.actor.m2po_stop_rule = "le"
-    c.actor.eps_clip = 0.0
+    c.actor.eps_clip = None  # no ratio clip: the loss is -A * r on the kept tokens
     c.actor.loss_denominator = "valid"
 
 
@@ -54,7 +54,6 @@ def _tiny(c):
     c.sft.batch_size = 16
     c.sft.eval_every = 2
     c.gconfig.n_samples = 4
-    c.actor.reward_norm.group_size = 4
     c.rollout.batch_size = 4
     c.rollout.max_head_offpolicyness = min(c.rollout.max_head_offpolicyness, 2)
     c.actor.ppo_n_minibatches = 2

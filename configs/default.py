@@ -100,7 +100,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # global (whole batch) | row (per sequence) | minibatch | microbatch (AReaL: inside each
     # micro-batch's loss)
     c.actor.m2po_scope = "global"
-    c.actor.eps_clip = 0.2  # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]
+    c.actor.eps_clip = placeholder(float)
+    # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]; None = no ratio clip
+    # (the paper's M2PO loss -A * r on the kept tokens; eps_clip_higher must then be None)
+    c.actor.eps_clip = 0.2
     c.actor.eps_clip_higher = placeholder(float)  # upper clip (clip-higher); None = eps_clip
     c.actor.c_clip = placeholder(float)  # dual-clip bound (> 1) for negative advantages; None = off
     c.actor.use_decoupled_loss = True  # decoupled PPO: ratio against the recomputed proximal policy
@@ -129,14 +132,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.reward_norm = ml_collections.ConfigDict()
     c.actor.reward_norm.mean_level = "group"  # group | batch | None: what the reward is centred on
     c.actor.reward_norm.std_level = "group"  # group | batch | None: what it is scaled by
-    c.actor.reward_norm.group_size = 8  # completions per prompt (= gconfig.n_samples)
+    # completions per prompt; unset = gconfig.n_samples (AReaL's key; no other value is valid)
+    c.actor.reward_norm.group_size = placeholder(int)
     c.actor.reward_norm.mean_leave1out = False  # leave-one-out mean
     c.actor.reward_norm.std_unbiased = True  # unbiased (n-1) standard deviation
     c.actor.reward_norm.eps = 1e-5  # added to the std
     c.actor.adv_norm = False  # normalise advantages over all tokens of the batch
     c.actor.kl_ctl = 0.0  # KL penalty coefficient against the initial (reference) policy
     c.actor.kl_estimator = "k1"  # k1 | k2 | k3
-    c.actor.temperature = 1.0  # logits / temperature when recomputing log-probs (= gconfig)
+    # logits / temperature when recomputing log-probs; unset = gconfig.temperature (AReaL's
+    # key; the behaviour log-probs are recorded at the sampling temperature, so no other value)
+    c.actor.temperature = placeholder(float)
     c.actor.optimizer = ml_collections.ConfigDict()
     c.actor.optimizer.lr = 1e-4  # peak learning rate (AdamW)
     c.actor.optimizer.weight_decay = 0.0  # decoupled weight decay

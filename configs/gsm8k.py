@@ -92,7 +92,6 @@ def _base() -> ml_collections.ConfigDict:
     c.actor.m2_threshold = 0.04
     c.actor.eps_clip = 0.0  # AReaL's GSM8K M2PO example; 0.2 for plain PPO clipping
     c.actor.ppo_n_minibatches = 1
-    c.actor.reward_norm.group_size = 8
     c.actor.kl_ctl = 0.0
     c.actor.optimizer.lr = 1e-6
     c.actor.optimizer.weight_decay = 0.01

@@ -21,23 +21,15 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from m2po_jax.checks import check_choice, is_number
+
 NORM_LEVELS = ("group", "batch", None)
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def _is_number(x) -> bool:
-    """True for a concrete Python / numpy number (not a bool, not a jax array)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_float(name: str, x: jax.Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-
-
-def _check_level(name: str, level) -> None:
-    if level not in NORM_LEVELS:
-        raise ValueError(f"{name} must be one of {NORM_LEVELS}, got {level!r}")
 
 
 def transform_rewards(
@@ -60,7 +52,7 @@ def transform_rewards(
     Returns:
       float32 rewards of the same shape.
     """
-    if _is_number(reward_clip) and reward_clip < 0:
+    if is_number(reward_clip) and reward_clip < 0:
         raise ValueError(f"reward_clip must be >= 0, got {reward_clip}")
     rewards = jnp.asarray(rewards_B, jnp.float32)
     return jnp.clip((rewards + reward_bias) * reward_scaling, -reward_clip, reward_clip)
@@ -178,8 +170,8 @@ def normalize_rewards(
     Returns:
       float32 normalised rewards, shape [B].
     """
-    _check_level("mean_level", mean_level)
-    _check_level("std_level", std_level)
+    check_choice("mean_level", mean_level, NORM_LEVELS)
+    check_choice("std_level", std_level, NORM_LEVELS)
     rewards = jnp.asarray(rewards_B)
     if rewards.ndim != 1:
         raise ValueError(f"rewards_B must be 1-D [B], got shape {rewards.shape}")
@@ -228,8 +220,8 @@ def normalize_advantages(
     Returns:
       float32 normalised advantages, [B, T].
     """
-    _check_level("mean_level", mean_level)
-    _check_level("std_level", std_level)
+    check_choice("mean_level", mean_level, NORM_LEVELS)
+    check_choice("std_level", std_level, NORM_LEVELS)
     adv = jnp.asarray(adv_BxT)
     mask = jnp.asarray(mask_BxT)
     _check_float("adv_BxT", adv)
@@ -260,8 +252,7 @@ def kl_from_log_ratio(log_ratio: ArrayLike, estimator: str = "k1") -> jax.Array:
     k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d (AReaL `KLEstimator`, also used
     by its rejection-sampling KL metrics). Raises ValueError on an unknown name.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    check_choice("estimator", estimator, KL_ESTIMATORS)
     d = jnp.asarray(log_ratio, jnp.float32)
     if estimator == "k1":
         return d
@@ -284,8 +275,7 @@ def kl_estimate(logp_BxT: ArrayLike, ref_logp_BxT: ArrayLike, estimator: str = "
     Returns:
       float32 per-token estimates, same shape.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    check_choice("estimator", estimator, KL_ESTIMATORS)
     logp, ref = jnp.asarray(logp_BxT), jnp.asarray(ref_logp_BxT)
     _check_float("logp_BxT", logp)
     _check_float("ref_logp_BxT", ref)
@@ -330,7 +320,7 @@ def overlong_penalty(
             f"overlong_tokens must be in [1, max_new_tokens={max_new_tokens}], got "
             f"{overlong_tokens}"
         )
-    if _is_number(penalty_factor) and penalty_factor < 0:
+    if is_number(penalty_factor) and penalty_factor < 0:
         raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
     length = jnp.asarray(completion_len_B).astype(jnp.float32)
     exceed = length - (max_new_tokens - overlong_tokens)
@@ -386,8 +376,7 @@ def grpo_token_advantages(
     Returns:
       float32 advantages, [B, T].
     """
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     mask = jnp.asarray(loss_mask_BxT)
     rewards = jnp.asarray(rewards_B)
     if mask.ndim != 2:
@@ -397,7 +386,7 @@ def grpo_token_advantages(
             f"rewards_B shape {rewards.shape} does not match loss_mask_BxT shape {mask.shape}: "
             "expected one reward per row"
         )
-    use_kl = not (_is_number(kl_ctl) and kl_ctl == 0)
+    use_kl = not (is_number(kl_ctl) and kl_ctl == 0)
     if use_kl:
         if logp_BxT is None or ref_logp_BxT is None:
             raise ValueError(
@@ -410,7 +399,7 @@ def grpo_token_advantages(
                 f"logp_BxT {jnp.shape(logp_BxT)} and ref_logp_BxT {jnp.shape(ref_logp_BxT)} "
                 f"must have the shape of loss_mask_BxT {mask.shape}"
             )
-    if kl_clamp is not None and _is_number(kl_clamp) and kl_clamp <= 0:
+    if kl_clamp is not None and is_number(kl_clamp) and kl_clamp <= 0:
         raise ValueError(f"kl_clamp must be > 0 or None, got {kl_clamp}")
 
     mask = mask.astype(bool)

@@ -1,228 +1,69 @@
 """Typed, validated run configuration made from an `ml_collections.ConfigDict`.
 
-`configs/*.py` hold the commented defaults; `from_configdict` turns one into frozen
-dataclasses, naming any unknown key (with the closest valid one), any missing key,
-and any out-of-range value with its allowed range.
+`configs/*.py` hold the commented defaults; `from_configdict` turns one into the frozen
+dataclasses of `config_schema`, naming any unknown key (with the closest valid one), any
+missing key, and any out-of-range value with its allowed range. Fields that must equal
+another field are derived from it (`DERIVED`). `validate` builds the library objects the
+run will build (rejection sampling, decoding settings), so that whatever they refuse is
+refused at start-up. Overrides from files and dotted keys: `m2po_jax.overrides`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import difflib
-import json
+import functools
 import math
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 import ml_collections
 
 from m2po_jax import batching
-from m2po_jax.errors import M2poError
+from m2po_jax.checks import check_choice, did_you_mean
+from m2po_jax.config_schema import (  # noqa: F401  (re-exported: the sections' home was here)
+    ActorSection,
+    CheckpointSection,
+    Config,
+    EvalSection,
+    GenerationSection,
+    LoggingSection,
+    MeshSection,
+    MicroBatchSection,
+    ModelSection,
+    OptimizerSection,
+    RejectionSamplingSection,
+    RewardNormSection,
+    RolloutSection,
+    SftSection,
+    TaskSection,
+)
+from m2po_jax.errors import ConfigError
+from m2po_jax.overrides import apply_dotted, apply_overrides, load_overrides  # noqa: F401
 from m2po_jax.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
-
-
-class ConfigError(M2poError, ValueError):
-    """A config key or value is invalid."""
-
-    what = "config error"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    path: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    model_type: str
-    rope_theta: float
-    tie_word_embeddings: bool
-    dtype: str
-    param_dtype: str
-    remat: bool
-    remat_policy: str
-    scan_layers: bool
-    attention: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSection:
-    name: str
-    seed: int
-    min_digits: int
-    max_digits: int
-    ops: str
-    train_path: str
-    eval_path: str
-    eval_size: int
-    question_key: str
-    answer_key: str
-    max_prompt_len: int
-    long_prompts: str
-    chat_template: str
-    enable_thinking: bool | None
-    reward_fn: str
-    format_reward: float
-
-
-@dataclasses.dataclass(frozen=True)
-class SftSection:
-    max_steps: int
-    batch_size: int
-    lr: float
-    stop_at_accuracy: float
-    eval_every: int
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationSection:
-    n_samples: int
-    max_new_tokens: int
-    temperature: float
-    greedy: bool
-    top_p: float
-    top_k: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    batch_size: int
-    max_head_offpolicyness: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RejectionSamplingSection:
-    enabled: bool
-    level: str
-    action: str
-    metric: str
-    agg: str
-    upper: float
-    lower: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardNormSection:
-    mean_level: str | None
-    std_level: str | None
-    group_size: int
-    mean_leave1out: bool
-    std_unbiased: bool
-    eps: float
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSection:
-    lr: float
-    weight_decay: float
-    beta1: float
-    beta2: float
-    eps: float
-    gradient_clipping: float
-    lr_scheduler_type: str
-    warmup_steps_proportion: float
-    min_lr_ratio: float
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchSection:
-    n_mbs: int
-    max_tokens_per_mb: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ActorSection:
-    m2_threshold: float | None
-    m2po_method: str
-    m2po_second_moment: str
-    m2po_stop_rule: str
-    m2po_candidates: str
-    m2po_scope: str
-    eps_clip: float
-    eps_clip_higher: float | None
-    c_clip: float | None
-    use_decoupled_loss: bool
-    recompute_logprob: bool
-    loss_denominator: str
-    rejection_sampling: RejectionSamplingSection
-    importance_sampling_level: str
-    use_sapo_loss: bool
-    sapo_tau_pos: float
-    sapo_tau_neg: float
-    ppo_n_minibatches: int
-    mb_spec: MicroBatchSection
-    logp_chunk_size: int
-    reward_scaling: float
-    reward_bias: float
-    reward_clip: float
-    reward_norm: RewardNormSection
-    adv_norm: bool
-    kl_ctl: float
-    kl_estimator: str
-    temperature: float
-    optimizer: OptimizerSection
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSection:
-    every: int
-    num_examples: int
-    batch_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSection:
-    every: int
-    keep: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingSection:
-    tensorboard: bool
-    wandb_project: str
-    progress: bool
-    plots: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSection:
-    data: int
-    fsdp: int
-    tensor: int
-    m2po_per_shard: bool
-    device_memory_gib: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    seed: int
-    total_steps: int
-    max_nonfinite_steps: int
-    model: ModelSection
-    task: TaskSection
-    sft: SftSection
-    gconfig: GenerationSection
-    rollout: RolloutSection
-    actor: ActorSection
-    eval: EvalSection
-    checkpoint: CheckpointSection
-    logging: LoggingSection
-    mesh: MeshSection
-
 
 # logits / temperature: below this the float32 log-probs and their gradients (scaled by
 # 1 / temperature) overflow or lose all precision; greedy=True is the argmax limit.
 MIN_TEMPERATURE = 1e-3
 
+# Storage dtypes of params and optimizer state: float16 would need loss scaling, which the
+# optimizer does not do (float16 is a compute dtype only: model.dtype).
+PARAM_DTYPES = ("float32", "bfloat16")
 
-def _closest(key: str, valid: list[str]) -> str:
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
-    return f"; did you mean {match[0]!r}?" if match else ""
+# Fields that must equal another field: left unset (None) in configs/*.py, they take its
+# value; an explicit different value is an error. field -> (source field, why).
+DERIVED = {
+    "actor.temperature": (
+        "gconfig.temperature",
+        "the behaviour log-probs are recorded at the sampling temperature, and the "
+        "recomputed ones must use the same",
+    ),
+    "actor.reward_norm.group_size": (
+        "gconfig.n_samples",
+        "a group is the completions of one prompt",
+    ),
+}
 
 
 def _is_dataclass_type(tp) -> bool:
@@ -268,7 +109,7 @@ def _build(cls, mapping: Any, prefix: str):
         if key not in names:
             full = f"{prefix}{key}"
             valid = [f"{prefix}{n}" for n in names]
-            raise ConfigError(f"unknown config key {full!r}{_closest(full, valid)}")
+            raise ConfigError(f"unknown config key {full!r}{did_you_mean(full, valid)}")
     values = {}
     for name in names:
         where = f"{prefix}{name}"
@@ -299,13 +140,15 @@ def _check_range(where: str, value, low=None, high=None, low_open=False, high_op
         raise ConfigError(f"{where}={value!r} is out of range; allowed {interval}")
 
 
-def _check_choice(where: str, value, choices):
-    if value not in choices:
-        raise ConfigError(f"{where}={value!r} is not one of {list(choices)}")
+_check_choice = functools.partial(check_choice, error=ConfigError)
 
 
 def validate(cfg: Config) -> Config:
-    """Range and consistency checks; raises ConfigError naming the field."""
+    """Range and consistency checks, then the library objects the run will build (whatever
+    they refuse is refused here); raises ConfigError naming the field."""
+    # The library's own lists; imported here so that importing this module needs no JAX.
+    from m2po_jax import advantages, attention, losses, model_config, tasks, train_step
+
     a, g, r = cfg.actor, cfg.gconfig, cfg.rollout
     _check_range("total_steps", cfg.total_steps, 0)
     _check_range("max_nonfinite_steps", cfg.max_nonfinite_steps, 1)
@@ -322,10 +165,15 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.eps_clip", a.eps_clip, 0.0, 1.0, high_open=True)
     _check_range("actor.eps_clip_higher", a.eps_clip_higher, 0.0)
     _check_range("actor.c_clip", a.c_clip, 1.0, low_open=True)
-    _check_choice("actor.loss_denominator", a.loss_denominator, ("kept", "valid"))
-    _check_choice(
-        "actor.importance_sampling_level", a.importance_sampling_level, ("token", "sequence")
-    )
+    _check_choice("actor.loss_denominator", a.loss_denominator, losses.DENOMINATORS)
+    _check_choice("actor.importance_sampling_level", a.importance_sampling_level, losses.IS_LEVELS)
+    if a.eps_clip is None and a.eps_clip_higher is not None:
+        raise ConfigError(
+            f"actor.eps_clip_higher={a.eps_clip_higher} needs a ratio clip, but "
+            "actor.eps_clip=None turns it off; set actor.eps_clip_higher=None"
+        )
+    _check_range("actor.sapo_tau_pos", a.sapo_tau_pos, 0.0, low_open=True)
+    _check_range("actor.sapo_tau_neg", a.sapo_tau_neg, 0.0, low_open=True)
     if a.use_sapo_loss and a.use_decoupled_loss:
         raise ConfigError(
             "actor.use_sapo_loss=True cannot be combined with actor.use_decoupled_loss=True; "
@@ -336,15 +184,9 @@ def validate(cfg: Config) -> Config:
             "actor.use_decoupled_loss=True needs actor.recompute_logprob=True "
             "(the proximal log-probs are recomputed with the current params)"
         )
-    rs = a.rejection_sampling
-    _check_choice("actor.rejection_sampling.level", rs.level, ("token", "sequence"))
-    _check_choice("actor.rejection_sampling.action", rs.action, ("mask", "clamp"))
-    _check_choice(
-        "actor.rejection_sampling.metric", rs.metric, ("ratio", "kl_k1", "kl_k2", "kl_k3")
-    )
-    _check_choice("actor.rejection_sampling.agg", rs.agg, ("sum", "mean", "max"))
-    _check_range("actor.rejection_sampling.upper", rs.upper, 0.0, low_open=True)
-    _check_range("actor.rejection_sampling.lower", rs.lower, 0.0)
+    # Finite here; the ranges (which depend on the metric) are the library's, built below.
+    _check_range("actor.rejection_sampling.upper", a.rejection_sampling.upper)
+    _check_range("actor.rejection_sampling.lower", a.rejection_sampling.lower)
     _check_range("actor.ppo_n_minibatches", a.ppo_n_minibatches, 1)
     _check_range("actor.mb_spec.n_mbs", a.mb_spec.n_mbs, 1)
     _check_range("actor.mb_spec.max_tokens_per_mb", a.mb_spec.max_tokens_per_mb, 0)
@@ -352,12 +194,11 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.reward_scaling", a.reward_scaling, 0.0, low_open=True)
     _check_range("actor.reward_clip", a.reward_clip, 0.0, low_open=True)
     rn = a.reward_norm
-    _check_choice("actor.reward_norm.mean_level", rn.mean_level, ("group", "batch", None))
-    _check_choice("actor.reward_norm.std_level", rn.std_level, ("group", "batch", None))
+    _check_choice("actor.reward_norm.mean_level", rn.mean_level, advantages.NORM_LEVELS)
+    _check_choice("actor.reward_norm.std_level", rn.std_level, advantages.NORM_LEVELS)
     _check_range("actor.reward_norm.eps", rn.eps, 0.0, low_open=True)
     _check_range("actor.kl_ctl", a.kl_ctl, 0.0)
-    _check_choice("actor.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
-    _check_range("actor.temperature", a.temperature, MIN_TEMPERATURE)
+    _check_choice("actor.kl_estimator", a.kl_estimator, advantages.KL_ESTIMATORS)
     o = a.optimizer
     _check_range("actor.optimizer.lr", o.lr, 0.0, low_open=True)
     _check_range("actor.optimizer.weight_decay", o.weight_decay, 0.0)
@@ -366,7 +207,7 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.optimizer.eps", o.eps, 0.0, low_open=True)
     _check_range("actor.optimizer.gradient_clipping", o.gradient_clipping, 0.0)
     _check_choice(
-        "actor.optimizer.lr_scheduler_type", o.lr_scheduler_type, ("constant", "linear", "cosine")
+        "actor.optimizer.lr_scheduler_type", o.lr_scheduler_type, train_step.LR_SCHEDULER_TYPES
     )
     _check_range("actor.optimizer.warmup_steps_proportion", o.warmup_steps_proportion, 0.0, 1.0)
     _check_range("actor.optimizer.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0)
@@ -375,11 +216,6 @@ def validate(cfg: Config) -> Config:
     _check_range("gconfig.temperature", g.temperature, MIN_TEMPERATURE)
     _check_range("gconfig.top_p", g.top_p, 0.0, 1.0, low_open=True)
     _check_range("gconfig.top_k", g.top_k, 0)
-    if abs(a.temperature - g.temperature) > 1e-9:
-        raise ConfigError(
-            f"actor.temperature={a.temperature} must equal gconfig.temperature={g.temperature}: "
-            "the behaviour log-probs are recorded at the sampling temperature"
-        )
     _check_range("rollout.batch_size", r.batch_size, 1)
     _check_range("rollout.max_head_offpolicyness", r.max_head_offpolicyness, 0)
     rows = r.batch_size * g.n_samples
@@ -397,12 +233,8 @@ def validate(cfg: Config) -> Config:
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if rn.group_size != g.n_samples:
-        raise ConfigError(
-            f"actor.reward_norm.group_size={rn.group_size} must equal gconfig.n_samples="
-            f"{g.n_samples} (a group is the completions of one prompt)"
-        )
-    _check_choice("task.name", cfg.task.name, ("arith", "gsm8k"))
+    _check_derived(cfg)
+    _check_choice("task.name", cfg.task.name, tuple(tasks.TASKS))
     _check_range("task.min_digits", cfg.task.min_digits, 1)
     _check_range("task.max_digits", cfg.task.max_digits, cfg.task.min_digits)
     _check_range("task.max_prompt_len", cfg.task.max_prompt_len, 1)
@@ -420,11 +252,9 @@ def validate(cfg: Config) -> Config:
     _check_range("sft.max_steps", cfg.sft.max_steps, 0)
     _check_range("sft.stop_at_accuracy", cfg.sft.stop_at_accuracy, 0.0, 1.0)
     m = cfg.model
-    _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
-    _check_choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
-    # The library's own lists; imported here so that importing this module needs no JAX.
-    from m2po_jax import attention, model_config
-
+    _check_choice("model.model_type", m.model_type, model_config.SUPPORTED_MODEL_TYPES)
+    _check_choice("model.dtype", m.dtype, tuple(model_config.DTYPES))
+    _check_choice("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))
     _check_choice("model.attention", m.attention, attention.IMPLEMENTATIONS)
     _check_range("mesh.device_memory_gib", cfg.mesh.device_memory_gib, 0.0)
@@ -432,72 +262,62 @@ def validate(cfg: Config) -> Config:
         value = getattr(cfg.mesh, axis)
         if value == 0 or value < -1:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
+    build_library_objects(cfg)
     return cfg
 
 
-def from_configdict(config: ml_collections.ConfigDict | dict) -> Config:
-    """Typed, validated `Config` from a ConfigDict (or plain nested dict)."""
-    return validate(_build(Config, config, ""))
+def build_library_objects(cfg: Config) -> dict:
+    """What the run builds from `cfg` alone, by the builders the run uses: its checks
+    raise here, as ConfigError, before any work. Returns {"rejection_sampling": ...,
+    "sampling": ...} (the decoding settings without the tokenizer's stop / pad ids)."""
+    from m2po_jax import losses, sampling
 
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: str = "") -> None:
-    """Overlays a nested dict (from YAML/JSON) onto `config`, rejecting unknown keys."""
-    for key, value in overrides.items():
-        full = f"{prefix}{key}"
-        if key not in config:
-            valid = [f"{prefix}{k}" for k in config.keys()]
-            raise ConfigError(f"unknown config key {full!r} in overrides{_closest(full, valid)}")
-        current = config[key]
-        if isinstance(current, ml_collections.ConfigDict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
-            apply_overrides(current, value, full + ".")
-        else:
-            try:
-                with config.unlocked():
-                    config[key] = value
-            except (TypeError, ValueError):
-                # ConfigDict refuses a value of another type than the default's.
-                kind = type(current).__name__
-                raise ConfigError(f"{full}: expected a {kind}, got {value!r}") from None
-
-
-def apply_dotted(config: ml_collections.ConfigDict, values: dict) -> None:
-    """`apply_overrides` for {"section.field": value} keys, as the command line writes them."""
-    for dotted, value in values.items():
-        *parents, leaf = dotted.split(".")
-        nested: dict = {leaf: value}
-        for name in reversed(parents):
-            nested = {name: nested}
-        apply_overrides(config, nested)
-
-
-def load_overrides(path: str) -> dict:
-    """Reads a YAML or JSON overrides file."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--overrides: file {path!r} does not exist")
-    if file.suffix not in (".yaml", ".yml", ".json"):
-        raise ConfigError(f"--overrides: {path!r} must end in .yaml, .yml or .json")
     try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if file.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
-    else:
-        import yaml
+        return {
+            "rejection_sampling": losses.build_rejection_sampling(cfg.actor.rejection_sampling),
+            "sampling": sampling.from_gconfig(cfg.gconfig),
+        }
+    except (ValueError, TypeError) as err:  # the builders name the config field
+        raise ConfigError(str(err)) from None
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"{where}: not valid YAML ({problem})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--overrides: {path!r} must hold a mapping at the top level")
-    return data
+
+def _get(tree: Any, dotted: str, default: Any = None) -> Any:
+    """`tree.a.b` (attributes or dict keys) for "a.b"; `default` where a part is missing."""
+    for part in dotted.split("."):
+        if isinstance(tree, dict):
+            tree = tree.get(part, default)
+        else:
+            tree = getattr(tree, part, default)
+    return tree
+
+
+def _derive(mapping: dict) -> dict:
+    """Fills each derived field that is unset (None or absent) from its source field."""
+    for field, (source, _) in DERIVED.items():
+        *parents, leaf = field.split(".")
+        section = _get(mapping, ".".join(parents))
+        value = _get(mapping, source)
+        if isinstance(section, dict) and section.get(leaf) is None and value is not None:
+            section[leaf] = value
+    return mapping
+
+
+def _check_derived(cfg: Config) -> None:
+    """A derived field set explicitly must equal its source: no run needs another value."""
+    for field, (source, why) in DERIVED.items():
+        value, wanted = _get(cfg, field), _get(cfg, source)
+        if abs(value - wanted) > 1e-9:
+            raise ConfigError(
+                f"{field}={value} differs from {source}={wanted}; {field} is derived from "
+                f"{source} ({why}): leave it unset or set {source}"
+            )
+
+
+def from_configdict(config: ml_collections.ConfigDict | dict) -> Config:
+    """Typed, validated `Config` from a ConfigDict (or plain nested dict); derived fields
+    that are unset take their source's value (`DERIVED`)."""
+    if isinstance(config, ml_collections.ConfigDict):
+        mapping = config.to_dict()
+    else:
+        mapping = copy.deepcopy(config)
+    return validate(_build(Config, _derive(mapping), ""))

@@ -13,6 +13,12 @@ class M2poError(Exception):
     what = "error"
 
 
+class ConfigError(M2poError, ValueError):
+    """A config key or value is invalid."""
+
+    what = "config error"
+
+
 class DataError(M2poError, ValueError):
     """A data file cannot be read (missing, not UTF-8, not JSON, ...)."""
 

@@ -41,6 +41,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from m2po_jax.checks import read_json
 from m2po_jax.errors import ModelError
 from m2po_jax.model import (
     SUPPORTED_MODEL_TYPES,
@@ -473,20 +474,13 @@ def load_params(path: PathLike, config: ModelConfig, dtype: Any = None) -> dict:
     return params
 
 
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return json.load(fh)
-
-
 def read_hf_config(path: PathLike) -> dict:
     """The parsed `config.json` of a checkpoint directory."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
     file = os.path.join(path, CONFIG_FILE)
-    hf = _read_json(file)
+    hf = read_json(file)
     if hf is None:
         raise FileNotFoundError(f"{file}: not found; a checkpoint dir needs {CONFIG_FILE}")
     return hf

@@ -10,205 +10,105 @@ Deliberate differences from AReaL, all documented where they apply:
 - `rejection_sampling=None` still multiplies the loss by the behaviour weight
   rho = exp(prox - behav) (AReaL then drops rho). With the decoupled loss off,
   prox := behav so rho = 1 either way.
-- KL metrics of the rejection sampling use the sanitised float32 log rho
-  (non-finite -> 0) like the ratio metric (AReaL recomputes them unsanitised).
+- the behaviour correction's own differences: m2po_jax/rejection.py.
 - GSPO's per-sequence mean advantage is masked (AReaL's packed 1-D path; its padded
   2-D path sums the advantages of all positions).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from m2po_jax.advantages import kl_from_log_ratio
+from m2po_jax.checks import check_choice, is_number
+
+# RS_* and build_rejection_sampling are re-exported: the correction is an option of the loss.
+from m2po_jax.rejection import (  # noqa: F401
+    RS_ACTIONS,
+    RS_AGGS,
+    RS_LEVELS,
+    RS_METRICS,
+    RejectionSampling,
+    behaviour_correction,
+    build_rejection_sampling,
+    row_mean,
+)
 
 IS_LEVELS = ("token", "sequence")
 DENOMINATORS = ("kept", "valid")
-RS_LEVELS = ("token", "sequence")
-RS_ACTIONS = ("mask", "clamp")
-RS_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
-RS_AGGS = ("sum", "mean", "max")
 
 
-def _is_number(x) -> bool:
-    """True for a concrete Python / numpy number (not a bool, not a jax array)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RejectionSampling:
-    """Behaviour correction of the decoupled loss (AReaL `actor.rejection_sampling`).
-
-    The per-token metric compares the proximal and behaviour policies through
-    `log_rho = prox_logp - behav_logp` (float32, non-finite -> 0):
-    "ratio" = rho = exp(log_rho); "kl_k1" = log_rho; "kl_k2" = log_rho^2 / 2;
-    "kl_k3" = exp(-log_rho) - 1 + log_rho (AReaL's `KLEstimator` with
-    log_probs=prox, log_probs_base=behav).
-
-    At `level="sequence"` the token metric is aggregated over each row's mask tokens
-    with `agg`. For the ratio metric AReaL aggregates in log space: "sum" =
-    exp(sum log_rho), "mean" = exp(mean log_rho) (the geometric mean), "max" = the
-    largest token ratio; and the behaviour weight of every token of the row becomes
-    the row's geometric mean. KL metrics aggregate arithmetically and keep per-token
-    weights. A row without mask tokens aggregates to 0 in the aggregation space.
-
-    action "mask" drops tokens (rows) whose metric lies outside [lower, upper]
-    (inclusive; no lower bound when None); "clamp" clamps rho to [lower or 0, upper]
-    (at sequence level only in out-of-bounds rows) and keeps every token.
-
-    Validation as in AReaL's `RejectionSamplingConfig.__post_init__`: lower <= upper;
-    ratio: upper > 1 and lower > 0; kl_k2 / kl_k3: upper > 0; clamp only with ratio.
-    """
-
-    level: str = "token"
-    action: str = "mask"
-    metric: str = "ratio"
-    agg: str = "mean"
-    upper: float = 5.0
-    lower: float | None = None
-
-    def __post_init__(self):
-        _check_choice("rejection_sampling.level", self.level, RS_LEVELS)
-        _check_choice("rejection_sampling.action", self.action, RS_ACTIONS)
-        _check_choice("rejection_sampling.metric", self.metric, RS_METRICS)
-        _check_choice("rejection_sampling.agg", self.agg, RS_AGGS)
-        if not _is_number(self.upper):
-            raise TypeError(f"rejection_sampling.upper must be a number, got {self.upper!r}")
-        if self.lower is not None and not _is_number(self.lower):
-            raise TypeError(
-                f"rejection_sampling.lower must be a number or None, got {self.lower!r}"
-            )
-        if self.lower is not None and self.lower > self.upper:
+def _checked_inputs(logp, prox, behav, adv, mask, valid):
+    """The inputs as arrays after checking them: one [B, T] shape, floating log-probs."""
+    logp, prox, behav, adv, mask = map(jnp.asarray, (logp, prox, behav, adv, mask))
+    valid = None if valid is None else jnp.asarray(valid)
+    if logp.ndim != 2:
+        raise ValueError(f"logp_BxT must be 2-D [B, T], got shape {logp.shape}")
+    floats = (("prox_logp_BxT", prox), ("behav_logp_BxT", behav), ("advantages_BxT", adv))
+    for name, x in (*floats, ("mask_BxT", mask), ("valid_mask_BxT", valid)):
+        if x is not None and x.shape != logp.shape:
             raise ValueError(
-                f"rejection_sampling.lower ({self.lower}) must be <= upper ({self.upper})"
-            )
-        if self.metric == "ratio":
-            if self.upper <= 1.0:
-                raise ValueError(
-                    f"rejection_sampling.upper must be > 1 for metric 'ratio', got {self.upper}"
-                )
-            if self.lower is not None and self.lower <= 0:
-                raise ValueError(
-                    f"rejection_sampling.lower must be > 0 for metric 'ratio', got {self.lower}"
-                )
-        if self.metric in ("kl_k2", "kl_k3") and self.upper <= 0:
-            raise ValueError(
-                f"rejection_sampling.upper must be > 0 for metric {self.metric!r}, got {self.upper}"
-            )
-        if self.action == "clamp" and self.metric != "ratio":
-            raise ValueError(
-                f"rejection_sampling.action 'clamp' needs metric 'ratio', got {self.metric!r}"
-            )
-
-
-def _seq_sum(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-    return jnp.where(mask_BxT, x_BxT, 0.0).sum(-1, keepdims=True)
-
-
-def _seq_mean(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-    """Mean over each row's mask tokens, [B, 1]; 0 for a row without any."""
-    count = mask_BxT.sum(-1, keepdims=True)
-    return _seq_sum(x_BxT, mask_BxT) / jnp.maximum(count, 1)
-
-
-def behaviour_correction(
-    prox_logp_BxT: ArrayLike,
-    behav_logp_BxT: ArrayLike,
-    mask_BxT: ArrayLike,
-    rejection_sampling: RejectionSampling | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Behaviour weights and the tokens that survive rejection sampling.
-
-    `rho = exp(prox_logp - behav_logp)` (float32, no gradient; non-finite log rho
-    -> 0), then `rejection_sampling` as described on `RejectionSampling`.
-
-    Args:
-      prox_logp_BxT: proximal log-probs, [B, T].
-      behav_logp_BxT: behaviour log-probs, [B, T].
-      mask_BxT: bool, tokens that count (after M2PO), [B, T].
-      rejection_sampling: the correction, or None for plain rho.
-
-    Returns:
-      (rho_BxT, keep_BxT, clamped_BxT): the weight (0 outside `keep`), the
-      tokens kept (a subset of `mask_BxT`), and the kept tokens whose weight the
-      clamp changed.
-    """
-    prox = jnp.asarray(prox_logp_BxT, jnp.float32)
-    behav = jnp.asarray(behav_logp_BxT, jnp.float32)
-    mask = jnp.asarray(mask_BxT).astype(bool)
-    if not prox.shape == behav.shape == mask.shape or mask.ndim != 2:
-        raise ValueError(
-            "prox_logp_BxT, behav_logp_BxT and mask_BxT must share one [B, T] shape, got "
-            f"{prox.shape}, {behav.shape} and {mask.shape}"
-        )
-    log_rho = jax.lax.stop_gradient(prox - behav)
-    log_rho = jnp.where(jnp.isfinite(log_rho), log_rho, 0.0)
-    rho = jnp.exp(log_rho)
-    rs = rejection_sampling
-    if rs is None:
-        return jnp.where(mask, rho, 0.0), mask, jnp.zeros_like(mask)
-
-    if rs.metric == "ratio":
-        metric = rho  # sequence level aggregates log rho instead (below), as AReaL
-    else:
-        metric = kl_from_log_ratio(log_rho, rs.metric.removeprefix("kl_"))
-    lower = rs.lower
-
-    def in_bounds(value):
-        ok = value <= rs.upper
-        return ok if lower is None else ok & (value >= lower)
-
-    raw_rho = rho
-    if rs.level == "token":
-        ok_BxT = in_bounds(metric)
-    else:
-        values = log_rho if rs.metric == "ratio" else metric
-        if rs.agg == "sum":
-            seq = _seq_sum(values, mask)
-        elif rs.agg == "mean":
-            seq = _seq_mean(values, mask)
-        else:
-            seq = jnp.where(mask, values, -jnp.inf).max(-1, keepdims=True)
-            seq = jnp.where(mask.any(-1, keepdims=True), seq, 0.0)
-        if rs.metric == "ratio":
-            seq = jnp.exp(seq)
-            # AReaL: at sequence level the ratio weight is the row's geometric mean.
-            rho = raw_rho = jnp.broadcast_to(jnp.exp(_seq_mean(log_rho, mask)), mask.shape)
-        ok_BxT = jnp.broadcast_to(in_bounds(seq), mask.shape)
-
-    if rs.action == "mask":
-        keep = mask & ok_BxT
-    else:
-        keep = mask
-        clamped_rho = jnp.clip(rho, 0.0 if lower is None else lower, rs.upper)
-        rho = clamped_rho if rs.level == "token" else jnp.where(ok_BxT, rho, clamped_rho)
-    clamped = keep & (rho != raw_rho)
-    return jnp.where(keep, rho, 0.0), keep, clamped
-
-
-def _check_inputs(arrays: dict, valid_mask) -> None:
-    ref_name, ref = next(iter(arrays.items()))
-    if ref.ndim != 2:
-        raise ValueError(f"{ref_name} must be 2-D [B, T], got shape {ref.shape}")
-    for name, x in list(arrays.items())[1:] + [("valid_mask_BxT", valid_mask)]:
-        if x is not None and x.shape != ref.shape:
-            raise ValueError(
-                f"{name} has shape {x.shape} but {ref_name} has shape {ref.shape}; all "
+                f"{name} has shape {x.shape} but logp_BxT has shape {logp.shape}; all "
                 "inputs must share one [B, T] shape"
             )
-    for name in ("logp_BxT", "prox_logp_BxT", "behav_logp_BxT", "advantages_BxT"):
-        if not jnp.issubdtype(arrays[name].dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {arrays[name].dtype}")
+    for name, x in (("logp_BxT", logp), *floats):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    return logp, prox, behav, adv, mask.astype(bool), valid
+
+
+def _check_options(eps_clip, eps_clip_higher, c_clip, sapo_taus, rejection_sampling) -> None:
+    """Ranges of the concrete scalar options (traced ones are the caller's)."""
+    if rejection_sampling is not None and not isinstance(rejection_sampling, RejectionSampling):
+        raise TypeError(
+            "rejection_sampling must be a RejectionSampling or None, got "
+            f"{type(rejection_sampling).__name__}"
+        )
+    if eps_clip is None and eps_clip_higher is not None:
+        raise ValueError(
+            f"eps_clip_higher={eps_clip_higher} needs a ratio clip, but eps_clip=None turns "
+            "it off; pass eps_clip_higher=None"
+        )
+    if is_number(eps_clip) and not 0.0 <= eps_clip < 1.0:
+        raise ValueError(f"eps_clip must be in [0, 1) or None, got {eps_clip}")
+    if is_number(eps_clip_higher) and eps_clip_higher < 0.0:
+        raise ValueError(f"eps_clip_higher must be >= 0 or None, got {eps_clip_higher}")
+    if is_number(c_clip) and c_clip <= 1.0:
+        raise ValueError(f"c_clip must be None or > 1, got {c_clip}")
+    for name, tau in zip(("sapo_tau_pos", "sapo_tau_neg"), sapo_taus, strict=True):
+        if is_number(tau) and tau <= 0:
+            raise ValueError(f"{name} must be > 0, got {tau}")
+
+
+def _clipped_objective(r, adv, eps_clip, eps_clip_higher, c_clip):
+    """PPO's per-token loss and its clip flags (low, high, dual), before the weight rho.
+
+    `max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))`; eps_clip=None: `-A r`.
+    Dual clip then bounds the loss of A < 0 tokens by `c_clip |A|`.
+    """
+    unclipped = -adv * r
+    clip_low = clip_high = dual = jnp.zeros(r.shape, bool)
+    per_token = unclipped
+    if eps_clip is not None:
+        eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+        clipped = -adv * jnp.clip(r, 1.0 - eps_clip, 1.0 + eps_high)
+        per_token = jnp.maximum(unclipped, clipped)
+        clip_active = unclipped < clipped
+        clip_low = clip_active & (adv < 0)  # the r < 1 - eps_clip side binds for A < 0
+        clip_high = clip_active & (adv > 0)
+    if c_clip is not None:
+        bound = c_clip * jnp.abs(adv)
+        dual = (adv < 0) & (bound < per_token)
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
+    return per_token, clip_low, clip_high, dual
+
+
+def _sapo_objective(r, adv, tau_pos, tau_neg):
+    """SAPO's per-token loss `-(4 / tau) sigmoid(tau (r - 1)) A`, and no clip flags."""
+    tau = jnp.where(adv > 0, tau_pos, tau_neg)
+    no_clip = jnp.zeros(r.shape, bool)
+    return -(4.0 / tau) * jax.nn.sigmoid(tau * (r - 1.0)) * adv, no_clip, no_clip, no_clip
 
 
 def policy_loss(
@@ -218,7 +118,7 @@ def policy_loss(
     advantages_BxT: ArrayLike,
     mask_BxT: ArrayLike,
     *,
-    eps_clip: float | jax.Array = 0.2,
+    eps_clip: float | jax.Array | None = 0.2,
     eps_clip_higher: float | jax.Array | None = None,
     c_clip: float | None = None,
     use_decoupled_loss: bool = True,
@@ -236,6 +136,7 @@ def policy_loss(
     Decoupled PPO, per token (A = advantage, r = exp(logp - prox_logp)):
 
     `L = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_higher))`,
+    or `L = -A * r` without a ratio clip (`eps_clip=None`: the paper's M2PO variant),
     with dual clip (`c_clip > 1`) `L = min(L, c_clip * |A|)` where A < 0, then
     `L *= rho` with `rho = stop_grad(exp(prox_logp - behav_logp))` after
     `rejection_sampling` (see `RejectionSampling`; None keeps plain rho).
@@ -261,7 +162,8 @@ def policy_loss(
       behav_logp_BxT: log-probs under the behaviour policy, [B, T].
       advantages_BxT: advantages, [B, T].
       mask_BxT: final token mask (after M2PO); bool or numeric (nonzero = True).
-      eps_clip: lower clip range, a Python float in [0, 1) or a traced scalar.
+      eps_clip: lower clip range, a Python float in [0, 1) or a traced scalar; None = no
+        ratio clip (then eps_clip_higher must be None; c_clip still applies).
       eps_clip_higher: upper clip range (>= 0); None = eps_clip.
       c_clip: dual-clip factor > 1, or None.
       use_decoupled_loss: AReaL's decoupled PPO; False sets prox := behav.
@@ -286,22 +188,10 @@ def policy_loss(
       "actor/kept_tokens", "actor/rejected_tokens" (mask tokens dropped by the
       correction), "actor/clamped_tokens" (kept tokens whose rho was clamped).
     """
-    _check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
-    _check_choice("denominator", denominator, DENOMINATORS)
-    if rejection_sampling is not None and not isinstance(rejection_sampling, RejectionSampling):
-        raise TypeError(
-            "rejection_sampling must be a RejectionSampling or None, got "
-            f"{type(rejection_sampling).__name__}"
-        )
-    if _is_number(eps_clip) and not 0.0 <= eps_clip < 1.0:
-        raise ValueError(f"eps_clip must be in [0, 1), got {eps_clip}")
-    if _is_number(eps_clip_higher) and eps_clip_higher < 0.0:
-        raise ValueError(f"eps_clip_higher must be >= 0 or None, got {eps_clip_higher}")
-    if _is_number(c_clip) and c_clip <= 1.0:
-        raise ValueError(f"c_clip must be None or > 1, got {c_clip}")
-    for name, tau in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
-        if _is_number(tau) and tau <= 0:
-            raise ValueError(f"{name} must be > 0, got {tau}")
+    check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
+    check_choice("denominator", denominator, DENOMINATORS)
+    taus = (sapo_tau_pos, sapo_tau_neg)
+    _check_options(eps_clip, eps_clip_higher, c_clip, taus, rejection_sampling)
     if use_sapo_loss and use_decoupled_loss:
         raise ValueError(
             "use_sapo_loss=True is not compatible with use_decoupled_loss=True; "
@@ -309,23 +199,15 @@ def policy_loss(
         )
     if denominator == "valid" and valid_mask_BxT is None and count is None:
         raise ValueError("denominator='valid' needs valid_mask_BxT (the mask before M2PO)")
-    arrays = {
-        "logp_BxT": jnp.asarray(logp_BxT),
-        "prox_logp_BxT": jnp.asarray(prox_logp_BxT),
-        "behav_logp_BxT": jnp.asarray(behav_logp_BxT),
-        "advantages_BxT": jnp.asarray(advantages_BxT),
-        "mask_BxT": jnp.asarray(mask_BxT),
-    }
-    valid_mask = None if valid_mask_BxT is None else jnp.asarray(valid_mask_BxT)
-    _check_inputs(arrays, valid_mask)
-
-    mask = arrays["mask_BxT"].astype(bool)
-    logp = arrays["logp_BxT"].astype(jnp.float32)
-    behav = jax.lax.stop_gradient(arrays["behav_logp_BxT"].astype(jnp.float32))
-    prox = jax.lax.stop_gradient(arrays["prox_logp_BxT"].astype(jnp.float32))
+    logp, prox, behav, adv, mask, valid_mask = _checked_inputs(
+        logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, valid_mask_BxT
+    )
+    logp = logp.astype(jnp.float32)
+    behav = jax.lax.stop_gradient(behav.astype(jnp.float32))
+    prox = jax.lax.stop_gradient(prox.astype(jnp.float32))
     if use_sapo_loss or not use_decoupled_loss:
         prox = behav
-    adv = jax.lax.stop_gradient(arrays["advantages_BxT"].astype(jnp.float32))
+    adv = jax.lax.stop_gradient(adv.astype(jnp.float32))
 
     if use_sapo_loss:
         rho, keep, clamped = jnp.where(mask, 1.0, 0.0), mask, jnp.zeros_like(mask)
@@ -337,28 +219,17 @@ def policy_loss(
     log_r = jnp.where(keep, logp - prox, 0.0)
     adv = jnp.where(keep, adv, 0.0)
     if importance_sampling_level == "sequence":
-        r = jnp.broadcast_to(jnp.exp(_seq_mean(log_r, keep)), keep.shape)
-        adv = jnp.broadcast_to(_seq_mean(adv, keep), keep.shape)
+        r = jnp.broadcast_to(jnp.exp(row_mean(log_r, keep)), keep.shape)
+        adv = jnp.broadcast_to(row_mean(adv, keep), keep.shape)
     else:
         r = jnp.exp(log_r)
 
-    no_clip = jnp.zeros_like(keep)
-    clip_low = clip_high = dual = no_clip
     if use_sapo_loss:
-        tau = jnp.where(adv > 0, sapo_tau_pos, sapo_tau_neg)
-        per_token = -(4.0 / tau) * jax.nn.sigmoid(tau * (r - 1.0)) * adv
+        per_token, clip_low, clip_high, dual = _sapo_objective(r, adv, *taus)
     else:
-        eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-        unclipped = -adv * r
-        clipped = -adv * jnp.clip(r, 1.0 - eps_clip, 1.0 + eps_high)
-        per_token = jnp.maximum(unclipped, clipped)
-        clip_active = unclipped < clipped
-        clip_low = clip_active & (adv < 0)  # the r < 1 - eps_clip side binds for A < 0
-        clip_high = clip_active & (adv > 0)
-        if c_clip is not None:
-            bound = c_clip * jnp.abs(adv)
-            dual = (adv < 0) & (bound < per_token)
-            per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
+        per_token, clip_low, clip_high, dual = _clipped_objective(
+            r, adv, eps_clip, eps_clip_higher, c_clip
+        )
         per_token = per_token * rho
 
     if count is None:

@@ -11,13 +11,13 @@ import contextlib
 import json
 import logging
 import math
-import numbers
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from m2po_jax.checks import is_number
 from m2po_jax.errors import WriterError, describe_os_error
 
 METRICS_FILE = "metrics.jsonl"
@@ -51,16 +51,12 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _finite_or_none(value: Any) -> tuple[Any, bool]:
     """(JSON-safe value, whether something non-finite was replaced by None)."""
     if isinstance(value, list):
         items = [_finite_or_none(v) for v in value]
         return [v for v, _ in items], any(bad for _, bad in items)
-    if _is_number(value) and not math.isfinite(value):
+    if is_number(value) and not math.isfinite(value):
         return None, True
     return value, False
 
@@ -177,7 +173,7 @@ class MetricsWriter:
         """Rewrites metrics.jsonl without records at step >= resume_step (or unreadable)."""
         kept = []
         for number, line, record in _read_lines(self.path):
-            if record is None or not _is_number(record.get("step")):
+            if record is None or not is_number(record.get("step")):
                 _log.warning("%s:%d: dropping an unreadable metrics line", self.path, number)
             elif record["step"] < resume_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -217,7 +213,7 @@ class MetricsWriter:
         with _io_errors(self.path):
             self._file.write(line + "\n")
             self._file.flush()
-        scalars = {k: float(v) for k, v in values.items() if _is_number(v)}
+        scalars = {k: float(v) for k, v in values.items() if is_number(v)}
         if self._tb is not None:
             with _io_errors(self._tb.path):
                 self._tb.add_scalars(step, scalars)
@@ -276,11 +272,11 @@ class ProgressBar:
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Moves the bar to `step` completed steps and refreshes the shown metrics."""
         values = {k: _to_python(v) for k, v in metrics.items()}
-        if _is_number(values.get("eval/accuracy")):
+        if is_number(values.get("eval/accuracy")):
             self._eval_accuracy = float(values["eval/accuracy"])
         postfix = {}
         for label, key in (("reward", "reward/mean"), ("masked", "m2po/masked_fraction")):
-            if _is_number(values.get(key)):
+            if is_number(values.get(key)):
                 postfix[label] = f"{values[key]:.3f}"
         if self._eval_accuracy is not None:
             postfix["eval_acc"] = f"{self._eval_accuracy:.3f}"
@@ -301,7 +297,7 @@ def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray,
     """(steps, values) of the records that have `key`; null becomes NaN."""
     steps, values = [], []
     for record in records:
-        if key in record and (record[key] is None or _is_number(record[key])):
+        if key in record and (record[key] is None or is_number(record[key])):
             steps.append(record["step"])
             values.append(np.nan if record[key] is None else float(record[key]))
     return np.asarray(steps, np.int64), np.asarray(values, np.float64)
@@ -484,6 +480,6 @@ def check_finite(
         if keys is not None and not any(name == k or name.endswith("/" + k) for k in keys):
             continue
         value = _to_python(value)
-        if _is_number(value) and not math.isfinite(value):
+        if is_number(value) and not math.isfinite(value):
             bad.append(name)
     return bad

@@ -74,16 +74,46 @@ class SamplingConfig:
     def __post_init__(self):
         # Lists would make the config unhashable (and so unusable as a static jit argument).
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if int(self.max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(
-                f"temperature: must be > 0, got {self.temperature} (use greedy=True for argmax)"
-            )
-        if int(self.top_k) < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_settings(self, "")
+
+
+def _check_settings(settings, where: str) -> None:
+    """Ranges of the decoding settings; errors name `<where>.<field>` (or the bare field)."""
+    at = f"{where}." if where else ""
+    if int(settings.max_new_tokens) < 1:
+        raise ValueError(f"{at}max_new_tokens: must be >= 1, got {settings.max_new_tokens}")
+    if not settings.temperature > 0:
+        raise ValueError(
+            f"{at}temperature: must be > 0, got {settings.temperature} (use greedy=True for argmax)"
+        )
+    if int(settings.top_k) < 0:
+        raise ValueError(f"{at}top_k: must be >= 0 (0 = off), got {settings.top_k}")
+    if not 0.0 < settings.top_p <= 1.0:
+        raise ValueError(f"{at}top_p: must be in (0, 1], got {settings.top_p}")
+
+
+def from_gconfig(
+    gconfig, stop_token_ids: Sequence[int] = (), pad_id: int = 0, where: str = "gconfig"
+) -> SamplingConfig:
+    """The decoding settings of a `gconfig` config section (the one builder of both
+    `config.validate`, which has no tokenizer yet, and the trainer).
+
+    Args:
+      gconfig: has max_new_tokens, temperature, top_k, top_p and greedy.
+      stop_token_ids: the tokenizer's end-of-sequence ids.
+      pad_id: the tokenizer's padding id.
+      where: the section's name in errors.
+    """
+    _check_settings(gconfig, where)
+    return SamplingConfig(
+        max_new_tokens=gconfig.max_new_tokens,
+        temperature=gconfig.temperature,
+        top_k=gconfig.top_k,
+        top_p=gconfig.top_p,
+        greedy=gconfig.greedy,
+        stop_token_ids=tuple(stop_token_ids),
+        pad_id=pad_id,
+    )
 
 
 def pad_prompts(

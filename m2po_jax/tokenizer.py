@@ -11,22 +11,15 @@ plus the chat template (`chat_template.jinja` or tokenizer_config.json's `chat_t
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from m2po_jax import chat
+from m2po_jax.checks import read_json
 from m2po_jax.model import ModelConfig
 
 PathLike = str | os.PathLike
-
-
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def _token_content(token: Any) -> str | None:
@@ -102,9 +95,9 @@ def load_tokenizer(path: PathLike, model_config: ModelConfig | None = None) -> H
             "(sentencepiece-only tokenizer.model is not supported)"
         )
     tokenizer = Tokenizer.from_file(file)
-    tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
-    gen_cfg = _read_json(os.path.join(path, "generation_config.json")) or {}
-    model_cfg = _read_json(os.path.join(path, "config.json")) or {}
+    tok_cfg = read_json(os.path.join(path, "tokenizer_config.json")) or {}
+    gen_cfg = read_json(os.path.join(path, "generation_config.json")) or {}
+    model_cfg = read_json(os.path.join(path, "config.json")) or {}
 
     def special(key: str) -> int | None:
         content = _token_content(tok_cfg.get(key))

@@ -30,6 +30,10 @@ class TrainState:
     nonfinite_steps: jax.Array  # int32: consecutive steps skipped for non-finite values
 
 
+# The learning-rate schedules after warm-up (`actor.optimizer.lr_scheduler_type`).
+LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
+
+
 def make_schedule(opt: OptimizerSection, total_updates: int) -> optax.Schedule:
     """Learning rate per optimizer update: linear warm-up, then constant / linear / cosine."""
     total_updates = max(int(total_updates), 1)
@@ -231,17 +235,8 @@ def prepare(
 
 
 def _rejection(actor: ActorSection) -> losses.RejectionSampling | None:
-    rs = actor.rejection_sampling
-    if not rs.enabled:
-        return None
-    return losses.RejectionSampling(
-        level=rs.level,
-        action=rs.action,
-        metric=rs.metric,
-        agg=rs.agg,
-        upper=rs.upper,
-        lower=rs.lower,
-    )
+    # The one builder config.validate runs too: what it accepts, this accepts.
+    return losses.build_rejection_sampling(actor.rejection_sampling)
 
 
 def combine_stats(stats: dict, weights: jax.Array) -> dict:

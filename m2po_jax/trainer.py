@@ -206,17 +206,8 @@ class Trainer:
         return self.placement.init_params(jax.random.fold_in(self.rng, _INIT))
 
     def _sampling_config(self) -> sampling.SamplingConfig:
-        g = self.cfg.gconfig
         stop_ids = tuple(getattr(self.tokenizer, "eos_ids", None) or (self.tokenizer.eos_id,))
-        return sampling.SamplingConfig(
-            max_new_tokens=g.max_new_tokens,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            greedy=g.greedy,
-            stop_token_ids=stop_ids,
-            pad_id=self.tokenizer.pad_id,
-        )
+        return sampling.from_gconfig(self.cfg.gconfig, stop_ids, self.tokenizer.pad_id)
 
     def _make_train_step(self):
         """The jitted train step, with the state donated and laid out by the placement."""

@@ -194,11 +194,11 @@ class NormalizeRewardsTest(chex.TestCase):
 
     def test_errors(self):
         with self.assertRaisesRegex(
-            ValueError, r"mean_level must be one of \('group', 'batch', None\), got 'prompt'"
+            ValueError, r"mean_level='prompt' is not one of \['group', 'batch', None\]"
         ):
             normalize_rewards(self.rewards, 3, mean_level="prompt")
         with self.assertRaisesRegex(
-            ValueError, r"std_level must be one of \('group', 'batch', None\), got 'none'"
+            ValueError, r"std_level='none' is not one of \['group', 'batch', None\]"
         ):
             normalize_rewards(self.rewards, 3, std_level="none")
         with self.assertRaisesRegex(ValueError, "batch size 9 is not a multiple of group_size 4"):
@@ -260,7 +260,7 @@ class NormalizeAdvantagesTest(parameterized.TestCase):
             normalize_advantages(self.adv, self.mask, mean_level="group")
         with self.assertRaisesRegex(ValueError, "batch size 4 is not a multiple of group_size 3"):
             normalize_advantages(self.adv, self.mask, std_level="group", group_size=3)
-        with self.assertRaisesRegex(ValueError, r"mean_level must be one of"):
+        with self.assertRaisesRegex(ValueError, r"mean_level='token' is not one of"):
             normalize_advantages(self.adv, self.mask, mean_level="token")
 
 
@@ -278,7 +278,7 @@ class KLEstimateTest(parameterized.TestCase):
     def test_errors(self):
         x = np.zeros((2, 2), np.float32)
         with self.assertRaisesRegex(
-            ValueError, r"estimator must be one of \('k1', 'k2', 'k3'\), got 'k4'"
+            ValueError, r"estimator='k4' is not one of \['k1', 'k2', 'k3'\]"
         ):
             kl_estimate(x, x, "k4")
         with self.assertRaisesRegex(
@@ -414,7 +414,7 @@ class GrpoTokenAdvantagesTest(chex.TestCase):
         ):
             grpo_token_advantages(self.rewards, self.mask[:, 0], group_size=3)
         with self.assertRaisesRegex(
-            ValueError, r"kl_estimator must be one of \('k1', 'k2', 'k3'\), got 'k5'"
+            ValueError, r"kl_estimator='k5' is not one of \['k1', 'k2', 'k3'\]"
         ):
             grpo_token_advantages(self.rewards, self.mask, group_size=3, kl_estimator="k5")
         with self.assertRaisesRegex(ValueError, "kl_clamp must be > 0 or None, got 0.0"):

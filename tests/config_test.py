@@ -1,5 +1,6 @@
 """Config: typed sections, clear errors naming the field, overrides, the CLI's messages."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def test_default_and_presets_build():
     assert grpo.actor.m2_threshold is None and grpo.rollout.max_head_offpolicyness == 0
     g = config_lib.from_configdict(gsm8k.get_config())
     assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
+    paper = config_lib.from_configdict(arith.get_config("paper"))
+    assert paper.actor.eps_clip is None and paper.actor.eps_clip_higher is None
     assert (g.task.long_prompts, cfg.task.long_prompts) == ("filter", "left")
     assert (cfg.task.chat_template, cfg.task.enable_thinking) == ("auto", None)
     assert (cfg.task.question_key, cfg.task.answer_key) == ("question", "answer")
@@ -72,8 +75,25 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ),
         ("actor.kl_estimator", "k4", r"actor.kl_estimator='k4' is not one of"),
         ("actor.ppo_n_minibatches", 3, r"ppo_n_minibatches=3 must divide the rows per step"),
-        ("actor.reward_norm.group_size", 4, r"group_size=4 must equal gconfig.n_samples=8"),
-        ("actor.temperature", 0.7, r"must equal gconfig.temperature"),
+        (
+            "actor.reward_norm.group_size",
+            4,
+            r"actor.reward_norm.group_size=4 differs from gconfig.n_samples=8; .* is derived "
+            r"from gconfig.n_samples \(a group is the completions of one prompt\)",
+        ),
+        (
+            "actor.temperature",
+            0.7,
+            r"actor.temperature=0.7 differs from gconfig.temperature=1.0; .* is derived from "
+            r"gconfig.temperature \(the behaviour log-probs are recorded at the sampling",
+        ),
+        ("actor.sapo_tau_neg", 0.0, r"actor.sapo_tau_neg=0.0 is out of range; allowed \(0.0"),
+        ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
+        (
+            "actor.optimizer.lr_scheduler_type",
+            "step",
+            r"lr_scheduler_type='step' is not one of \['constant', 'linear', 'cosine'\]",
+        ),
         ("actor.m2_threshold", float("inf"), r"m2_threshold=inf is not a finite number"),
         ("actor.optimizer.lr", float("nan"), r"lr=nan is not a finite number"),
         (
@@ -209,3 +229,118 @@ def test_build_model_passes_attention_and_remat_policy():
     assert model_config.remat and model_config.remat_policy == "dots_saveable"
     default_config, _ = trainer.build_model(build(), vocab_size=20)
     assert default_config.attention == "auto" and not default_config.remat
+
+
+# What the library's RejectionSampling refuses is refused by the config, before any work.
+REJECTION_ERRORS = [
+    (
+        {"actor.rejection_sampling.upper": 0.5},
+        r"actor\.rejection_sampling\.upper must be > 1 for metric 'ratio', got 0\.5",
+    ),
+    (
+        {"actor.rejection_sampling.lower": 3.0, "actor.rejection_sampling.upper": 2.0},
+        r"actor\.rejection_sampling\.lower \(3\.0\) must be <= upper \(2\.0\)",
+    ),
+    (
+        {"actor.rejection_sampling.action": "clamp", "actor.rejection_sampling.metric": "kl_k1"},
+        r"actor\.rejection_sampling\.action 'clamp' needs metric 'ratio', got 'kl_k1'",
+    ),
+]
+
+
+@pytest.mark.parametrize("changes, message", REJECTION_ERRORS)
+def test_rejection_sampling_errors_are_config_errors(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**changes)
+
+
+def test_rejection_sampling_ranges_are_the_librarys():
+    # kl_k1 = log rho can be negative: the library allows a negative lower bound, so does
+    # the config; a disabled section is still checked (it is one switch from being used).
+    cfg = build(
+        **{
+            "actor.rejection_sampling.metric": "kl_k1",
+            "actor.rejection_sampling.lower": -0.5,
+            "actor.rejection_sampling.upper": 0.5,
+        }
+    )
+    assert cfg.actor.rejection_sampling.lower == -0.5
+    with pytest.raises(config_lib.ConfigError, match=r"rejection_sampling\.upper must be > 1"):
+        build(**{"actor.rejection_sampling.enabled": False, "actor.rejection_sampling.upper": 0.5})
+    with pytest.raises(config_lib.ConfigError, match=r"rejection_sampling.upper=nan is not a fin"):
+        build(**{"actor.rejection_sampling.upper": float("nan")})
+
+
+def test_library_objects_are_built_by_the_runs_builders():
+    from m2po_jax import losses, sampling, train_step
+
+    cfg = build(**{"actor.rejection_sampling.lower": 0.5, "gconfig.top_k": 5})
+    built = config_lib.build_library_objects(cfg)
+    assert built["rejection_sampling"] == losses.RejectionSampling(upper=5.0, lower=0.5)
+    assert train_step._rejection(cfg.actor) == built["rejection_sampling"]
+    assert built["sampling"] == sampling.SamplingConfig(max_new_tokens=4, temperature=1.0, top_k=5)
+    off = build(**{"actor.rejection_sampling.enabled": False})
+    assert config_lib.build_library_objects(off)["rejection_sampling"] is None
+    # A Config made without validate's range checks still meets the builders' checks.
+    cold = dataclasses.replace(cfg, gconfig=dataclasses.replace(cfg.gconfig, temperature=0.0))
+    with pytest.raises(config_lib.ConfigError, match=r"gconfig\.temperature: must be > 0"):
+        config_lib.build_library_objects(cold)
+
+
+def test_derived_fields_follow_their_source():
+    cfg = build(**{"gconfig.temperature": 0.7, "gconfig.n_samples": 4})
+    assert cfg.actor.temperature == 0.7 and cfg.actor.reward_norm.group_size == 4
+    # An explicit value equal to the source is accepted (AReaL configs set both).
+    same = build(**{"actor.temperature": 1.0, "actor.reward_norm.group_size": 8})
+    assert same.actor.temperature == 1.0 and same.actor.reward_norm.group_size == 8
+    # A config written before the fields were derived may leave them out.
+    c = default.get_config().to_dict()
+    del c["actor"]["temperature"], c["actor"]["reward_norm"]["group_size"]
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.temperature == 1.0 and cfg.actor.reward_norm.group_size == 8
+    assert "temperature" not in c["actor"]
+    tiny = config_lib.from_configdict(arith.get_config("tiny"))
+    assert tiny.gconfig.n_samples == tiny.actor.reward_norm.group_size == 4
+
+
+def test_eps_clip_none_turns_the_ratio_clip_off():
+    assert build(**{"actor.eps_clip": None}).actor.eps_clip is None
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"actor.eps_clip_higher=0.28 needs a ratio clip, but actor.eps_clip=None",
+    ):
+        build(**{"actor.eps_clip": None, "actor.eps_clip_higher": 0.28})
+
+
+def test_placeholder_override_of_the_wrong_type_names_the_declared_type(tmp_path):
+    c = default.get_config()
+    with pytest.raises(config_lib.ConfigError, match=r"actor.temperature: expected a float, got"):
+        config_lib.apply_overrides(c, {"actor": {"temperature": "hot"}})
+    config_lib.apply_overrides(c, {"actor": {"temperature": 1, "eps_clip": None}})
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.temperature == 1.0 and cfg.actor.eps_clip is None
+
+
+def test_cli_parses_derived_fields_and_none_clip():
+    # m2po_jax.main's own flag parsing, then the config it hands to the trainer.
+    code = (
+        "import sys; from m2po_jax import main, config as c; main.define_flags(); "
+        "main.parse_flags(sys.argv); cfg = main.FLAGS.config; "
+        "c.apply_dotted(cfg, dict.fromkeys(main._none_keys)); t = c.from_configdict(cfg); "
+        "print(t.actor.temperature, t.actor.reward_norm.group_size, t.actor.eps_clip)"
+    )
+    args = [
+        "--config.actor.temperature=0.7",
+        "--config.gconfig.temperature=0.7",
+        "--config.actor.reward_norm.group_size=8",
+        "--config.actor.eps_clip=None",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.7", "8", "None"]
+    # And the CLI refuses a derived field that differs, in one line, before any work.
+    bad = _cli("--config.actor.temperature=0.7", "--workdir=/nonexistent/never-made")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "actor.temperature=0.7 differs from gconfig.temperature=1.0" in bad.stderr

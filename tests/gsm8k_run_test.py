@@ -73,7 +73,6 @@ def small_gsm8k(checkpoint, **changes):
     c.total_steps = 2
     c.gconfig.n_samples = 2
     c.gconfig.max_new_tokens = 4
-    c.actor.reward_norm.group_size = 2
     c.rollout.batch_size = 2
     c.rollout.max_head_offpolicyness = 1
     c.eval.num_examples = 8

@@ -134,7 +134,7 @@ def ref_policy_loss(
                 tau = sapo_tau_pos if a > 0 else sapo_tau_neg
                 loss_t = -(4 / tau) / (1 + math.exp(-tau * (r - 1))) * a
             else:
-                clipped = min(max(r, 1 - eps_clip), 1 + eps_high)
+                clipped = r if eps_clip is None else min(max(r, 1 - eps_clip), 1 + eps_high)
                 loss_t = max(-a * r, -a * clipped)
                 if -a * clipped > -a * r:
                     counts["clip"] += 1
@@ -176,6 +176,9 @@ CASES = [
     ("clip_higher", dict(eps_clip_higher=0.28)),
     ("dual_clip", dict(c_clip=1.05)),
     ("eps_zero", dict(eps_clip=0.0)),
+    ("no_ratio_clip", dict(eps_clip=None)),
+    ("no_ratio_clip_dual", dict(eps_clip=None, c_clip=1.05)),
+    ("gspo_no_ratio_clip", dict(importance_sampling_level="sequence", eps_clip=None)),
     ("not_decoupled", dict(use_decoupled_loss=False)),
     ("gspo", dict(importance_sampling_level="sequence", eps_clip=0.04)),
     ("gspo_dual_clip", dict(importance_sampling_level="sequence", c_clip=1.05, eps_clip=0.05)),
@@ -228,6 +231,7 @@ EXERCISED = {
     "default": "actor/clip_fraction",
     "clip_higher": "actor/clip_high_fraction",
     "dual_clip": "actor/dual_clip_fraction",
+    "no_ratio_clip_dual": "actor/dual_clip_fraction",
     "gspo_dual_clip": "actor/dual_clip_fraction",
     "gspo_seq_reject": "actor/rejected_tokens",
     "tok_mask_ratio": "actor/rejected_tokens",
@@ -384,6 +388,17 @@ class HandComputedTest(parameterized.TestCase):
     def test_eps_clip_zero(self):
         self.assertAlmostEqual(self.loss(0.9, 1.0, eps_clip=0.0)[0], -0.9, places=5)
         self.assertAlmostEqual(self.loss(1.1, 1.0, eps_clip=0.0)[0], -1.0, places=5)
+
+    def test_no_ratio_clip(self):
+        # eps_clip=None: L = -A * r whatever r is; dual clip still bounds A < 0 tokens.
+        loss, stats = self.loss(1.5, 1.0, eps_clip=None)
+        self.assertAlmostEqual(loss, -1.5, places=5)
+        self.assertEqual(stats["actor/clip_fraction"], 0.0)
+        self.assertAlmostEqual(self.loss(0.5, -1.0, eps_clip=None)[0], 0.5, places=5)
+        self.assertAlmostEqual(self.loss(5.0, -1.0, eps_clip=None)[0], 5.0, places=5)
+        loss, stats = self.loss(5.0, -1.0, eps_clip=None, c_clip=3.0)
+        self.assertAlmostEqual(loss, 3.0, places=5)
+        self.assertEqual(stats["actor/dual_clip_fraction"], 1.0)
 
     def test_behaviour_weight_multiplies(self):
         loss, stats = self.loss(1.0, 1.0, log_rho=math.log(2.0))
@@ -567,6 +582,34 @@ class GradientTest(parameterized.TestCase):
             want[0, t] = -adv[0, t] * r[0, t] * rho[0, t] / n
         np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
 
+    def test_no_ratio_clip_gradient_is_minus_a_r_rho_on_every_kept_token(self):
+        # The paper's M2PO loss: -A * r * rho on the kept tokens, no clip anywhere. With
+        # eps_clip=0 the clip range is [1, 1 + 0] and the gradient vanishes wherever it binds.
+        rng = np.random.default_rng(7)
+        prox = rng.normal(-1.0, 0.5, (3, 6)).astype(np.float32)
+        logp = (prox + rng.normal(0.0, 0.5, (3, 6))).astype(np.float32)  # r far from 1
+        behav = (prox + rng.normal(0.0, 0.3, (3, 6))).astype(np.float32)
+        adv = rng.normal(0.0, 1.0, (3, 6)).astype(np.float32)
+        mask = rng.random((3, 6)) < 0.8
+        rs = RS(upper=1.5)  # some tokens rejected: they get no gradient
+
+        def grad(**kw):
+            f = lambda lp: policy_loss(lp, prox, behav, adv, mask, rejection_sampling=rs, **kw)
+            return np.asarray(jax.grad(lambda lp: f(lp)[0])(jnp.asarray(logp)))
+
+        r = np.exp(logp.astype(np.float64) - prox)
+        rho = np.exp(prox.astype(np.float64) - behav)
+        keep = mask & (rho <= 1.5)
+        self.assertTrue(0 < keep.sum() < mask.sum())
+        want = np.where(keep, -adv * r * rho / mask.sum(), 0.0)
+        np.testing.assert_allclose(grad(eps_clip=None), want, rtol=1e-5, atol=1e-7)
+        zero_clip = grad(eps_clip=0.0)
+        binds = keep & (np.where(adv > 0, r > 1.0, r < 1.0))  # clip(r, 1, 1) binds
+        self.assertTrue(binds.any())
+        np.testing.assert_array_equal(zero_clip[binds], 0.0)
+        self.assertTrue(np.all(np.abs(want[binds]) > 0))
+        np.testing.assert_allclose(zero_clip[~binds], want[~binds], rtol=1e-5, atol=1e-7)
+
     def test_gradient_zero_for_rejected_tokens(self):
         logp = np.array([[0.05, 0.05]], np.float32)
         behav = np.array([[-3.0, 0.0]], np.float32)  # rho = e^3 > 5: token 0 rejected
@@ -623,21 +666,26 @@ class ErrorTest(parameterized.TestCase):
         (
             "is_level",
             dict(importance_sampling_level="seq"),
-            r"importance_sampling_level must be one of \('token', 'sequence'\), got 'seq'",
+            r"importance_sampling_level='seq' is not one of \['token', 'sequence'\]",
         ),
         (
             "denominator",
             dict(denominator="all"),
-            r"denominator must be one of \('kept', 'valid'\), got 'all'",
+            r"denominator='all' is not one of \['kept', 'valid'\]",
         ),
-        ("eps_neg", dict(eps_clip=-0.1), r"eps_clip must be in \[0, 1\), got -0.1"),
-        ("eps_one", dict(eps_clip=1.0), r"eps_clip must be in \[0, 1\), got 1.0"),
+        ("eps_neg", dict(eps_clip=-0.1), r"eps_clip must be in \[0, 1\) or None, got -0.1"),
+        ("eps_one", dict(eps_clip=1.0), r"eps_clip must be in \[0, 1\) or None, got 1.0"),
         (
             "eps_high",
             dict(eps_clip_higher=-0.01),
             r"eps_clip_higher must be >= 0 or None, got -0.01",
         ),
         ("c_clip", dict(c_clip=1.0), r"c_clip must be None or > 1, got 1.0"),
+        (
+            "higher_without_clip",
+            dict(eps_clip=None, eps_clip_higher=0.28),
+            r"eps_clip_higher=0.28 needs a ratio clip, but eps_clip=None turns it off",
+        ),
         ("tau_pos", dict(sapo_tau_pos=0.0), r"sapo_tau_pos must be > 0, got 0.0"),
         ("tau_neg", dict(sapo_tau_neg=-1.0), r"sapo_tau_neg must be > 0, got -1.0"),
         (
@@ -670,25 +718,25 @@ class ErrorTest(parameterized.TestCase):
             "level",
             dict(level="row"),
             ValueError,
-            r"rejection_sampling.level must be one of \('token', 'sequence'\), got 'row'",
+            r"rejection_sampling.level='row' is not one of \['token', 'sequence'\]",
         ),
         (
             "action",
             dict(action="drop"),
             ValueError,
-            r"rejection_sampling.action must be one of \('mask', 'clamp'\), got 'drop'",
+            r"rejection_sampling.action='drop' is not one of \['mask', 'clamp'\]",
         ),
         (
             "metric",
             dict(metric="kl"),
             ValueError,
-            r"rejection_sampling.metric must be one of \('ratio', 'kl_k1', 'kl_k2', 'kl_k3'\), got 'kl'",
+            r"rejection_sampling.metric='kl' is not one of \['ratio', 'kl_k1', 'kl_k2', 'kl_k3'\]",
         ),
         (
             "agg",
             dict(agg="min"),
             ValueError,
-            r"rejection_sampling.agg must be one of \('sum', 'mean', 'max'\), got 'min'",
+            r"rejection_sampling.agg='min' is not one of \['sum', 'mean', 'max'\]",
         ),
         (
             "upper_type",

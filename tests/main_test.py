@@ -63,7 +63,6 @@ def _gsm8k_args(path, workdir, data="train.jsonl"):
         "--config.task.max_prompt_len=32",
         "--config.gconfig.n_samples=2",
         "--config.gconfig.max_new_tokens=4",
-        "--config.actor.reward_norm.group_size=2",
         "--config.rollout.batch_size=2",
         "--config.eval.num_examples=8",
         "--config.eval.batch_size=8",
@@ -88,9 +87,9 @@ def test_config_and_override_errors_are_one_line(tmp_path):
         "actor.m2_threshold=inf is not a finite number",
     )
     _one_line(
-        _cli(*TINY, "--config.gconfig.temperature=1e-30", "--config.actor.temperature=1e-30"),
+        _cli(*TINY, "--config.gconfig.temperature=1e-30", f"--workdir={tmp_path}"),
         "config error",
-        "temperature=1e-30 is out of range",
+        "gconfig.temperature=1e-30 is out of range",
     )
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("actor:\n  eps_clip: [0.1\n")
@@ -126,3 +125,23 @@ def test_unusable_checkpoints_stop_in_one_line(tmp_path):
         "checkpoint error",
         "checkpoints/7: no such checkpoint (restore_step=7",
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.actor.rejection_sampling.upper=0.5"], "rejection_sampling.upper must be > 1"),
+        (
+            ["--config.actor.rejection_sampling.lower=3.0", "--config.actor.rejection_sampling.upper=2.0"],
+            "actor.rejection_sampling.lower (3.0) must be <= upper (2.0)",
+        ),
+        (
+            ["--config.actor.rejection_sampling.action=clamp", "--config.actor.rejection_sampling.metric=kl_k1"],
+            "actor.rejection_sampling.action 'clamp' needs metric 'ratio', got 'kl_k1'",
+        ),
+    ],
+)  # fmt: skip
+def test_rejection_sampling_errors_stop_before_any_work(args, message, tmp_path):
+    workdir = tmp_path / "run"
+    _one_line(_cli(*TINY, *args, f"--workdir={workdir}"), "config error", message)
+    assert not workdir.exists()  # refused before the workdir (or anything else) was made

@@ -1,0 +1,46 @@
+"""Input checks shared by the library and the config: one message format for each.
+
+Library functions raise ValueError / TypeError; `m2po_jax.config` passes
+`error=ConfigError` so that the same check names a config field instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import numbers
+import os
+from collections.abc import Iterable
+from typing import Any
+
+
+def check_choice(
+    name: str, value: object, choices: Iterable, error: type[Exception] = ValueError
+) -> None:
+    """Raises `error("<name>=<value!r> is not one of [<choices>]")` unless `value` is one."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise error(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def is_number(x: Any) -> bool:
+    """True for a concrete Python / numpy real number (not a bool, not a jax array).
+
+    A traced value is not a number here, so range checks skip it instead of failing
+    under `jax.jit`.
+    """
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed JSON file at `path`, or None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def did_you_mean(key: str, valid: Iterable[str]) -> str:
+    """`"; did you mean 'x'?"` with the closest of `valid` to `key` ("" when none)."""
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
+    return f"; did you mean {match[0]!r}?" if match else ""
