@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import fixtures
+import jax
 from device_check_sections import TINY_HF, device_info, hf_config, peak_memory, random_params
 
 from m2po_jax import config as config_lib
@@ -68,12 +69,19 @@ def write_checkpoint(path: Path, s: dict) -> str:
 
 
 class TimedTrainer(trainer_lib.Trainer):
-    """Notes when each step ends; skips the end-of-run checkpoint (not part of a step)."""
+    """Notes when each step's update ends; skips the end-of-run checkpoint (not part of a step)."""
 
-    def _one_step(self, step: int) -> dict:
-        record = super()._one_step(step)
-        self.step_ends.append(time.perf_counter())
-        return record
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_ends: list[float] = []
+        real_step = self.train_step
+
+        def timed_step(state, batch, rng, ref_params):
+            out = jax.block_until_ready(real_step(state, batch, rng, ref_params))
+            self.step_ends.append(time.perf_counter())
+            return out
+
+        self.train_step = timed_step
 
     def save(self, writer=None) -> None:
         pass
@@ -126,7 +134,6 @@ def _run(s: dict, work: Path) -> dict:
     written = time.perf_counter()
     cfg = rl_config(s, work)
     trainer = TimedTrainer(cfg, work / "run")
-    trainer.step_ends = []
     built = time.perf_counter()
     trainer.run()
     done = time.perf_counter()

@@ -9,7 +9,7 @@ is missing or differs is lost. The last line reads `N faults, 0 lost` when nothi
 
 `child` mode (used by the cases and tests) runs `m2po-train` with a fault armed:
   python benchmarks/fault_drill.py child --fault=kill:step:3 -- --workdir=... [flags]
-Faults: kill:step:N (SIGKILL as step N starts), kill:save:N:{orbax,manifest,rotate}
+Faults: kill:step:N (SIGKILL as step N's update starts), kill:save:N:{orbax,manifest,rotate}
 (SIGKILL inside the save of step N), signal:N:{TERM,INT,TERM2} (TERM2: twice),
 full:N:{tensorboard,metrics,checkpoint} (ENOSPC on those writes from step N on).
 """
@@ -43,16 +43,24 @@ def _arm(fault: str, workdir: Path) -> None:
     from m2po_jax import trainer as trainer_lib
 
     kind, *args = fault.split(":")
-    one_step = trainer_lib.Trainer._one_step
 
     def at_step(n, action):
-        def patched(self, step):
-            if step == n:
-                print(f"fault_drill: fault at {time.time()}", file=sys.stderr, flush=True)
-                action()
-            return one_step(self, step)
+        """`action` runs as step n's update starts (its rollout done, its row not written)."""
 
-        trainer_lib.Trainer._one_step = patched
+        class Faulty(trainer_lib.Trainer):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                real_step = self.train_step
+
+                def step_fn(state, batch, rng, ref_params):
+                    if int(state.step) == n:
+                        print(f"fault_drill: fault at {time.time()}", file=sys.stderr, flush=True)
+                        action()
+                    return real_step(state, batch, rng, ref_params)
+
+                self.train_step = step_fn
+
+        trainer_lib.Trainer = Faulty  # what `m2po-train` builds
 
     if kind == "kill" and args[0] == "step":
         at_step(int(args[1]), _die)

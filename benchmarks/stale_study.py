@@ -17,6 +17,7 @@ from absl import logging
 
 from m2po_jax import config as config_lib
 from m2po_jax import metrics as metrics_lib
+from m2po_jax import plots
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
 
@@ -55,7 +56,7 @@ def main() -> None:
         f"GRPO s={args.staleness}": run(f"grpo_s{args.staleness}", "stale_grpo", args, out),
         f"M2PO s={args.staleness}": run(f"m2po_s{args.staleness}", "m2po", args, out),
     }
-    metrics_lib.plot_comparison(runs, out / "stale_study.png")
+    plots.plot_comparison(runs, out / "stale_study.png")
     print("\n| run | held-out accuracy by step | best | last | mean masked fraction |")
     print("|---|---|---|---|---|")
     for label, path in runs.items():

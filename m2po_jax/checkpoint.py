@@ -280,7 +280,3 @@ class Checkpointer:
             "meta": meta,
             "ref_params": restored["ref_params"] if ref_like is not None else None,
         }
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()

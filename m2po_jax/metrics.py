@@ -1,4 +1,4 @@
-"""Metrics on the host: JSONL / TensorBoard / wandb writers, a progress bar, plots.
+"""Metrics on the host: JSONL / TensorBoard / wandb writers, a progress bar (plots: `plots.py`).
 
 Metric dicts are flat with "/" namespaces ("reward/mean", "m2po/masked_fraction").
 `metrics.jsonl` holds one JSON object per step, "step" first. JSON has no NaN, so
@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,21 +22,6 @@ from m2po_jax.errors import WriterError, describe_os_error
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-DEFAULT_FINITE_KEYS = ("loss", "grad_norm")
-DEFAULT_COMPARISON_KEYS = (
-    "reward/mean",
-    "eval/accuracy",
-    "m2po/masked_fraction",
-    "m2po/m2_before",
-)
-# (file stem, title, keys, log y) of each panel of `plot_metrics`.
-PANELS = (
-    ("reward", "reward", ("reward/mean",), False),
-    ("eval_accuracy", "eval accuracy", ("eval/accuracy",), False),
-    ("masked_fraction", "M2PO masked fraction", ("m2po/masked_fraction",), False),
-    ("m2", "second moment", ("m2po/m2_before", "m2po/m2_after"), True),
-    ("staleness", "staleness (versions)", ("staleness/mean", "staleness/max"), False),
-)
 
 _log = logging.getLogger(__name__)
 
@@ -248,8 +233,12 @@ class MetricsWriter:
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(OSError):
+            self.close()  # after an error: close what is open, keep the first error
 
 
 class ProgressBar:
@@ -291,114 +280,6 @@ class ProgressBar:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the records that have `key`; null becomes NaN."""
-    steps, values = [], []
-    for record in records:
-        if key in record and (record[key] is None or is_number(record[key])):
-            steps.append(record["step"])
-            values.append(np.nan if record[key] is None else float(record[key]))
-    return np.asarray(steps, np.int64), np.asarray(values, np.float64)
-
-
-def _draw_panel(ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y) -> bool:
-    """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them."""
-    drawn = False
-    for key in keys:
-        steps, values = _series(records, key)
-        if steps.size == 0:
-            continue
-        if log_y:
-            values = np.where(values > 0, values, np.nan)  # log scale: drop zeros
-        marker = "o" if steps.size < 30 else None
-        ax.plot(steps, values, label=key, marker=marker, markersize=3)
-        drawn = True
-    if drawn:
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if log_y:
-            ax.set_yscale("log")
-        if len(keys) > 1:
-            ax.legend(fontsize="small")
-    return drawn
-
-
-def plot_metrics(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
-    """PNG plots of a run: one file per panel of `PANELS` with data, plus summary.png.
-
-    Panels whose keys never appear are skipped. Returns the written paths (empty if
-    no panel has data).
-    """
-    from matplotlib.figure import Figure  # no pyplot: no global backend state
-
-    records = read_metrics(metrics_path)
-    os.makedirs(out_dir, exist_ok=True)
-    paths, available = [], []
-    for stem, title, keys, log_y in PANELS:
-        fig = Figure(figsize=(6, 4), layout="constrained")
-        if _draw_panel(fig.add_subplot(), records, title, keys, log_y):
-            path = os.path.join(os.fspath(out_dir), f"{stem}.png")
-            fig.savefig(path, dpi=100)
-            paths.append(path)
-            available.append((title, keys, log_y))
-    if available:
-        cols = min(3, len(available))
-        rows = math.ceil(len(available) / cols)
-        fig = Figure(figsize=(5 * cols, 3.5 * rows), layout="constrained")
-        for i, (title, keys, log_y) in enumerate(available):
-            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y)
-        path = os.path.join(os.fspath(out_dir), "summary.png")
-        fig.savefig(path, dpi=100)
-        paths.append(path)
-    return paths
-
-
-def plot_comparison(
-    runs: Mapping[str, str | os.PathLike],
-    out_path: str | os.PathLike,
-    keys: Sequence[str] = DEFAULT_COMPARISON_KEYS,
-) -> str:
-    """One PNG overlaying several runs, one panel per key (e.g. on-policy vs stale-k).
-
-    Args:
-      runs: label -> metrics.jsonl path.
-      out_path: the PNG to write.
-      keys: metric names, one panel each; keys no run has are skipped; "m2po/m2*"
-        keys use a log y axis.
-
-    Returns:
-      `out_path`.
-    """
-    from matplotlib.figure import Figure
-
-    if not runs:
-        raise ValueError("runs: expected at least one label -> metrics path")
-    records = {label: read_metrics(path) for label, path in runs.items()}
-    present = [k for k in keys if any(_series(r, k)[0].size for r in records.values())]
-    if not present:
-        raise ValueError(f"keys: none of {list(keys)} appears in any of the runs {list(runs)}")
-    fig = Figure(figsize=(5 * len(present), 3.8), layout="constrained")
-    for i, key in enumerate(present):
-        ax = fig.add_subplot(1, len(present), i + 1)
-        log_y = key.startswith("m2po/m2")
-        for label, run_records in records.items():
-            steps, values = _series(run_records, key)
-            if log_y:
-                values = np.where(values > 0, values, np.nan)
-            ax.plot(steps, values, label=label, marker="o" if steps.size < 30 else None, ms=3)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if log_y:
-            ax.set_yscale("log")
-        ax.legend(fontsize="small")
-    out_path = os.fspath(out_path)
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    fig.savefig(out_path, dpi=100)
-    return out_path
 
 
 def staleness_stats(
@@ -465,21 +346,3 @@ def host_metrics(tree: Mapping[str, Any]) -> dict[str, Any]:
 
     visit("", host)
     return out
-
-
-def check_finite(
-    metrics: Mapping[str, Any], keys: Sequence[str] | None = DEFAULT_FINITE_KEYS
-) -> list[str]:
-    """Names of non-finite scalar metrics among `keys`.
-
-    A metric matches a key if its name equals the key or ends with "/" + key, so
-    "loss" covers "actor/loss". keys=None checks every scalar.
-    """
-    bad = []
-    for name, value in metrics.items():
-        if keys is not None and not any(name == k or name.endswith("/" + k) for k in keys):
-            continue
-        value = _to_python(value)
-        if is_number(value) and not math.isfinite(value):
-            bad.append(name)
-    return bad

@@ -39,6 +39,7 @@ from m2po_jax.model_config import (  # noqa: F401 (public here too)
     ModelConfig,
     as_dtype,
 )
+from m2po_jax.rope import rope_cos_sin, rope_inv_freq, rotate
 
 
 @flax.struct.dataclass
@@ -63,56 +64,11 @@ def make_positions(valid_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(valid_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-    """Inverse frequencies, with Llama 3 scaling when configured (float32)."""
-    d = config.dim_per_head
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if config.rope_scaling is None:
-        return inv_freq
-    scaling = dict(config.rope_scaling)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
-        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported (llama3 only)")
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def rope_cos_sin(
-    positions_BxT: jax.Array, inv_freq: jax.Array, dtype: Any = jnp.float32
-) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, T, 1, D] of the rotary angles, half-split like Hugging Face."""
-    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    angles = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def _rotate(x_BxTxHxD: jax.Array, cos_BxTx1xD: jax.Array, sin_BxTx1xD: jax.Array) -> jax.Array:
-    x1, x2 = jnp.split(x_BxTxHxD, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxTxHxD * cos_BxTx1xD + rotated * sin_BxTx1xD
-
-
-def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding in the half-split layout used by Hugging Face."""
-    cos, sin = rope_cos_sin(positions_BxT, inv_freq, x_BxTxHxD.dtype)
-    return _rotate(x_BxTxHxD, cos, sin)
-
-
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *w.shape[:n_in]] @ w, contracting the last `n_in` dims of x with w's first.
 
     Done as one 2-D matmul on flattened views: XLA:CPU lays out the backward pass of a
-    2-D matmul far better than that of a batched einsum (the MLP's backward pass ran
-    1.4x slower as `[B, T, E] @ [E, F]`).
+    2-D matmul far better than that of a batched einsum (measured: README, Benchmarks).
     """
     lead, w_in, w_out = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     y = x.reshape(math.prod(lead), math.prod(w_in)) @ w.reshape(math.prod(w_in), -1)
@@ -169,9 +125,9 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="q_norm")(q)
             key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="k_norm")(key)
         # Named for the save_* remat policies.
-        q = checkpoint_name(_rotate(q, *cos_sin), "qkv_proj")
+        q = checkpoint_name(rotate(q, *cos_sin), "qkv_proj")
         # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
-        key = checkpoint_name(_rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
+        key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
         new_kv = None
         if cache_kv is not None:

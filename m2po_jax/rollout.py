@@ -16,6 +16,7 @@ import numpy as np
 
 from m2po_jax import sampling
 from m2po_jax.model import ModelConfig
+from m2po_jax.types import TrainBatch
 
 # Host-side rollout: a dict of numpy arrays (see ROLLOUT_KEYS) so it checkpoints as-is.
 ROLLOUT_KEYS = (
@@ -101,6 +102,28 @@ def generate_rollout(
     return batch, texts
 
 
+def train_batch(host: dict) -> TrainBatch:
+    """The fields of a host rollout batch that a train step reads (still on the host).
+
+    Raises ValueError if a completion token's behaviour log-prob is not finite.
+    """
+    behav = host["behav_logp_BxT"]
+    bad = ~np.isfinite(behav) & host["loss_mask_BxT"]
+    if bad.any():
+        raise ValueError(
+            f"behaviour log-probs: {int(bad.sum())} non-finite values on completion tokens "
+            f"(batch of policy version {int(host['version_B'][0])})"
+        )
+    return TrainBatch(
+        tokens_BxT=host["tokens_BxT"],
+        valid_BxT=host["valid_BxT"],
+        behav_logp_BxT=behav,
+        loss_mask_BxT=host["loss_mask_BxT"],
+        rewards_B=host["rewards_B"],
+        version_B=host["version_B"],
+    )
+
+
 class StaleQueue:
     """FIFO of host rollout batches: push the newest, pop the one made k steps ago."""
 
@@ -112,11 +135,6 @@ class StaleQueue:
 
     def __len__(self) -> int:
         return len(self._batches)
-
-    @property
-    def ready(self) -> bool:
-        """True once the queue holds the k batches that precede the next one."""
-        return len(self._batches) >= self.staleness
 
     def push(self, batch: dict) -> None:
         missing = [k for k in ROLLOUT_KEYS if k not in batch]

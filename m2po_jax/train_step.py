@@ -18,7 +18,12 @@ import optax
 from m2po_jax import advantages as adv_lib
 from m2po_jax import batching, logprobs, losses, masking
 from m2po_jax import model as model_lib
-from m2po_jax.config import ActorSection, OptimizerSection
+from m2po_jax.config import ActorSection
+from m2po_jax.optim import (  # noqa: F401 (public here too)
+    LR_SCHEDULER_TYPES,
+    make_optimizer,
+    make_schedule,
+)
 from m2po_jax.types import TrainBatch
 
 
@@ -28,45 +33,6 @@ class TrainState:
     params: Any
     opt_state: Any
     nonfinite_steps: jax.Array  # int32: consecutive steps skipped for non-finite values
-
-
-# The learning-rate schedules after warm-up (`actor.optimizer.lr_scheduler_type`).
-LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
-
-
-def make_schedule(opt: OptimizerSection, total_updates: int) -> optax.Schedule:
-    """Learning rate per optimizer update: linear warm-up, then constant / linear / cosine."""
-    total_updates = max(int(total_updates), 1)
-    warmup = int(round(opt.warmup_steps_proportion * total_updates))
-    decay = max(total_updates - warmup, 1)
-    end = opt.lr * opt.min_lr_ratio
-    if opt.lr_scheduler_type == "constant":
-        main = optax.constant_schedule(opt.lr)
-    elif opt.lr_scheduler_type == "linear":
-        main = optax.linear_schedule(opt.lr, end, decay)
-    elif opt.lr_scheduler_type == "cosine":
-        main = optax.cosine_decay_schedule(opt.lr, decay, alpha=opt.min_lr_ratio)
-    else:
-        raise ValueError(
-            f"lr_scheduler_type={opt.lr_scheduler_type!r}; expected constant, linear or cosine"
-        )
-    if warmup == 0:
-        return main
-    return optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), main], [warmup])
-
-
-def make_optimizer(opt: OptimizerSection, total_updates: int):
-    """AdamW with global-norm clipping; returns (tx, schedule)."""
-    schedule = make_schedule(opt, total_updates)
-    parts = []
-    if opt.gradient_clipping > 0:
-        parts.append(optax.clip_by_global_norm(opt.gradient_clipping))
-    parts.append(
-        optax.adamw(
-            schedule, b1=opt.beta1, b2=opt.beta2, eps=opt.eps, weight_decay=opt.weight_decay
-        )
-    )
-    return optax.chain(*parts), schedule
 
 
 def init_train_state(params, tx) -> TrainState:
@@ -521,25 +487,3 @@ def make_train_step(
         layout=layout,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))
-
-
-def sft_loss(params, model_config, tokens_BxT, valid_BxT, target_mask_BxT):
-    """Mean negative log-likelihood of the target tokens (supervised warm-up)."""
-    logp, _ = logprobs.sequence_logp(
-        params, model_config, tokens_BxT, valid_BxT, 1.0, logprobs.DEFAULT_CHUNK, False
-    )
-    count = jnp.maximum(jnp.sum(target_mask_BxT), 1)
-    return -jnp.sum(logp * target_mask_BxT) / count
-
-
-def make_sft_step(model_config, tx):
-    """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss)."""
-
-    def step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
-        loss, grads = jax.value_and_grad(sft_loss)(
-            params, model_config, tokens_BxT, valid_BxT, target_mask_BxT
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step, donate_argnums=(0, 1))

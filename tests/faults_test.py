@@ -87,13 +87,13 @@ def test_a_full_disk_ends_the_run_with_the_checkpoint_intact(tmp_path, monkeypat
     monkeypatch.setattr(builtins, "open", fake_open)
     cfg = tiny_config(**{"logging.tensorboard": True})
     trainer = trainer_lib.Trainer(cfg, tmp_path)
-    one_step = trainer._one_step
+    real_step = trainer.train_step
 
-    def fill_at_step_2(step):
-        full["on"] = full["on"] or step == 2
-        return one_step(step)
+    def fill_at_step_2(state, batch, rng, ref_params):
+        full["on"] = full["on"] or int(state.step) == 2
+        return real_step(state, batch, rng, ref_params)
 
-    trainer._one_step = fill_at_step_2
+    trainer.train_step = fill_at_step_2
     t0 = time.perf_counter()
     with pytest.raises(WriterError, match=rf"{target}.*: No space left on device \(ENOSPC\)"):
         trainer.run()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from m2po_jax import config as config_lib
-from m2po_jax import hf
+from m2po_jax import hf, sft
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import gsm8k
@@ -142,7 +142,7 @@ def test_chat_template_reaches_rollouts_eval_and_warmup_with_one_bos(chat_checkp
     width = trainer.cfg.task.max_prompt_len
     ids, valid = rollout_lib.encode_prompts([example.prompt], trainer.prompts, width)
     assert ids[0][valid[0]].tolist() == expected
-    tokens, valid, target = trainer._sft_batch(0, 1)
+    tokens, valid, target = sft.sft_batch(trainer.setup, 0, 1)
     prompt_part = tokens[0][valid[0] & ~target[0]].tolist()
     assert prompt_part == expected  # the warm-up sees the rollout's prompt tokens
     assert trainer.task.prompt_lengths[example.uid] == len(expected)

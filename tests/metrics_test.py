@@ -1,7 +1,6 @@
-"""Tests for m2po_jax.metrics: writers, resume, non-finite values, plots, host helpers."""
+"""Tests for m2po_jax.metrics and m2po_jax.plots: writers, resume, non-finite values, plots."""
 
 import json
-import math
 import os
 import sys
 import types
@@ -11,6 +10,8 @@ import numpy as np
 import pytest
 
 from m2po_jax import metrics as M
+from m2po_jax import plots
+from m2po_jax.errors import WriterError
 
 
 def _lines(path):
@@ -81,6 +82,30 @@ def test_non_primary_writes_nothing(tmp_path):
     writer.write(0, {"reward/mean": 1.0})
     writer.close()
     assert not workdir.exists()
+
+
+def test_a_failing_close_keeps_the_first_error_and_is_reported_alone(tmp_path, monkeypatch):
+    class ClosesOnAFullDisk:
+        def __init__(self, f):
+            self._f = f
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def close(self):
+            self._f.close()
+            raise OSError(28, "No space left on device")
+
+    real_open = open
+    monkeypatch.setattr(
+        M, "open", lambda *a, **k: ClosesOnAFullDisk(real_open(*a, **k)), raising=False
+    )
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with M.MetricsWriter(tmp_path / "a", tensorboard=False):
+            raise RuntimeError("the step failed")
+    with pytest.raises(WriterError, match=r"metrics.jsonl: No space left on device \(ENOSPC\)"):
+        with M.MetricsWriter(tmp_path / "b", tensorboard=False) as writer:
+            writer.write(0, {"reward/mean": 1.0})
 
 
 def test_tensorboard_event_file_created(tmp_path):
@@ -180,7 +205,7 @@ def _assert_png(path):
 
 def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
     metrics_path = _synthetic_run(tmp_path / "metrics.jsonl")
-    paths = M.plot_metrics(metrics_path, tmp_path / "plots")
+    paths = plots.plot_metrics(metrics_path, tmp_path / "plots")
     names = [os.path.basename(p) for p in paths]
     assert names == [
         "reward.png",
@@ -197,10 +222,10 @@ def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
 def test_plot_metrics_skips_missing_keys(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "reward/mean": s / 5}) + "\n" for s in range(5)))
-    names = [os.path.basename(p) for p in M.plot_metrics(path, tmp_path / "plots")]
+    names = [os.path.basename(p) for p in plots.plot_metrics(path, tmp_path / "plots")]
     assert names == ["reward.png", "summary.png"]
     path.write_text('{"step": 0, "other": 1}\n')
-    assert M.plot_metrics(path, tmp_path / "empty") == []
+    assert plots.plot_metrics(path, tmp_path / "empty") == []
 
 
 def test_plot_comparison(tmp_path):
@@ -209,12 +234,12 @@ def test_plot_comparison(tmp_path):
         "GRPO stale-4": _synthetic_run(tmp_path / "b.jsonl", collapse=True),
         "M2PO stale-4": _synthetic_run(tmp_path / "c.jsonl"),
     }
-    out = M.plot_comparison(runs, tmp_path / "cmp" / "stale.png")
+    out = plots.plot_comparison(runs, tmp_path / "cmp" / "stale.png")
     _assert_png(out)
     with pytest.raises(ValueError, match="none of"):
-        M.plot_comparison(runs, tmp_path / "x.png", keys=("missing/key",))
+        plots.plot_comparison(runs, tmp_path / "x.png", keys=("missing/key",))
     with pytest.raises(ValueError, match="runs"):
-        M.plot_comparison({}, tmp_path / "x.png")
+        plots.plot_comparison({}, tmp_path / "x.png")
 
 
 def test_staleness_stats_hand_example():
@@ -242,10 +267,3 @@ def test_host_metrics_converts_to_python():
     )
     assert out == {"loss": 1.5, "count": 3, "m2po/hist": [1, 2]}
     assert type(out["loss"]) is float and type(out["count"]) is int
-
-
-def test_check_finite_names_bad_keys():
-    metrics = {"actor/loss": jnp.float32(np.nan), "grad_norm": 1.0, "other": math.inf, "s": "x"}
-    assert M.check_finite(metrics) == ["actor/loss"]
-    assert M.check_finite(metrics, keys=None) == ["actor/loss", "other"]
-    assert M.check_finite({"loss": 0.0, "grad_norm": np.float32(2.0)}) == []
