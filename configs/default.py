@@ -97,8 +97,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.m2po_candidates = (
         "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
     )
-    # global (whole batch) | row (per sequence) | minibatch | microbatch (AReaL: inside each
-    # micro-batch's loss)
+    # Which tokens form one M2PO set (m2po_jax/scopes.py): global (the whole batch; the whole
+    # minibatch when m2po_second_moment needs the current policy) | shard (each data-parallel
+    # shard of it, mesh data x fsdp: AReaL's per-rank rule) | minibatch | row (per sequence) |
+    # microbatch (inside each micro-batch's loss). capped_clip needs global.
     c.actor.m2po_scope = "global"
     c.actor.eps_clip = placeholder(float)
     # PPO clip: ratio clipped to [1 - eps_clip, 1 + eps_clip_higher]; None = no ratio clip
@@ -174,5 +176,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # fully sharded data-parallel axis (params and optimizer state)
     c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP)
     c.mesh.device_memory_gib = 0.0  # memory per device for the start-up check (0 = ask the device)
-    c.mesh.m2po_per_shard = False  # M2PO mask per data shard (AReaL per-rank) instead of global
+    # Deprecated alias, removed in the next release: True means actor.m2po_scope = "shard".
+    c.mesh.m2po_per_shard = False
     return c

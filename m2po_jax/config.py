@@ -16,6 +16,7 @@ import functools
 import math
 import types
 import typing
+import warnings
 from typing import Any
 
 import ml_collections
@@ -143,6 +144,47 @@ def _check_range(where: str, value, low=None, high=None, low_open=False, high_op
 _check_choice = functools.partial(check_choice, error=ConfigError)
 
 
+def _check_m2po(cfg: Config) -> Config:
+    """actor.m2po_* choices and combinations; maps mesh.m2po_per_shard=True to scope "shard"."""
+    # The library's own lists; imported here so that importing this module needs no JAX.
+    from m2po_jax import masking, scopes
+
+    a = cfg.actor
+    _check_choice("actor.m2po_method", a.m2po_method, masking.METHODS)
+    _check_choice("actor.m2po_second_moment", a.m2po_second_moment, masking.SECOND_MOMENTS)
+    _check_choice("actor.m2po_stop_rule", a.m2po_stop_rule, scopes.M2PO_STOP_RULES)
+    _check_choice("actor.m2po_candidates", a.m2po_candidates, masking.CANDIDATES)
+    _check_choice("actor.m2po_scope", a.m2po_scope, scopes.M2PO_SCOPES)
+    if cfg.mesh.m2po_per_shard:
+        if a.m2po_scope not in ("global", "shard"):
+            raise ConfigError(
+                f"mesh.m2po_per_shard=True (deprecated: it means actor.m2po_scope='shard') "
+                f"contradicts actor.m2po_scope={a.m2po_scope!r}: a mask has one scope; set "
+                "only actor.m2po_scope"
+            )
+        warnings.warn(
+            "mesh.m2po_per_shard is deprecated and will be removed in the next release; "
+            'use actor.m2po_scope="shard"',
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        a = dataclasses.replace(a, m2po_scope="shard")
+        cfg = dataclasses.replace(cfg, actor=a)
+    if a.m2po_stop_rule == "capped_clip" and a.m2po_scope != "global":
+        raise ConfigError(
+            f"actor.m2po_stop_rule='capped_clip' needs actor.m2po_scope='global', got "
+            f"{a.m2po_scope!r}: its clip bound is one scalar for the whole batch, taken once "
+            "per step"
+        )
+    if a.m2po_stop_rule == "capped_clip" and a.m2po_second_moment != "behav_prox":
+        raise ConfigError(
+            f"actor.m2po_stop_rule='capped_clip' needs actor.m2po_second_moment='behav_prox', "
+            f"got {a.m2po_second_moment!r}: its budget is taken from the behaviour and "
+            "proximal log-probs at the start of the step, before the current policy moves"
+        )
+    return cfg
+
+
 def validate(cfg: Config) -> Config:
     """Range and consistency checks, then the library objects the run will build (whatever
     they refuse is refused here); raises ConfigError naming the field."""
@@ -153,15 +195,8 @@ def validate(cfg: Config) -> Config:
     _check_range("total_steps", cfg.total_steps, 0)
     _check_range("max_nonfinite_steps", cfg.max_nonfinite_steps, 1)
     _check_range("actor.m2_threshold", a.m2_threshold, 0.0)
-    _check_choice("actor.m2po_method", a.m2po_method, ("sort", "bisect"))
-    _check_choice(
-        "actor.m2po_second_moment",
-        a.m2po_second_moment,
-        ("behav_prox", "current_behav", "prox_current"),
-    )
-    _check_choice("actor.m2po_stop_rule", a.m2po_stop_rule, ("lt", "le", "capped_clip"))
-    _check_choice("actor.m2po_candidates", a.m2po_candidates, ("all", "harmful"))
-    _check_choice("actor.m2po_scope", a.m2po_scope, ("global", "row", "minibatch", "microbatch"))
+    cfg = _check_m2po(cfg)  # may resolve the deprecated mesh.m2po_per_shard
+    a = cfg.actor
     _check_range("actor.eps_clip", a.eps_clip, 0.0, 1.0, high_open=True)
     _check_range("actor.eps_clip_higher", a.eps_clip_higher, 0.0)
     _check_range("actor.c_clip", a.c_clip, 1.0, low_open=True)

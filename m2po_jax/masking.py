@@ -11,10 +11,14 @@ round trip: ``"sort"`` (one sort of int32 keys, an ascending cumulative sum) and
 ``"bisect"`` (sort-free: bisection over the float32 bit pattern of the boundary
 value with masked sums). They return the same mask; among tokens tied at the
 boundary value the ones with the lowest flat index are kept (AReaL's choice is
-arbitrary there, only the count is determined).
+arbitrary there, only the count is determined). The kernels are in
+``masking_kernels.py``; this module checks the inputs.
 
 Non-finite m2 (a NaN or inf log-prob on a valid token) counts as +inf: larger than
 every finite value, so such tokens are masked first.
+
+Statistics: ``m2po_mask_with_stats`` reports ``M2PO_STAT_KEYS``; ``m2po_mask_with_parts``
+returns their additive parts, which combine exactly across blocks (``masking_stats.py``).
 """
 
 from __future__ import annotations
@@ -25,30 +29,27 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
+
+from m2po_jax import masking_kernels as kernels
+from m2po_jax.checks import check_choice as _check_choice
+from m2po_jax.masking_stats import (  # noqa: F401 (public here: the schema of the stats)
+    M2PO_PART_KEYS,
+    M2PO_STAT_KEYS,
+    combine_stat_parts,
+    finalize_stats,
+    psum_stat_parts,
+    stat_parts,
+)
 
 METHODS = ("sort", "bisect")
 SECOND_MOMENTS = ("behav_prox", "current_behav", "prox_current")
 STOP_RULES = ("lt", "le")
 CANDIDATES = ("all", "harmful")
-SCOPES = ("global", "row")
-
-_INF_BITS = 0x7F800000  # float32 +inf as int32
-_INACTIVE = 0x7FFFFFFF  # larger than every non-negative float32 pattern: sorts after +inf
-# Bisect passes view the values as [rows, 128] and reduce over rows first: on XLA:CPU
-# that vectorises, 2-4x faster than one flat reduction.
-_LANES = 128
-_BISECT_STEPS = 31  # ceil(log2(_INF_BITS + 1)): the search interval is [-1, _INF_BITS]
+SCOPES = ("global", "row")  # of one call; minibatch / shard scopes: see m2po_jax.scopes
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"{name}={value!r} is not one of {list(valid)}")
 
 
 def _as_float_array(name: str, x: ArrayLike, what: str = "log-probs") -> jax.Array:
@@ -87,23 +88,7 @@ def _check_nonnegative_scalar(name: str, value: object) -> None:
     )
 
 
-def _log_ratio_pair(
-    behav_logp: jax.Array, prox_logp: jax.Array, second_moment: str, logp: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
-    """(newer, older) log-probs whose difference is the log importance ratio of the variant."""
-    if second_moment == "behav_prox":
-        return prox_logp, behav_logp
-    if second_moment == "current_behav":
-        return logp, behav_logp
-    return logp, prox_logp
-
-
-def _validated_logps(
-    behav_logp: ArrayLike,
-    prox_logp: ArrayLike,
-    second_moment: str,
-    logp: ArrayLike | None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def _validated_logps(behav_logp, prox_logp, second_moment, logp):
     _check_choice("second_moment", second_moment, SECOND_MOMENTS)
     behav_logp = _as_float_array("behav_logp", behav_logp)
     prox_logp = _as_float_array("prox_logp", prox_logp)
@@ -115,6 +100,46 @@ def _validated_logps(
         logp = _as_float_array("logp", logp)
         _check_same_shape("logp", logp, "behav_logp", behav_logp)
     return behav_logp, prox_logp, logp
+
+
+def check_mask_inputs(
+    behav_logp: ArrayLike,
+    prox_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    m2_threshold: ArrayLike | None,
+    *,
+    method: str = "sort",
+    second_moment: str = "behav_prox",
+    stop_rule: str = "lt",
+    candidates: str = "all",
+    scope: str = "global",
+    logp: ArrayLike | None = None,
+    advantages: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """The checks of `m2po_mask_with_stats` (names, dtypes, shapes, tau), before any work.
+
+    Returns:
+      ``(behav_logp, prox_logp, loss_mask, logp, advantages)`` as jax arrays (or None).
+    Raises:
+      ValueError / TypeError naming the argument and what was expected.
+    """
+    _check_choice("method", method, METHODS)
+    _check_choice("stop_rule", stop_rule, STOP_RULES)
+    _check_choice("candidates", candidates, CANDIDATES)
+    _check_choice("scope", scope, SCOPES)
+    behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
+    loss_mask = jnp.asarray(loss_mask)
+    _check_same_shape("behav_logp", behav_logp, "loss_mask", loss_mask)
+    if candidates == "harmful" and advantages is None:
+        raise ValueError("candidates='harmful' needs advantages= (per-token advantages)")
+    if advantages is not None:
+        advantages = _as_float_array("advantages", advantages, "advantages")
+        _check_same_shape("advantages", advantages, "loss_mask", loss_mask)
+    if scope == "row" and loss_mask.ndim < 2:
+        raise ValueError(f"scope='row' needs inputs with ndim >= 2, got shape {loss_mask.shape}")
+    if m2_threshold is not None:
+        _check_nonnegative_scalar("m2_threshold", m2_threshold)
+    return behav_logp, prox_logp, loss_mask, logp, advantages
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -144,7 +169,7 @@ def m2po_second_moment(
       the result carries no gradient.
     """
     behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
-    return _second_moment(behav_logp, prox_logp, logp, second_moment)
+    return kernels.second_moment(behav_logp, prox_logp, logp, second_moment)
 
 
 def m2po_harmful_tokens(
@@ -169,179 +194,7 @@ def m2po_harmful_tokens(
     behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
     advantages = _as_float_array("advantages", advantages, "advantages")
     _check_same_shape("advantages", advantages, "behav_logp", behav_logp)
-    return _harmful(behav_logp, prox_logp, logp, advantages, second_moment)
-
-
-def _log_ratio(behav_logp, prox_logp, logp, second_moment):
-    newer, older = _log_ratio_pair(behav_logp, prox_logp, second_moment, logp)
-    return lax.stop_gradient(newer.astype(jnp.float32) - older.astype(jnp.float32))
-
-
-def _second_moment(behav_logp, prox_logp, logp, second_moment):
-    log_ratio = _log_ratio(behav_logp, prox_logp, logp, second_moment)
-    return log_ratio * log_ratio
-
-
-def _harmful(behav_logp, prox_logp, logp, advantages, second_moment):
-    log_ratio = _log_ratio(behav_logp, prox_logp, logp, second_moment)
-    adv = lax.stop_gradient(advantages)
-    return ((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0))
-
-
-def _sort_keys(m2: jax.Array, active: jax.Array) -> jax.Array:
-    """int32 keys ordered like m2 (m2 >= 0, NaN read as +inf); inactive tokens sort last."""
-    m2 = jnp.where(jnp.isnan(m2), jnp.inf, m2)
-    return jnp.where(active, lax.bitcast_convert_type(m2, jnp.int32), _INACTIVE)
-
-
-def _passes(mean: jax.Array, tau: jax.Array, stop_rule: str) -> jax.Array:
-    return mean < tau if stop_rule == "lt" else mean <= tau
-
-
-def _keep_first(key_N: jax.Array, v_key: jax.Array, num_keep: jax.Array) -> jax.Array:
-    """Keys below v_key, then keys equal to v_key in flat order, num_keep tokens in all."""
-    below = key_N < v_key
-    tie = key_N == v_key
-    ties_to_keep = num_keep - jnp.sum(below, dtype=jnp.int32)
-    return below | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= ties_to_keep))
-
-
-def _kept_by_sort(key_N: jax.Array, tau: jax.Array, stop_rule: str) -> jax.Array:
-    """Longest ascending prefix whose running mean passes (at least one), via one sort."""
-    size = key_N.shape[0]
-    n = jnp.sum(key_N != _INACTIVE, dtype=jnp.int32)
-    # A single int32 operand takes XLA's fast sort path (~7x a float32 total-order sort
-    # on CPU); the permutation is never needed because the kept set is decided by
-    # comparing each key with the boundary key.
-    sorted_key = lax.sort(key_N)
-    rank = jnp.arange(1, size + 1, dtype=jnp.int32)
-    in_set = rank <= n
-    sorted_m2 = jnp.where(in_set, lax.bitcast_convert_type(sorted_key, jnp.float32), 0.0)
-    running_mean = jnp.cumsum(sorted_m2) / rank.astype(jnp.float32)
-    ok = in_set & _passes(running_mean, tau, stop_rule)
-    # max (not count) = AReaL's "first suffix from the top that passes", robust to rounding.
-    num_keep = jnp.maximum(jnp.max(jnp.where(ok, rank, 0)), 1)
-    v_key = sorted_key[num_keep - 1]
-    split_ties = (num_keep < size) & (sorted_key[jnp.minimum(num_keep, size - 1)] == v_key)
-    return lax.cond(
-        split_ties,
-        lambda: _keep_first(key_N, v_key, num_keep),
-        lambda: key_N <= v_key,
-    )
-
-
-def _kept_by_bisect(key_N: jax.Array, tau: jax.Array, stop_rule: str) -> jax.Array:
-    """Sort-free: bisect the boundary over float32 bit patterns using masked sums.
-
-    For a probe x let h(x) = (sum of m2 < x  +  x) / (count of m2 < x  +  1), the mean
-    of the smallest tokens extended by x. h is non-decreasing in x, and the boundary
-    value v (largest kept m2) is the largest data value with h(v) passing. Bisection
-    finds the largest probe b* that passes; every token with m2 <= b* is kept unless
-    the copies of the last value must be split (rare: exact ties at a value >= tau).
-    """
-    size = key_N.shape[0]
-    m2_N = lax.bitcast_convert_type(jnp.minimum(key_N, _INF_BITS), jnp.float32)  # inactive: +inf
-    m2_RxL = jnp.pad(m2_N, (0, -size % _LANES), constant_values=jnp.inf).reshape(-1, _LANES)
-
-    def below(probe):
-        hit_RxL = m2_RxL < probe
-        total = jnp.sum(jnp.sum(jnp.where(hit_RxL, m2_RxL, 0.0), axis=0))
-        # float32 partial counts are exact up to 2^24 rows; the total is summed as int32.
-        count = jnp.sum(jnp.sum(hit_RxL, axis=0, dtype=jnp.float32).astype(jnp.int32))
-        return total, count
-
-    def step(_, carry):
-        lo, hi, total_hi, count_hi = carry  # probe lo passes (or lo == -1), probe hi fails
-        mid = lo + (hi - lo) // 2
-        probe = lax.bitcast_convert_type(mid, jnp.float32)
-        total, count = below(probe)
-        ok = _passes((total + probe) / (count + 1).astype(jnp.float32), tau, stop_rule)
-        live = hi - lo > 1
-        up, down = live & ok, live & ~ok
-        return (
-            jnp.where(up, mid, lo),
-            jnp.where(down, mid, hi),
-            jnp.where(down, total, total_hi),
-            jnp.where(down, count, count_hi),
-        )
-
-    total_all, count_all = below(jnp.float32(jnp.inf))
-    # Bounds derived from data so that, inside shard_map, the carry varies like the data.
-    zero = jnp.zeros_like(count_all)
-    init = (zero - 1, zero + _INF_BITS, total_all, count_all)
-    b_star, _, total_le, count_le = lax.fori_loop(0, _BISECT_STEPS, step, init)
-    keep_all_le = (count_le > 0) & _passes(total_le / count_le.astype(jnp.float32), tau, stop_rule)
-    return lax.cond(
-        keep_all_le,
-        lambda: key_N <= b_star,
-        lambda: _split_boundary_ties(key_N, b_star, tau, stop_rule),
-    )
-
-
-def _split_boundary_ties(
-    key_N: jax.Array, b_star: jax.Array, tau: jax.Array, stop_rule: str
-) -> jax.Array:
-    """Slow path of bisect: keep j copies of the boundary value v, j found by bisection."""
-    v_le = jnp.max(jnp.where(key_N <= b_star, key_N, -1))
-    v_key = jnp.where(v_le >= 0, v_le, jnp.min(key_N))  # none passes: keep the smallest one
-    v = lax.bitcast_convert_type(v_key, jnp.float32)
-    below = key_N < v_key
-    total_lt = jnp.sum(jnp.where(below, lax.bitcast_convert_type(key_N, jnp.float32), 0.0))
-    count_lt = jnp.sum(below, dtype=jnp.int32)
-    count_eq = jnp.sum(key_N == v_key, dtype=jnp.int32)
-
-    def step(_, carry):
-        lo, hi = carry  # lo copies pass (or lo == 1, the forced minimum), hi copies fail
-        mid = lo + (hi - lo) // 2
-        mean = (total_lt + mid.astype(jnp.float32) * v) / (count_lt + mid).astype(jnp.float32)
-        ok = _passes(mean, tau, stop_rule)
-        live = hi - lo > 1
-        return jnp.where(live & ok, mid, lo), jnp.where(live & ~ok, mid, hi)
-
-    num_ties, _ = lax.fori_loop(0, 32, step, (jnp.ones_like(count_eq), count_eq + 1))
-    return _keep_first(key_N, v_key, count_lt + num_ties)
-
-
-def _explicit_sharding(x: jax.Array) -> PartitionSpec | None:
-    """The PartitionSpec of x when its type carries a sharding (mesh axes of type Explicit)."""
-    spec = jax.typeof(x).sharding.spec
-    return spec if any(axis is not None for axis in spec) else None
-
-
-def _gathered(x: jax.Array) -> jax.Array:
-    """x unsharded: the mask is one global ordering, and an explicitly sharded type would
-    make sort and reshape refuse it. (Under Auto axes the partitioner does this itself.)"""
-    return x if _explicit_sharding(x) is None else jax.sharding.reshard(x, PartitionSpec())
-
-
-def _kept(key: jax.Array, tau: jax.Array, method: str, stop_rule: str, scope: str) -> jax.Array:
-    kept_fn = _kept_by_sort if method == "sort" else _kept_by_bisect
-    if scope == "global":
-        return kept_fn(key.reshape(-1), tau, stop_rule).reshape(key.shape)
-    rows = jax.vmap(kept_fn, in_axes=(0, None, None))
-    return rows(key.reshape(key.shape[0], -1), tau, stop_rule).reshape(key.shape)
-
-
-def _stats(m2: jax.Array, valid: jax.Array, active: jax.Array, mask: jax.Array) -> dict:
-    finite = jnp.isfinite(m2)
-
-    def finite_mean(where):
-        where = where & finite
-        total = jnp.sum(jnp.where(where, m2, 0.0))
-        return total / jnp.maximum(jnp.sum(where, dtype=jnp.int32), 1).astype(jnp.float32)
-
-    num_valid = jnp.sum(valid, dtype=jnp.int32)
-    masked = jnp.sum(valid & ~mask, dtype=jnp.int32)
-    boundary = jnp.max(jnp.where(mask & active & finite, m2, 0.0), initial=0.0)
-    return {
-        "m2po/masked_tokens": masked,
-        "m2po/masked_fraction": masked.astype(jnp.float32)
-        / jnp.maximum(num_valid, 1).astype(jnp.float32),
-        "m2po/m2_before": finite_mean(valid),
-        "m2po/m2_after": finite_mean(mask),
-        "m2po/boundary": boundary,
-        "m2po/nonfinite_tokens": jnp.sum(valid & ~finite, dtype=jnp.int32),
-    }
+    return kernels.harmful(behav_logp, prox_logp, logp, advantages, second_moment)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -388,8 +241,8 @@ def m2po_mask_with_stats(
         of the mean, exactly as the authors' budget counts harmful tokens only. Tokens
         with non-finite m2 always take part (their ratio's sign means nothing).
       scope: "global" (the whole array is one set) or "row" (each index of the leading
-        axis is its own set; needs ndim >= 2). Per-minibatch or per-shard scope: call
-        this on each minibatch, or inside ``shard_map`` on the local block.
+        axis is its own set; needs ndim >= 2). Minibatch, micro-batch and per-shard
+        scopes: ``m2po_jax.scopes.m2po_mask_scoped``.
       logp: current log-probs (gradient is stopped), for the variants that need them.
       advantages: per-token advantages shaped like ``loss_mask``, for "harmful".
 
@@ -398,44 +251,46 @@ def m2po_mask_with_stats(
     ``loss_mask``.
 
     Returns:
-      ``(mask, stats)``: mask is bool shaped like ``loss_mask``, carrying no gradient.
-      stats (scalars): "m2po/masked_tokens" (int32: valid tokens turned off),
-      "m2po/masked_fraction" (masked / valid), "m2po/m2_before" and "m2po/m2_after"
-      (mean m2 over valid / kept tokens with finite m2; non-finite ones are counted in
-      "m2po/nonfinite_tokens" instead), "m2po/boundary" (largest finite m2 among kept
-      participating tokens, 0 if none).
+      ``(mask, stats)``: mask is bool shaped like ``loss_mask``, carrying no gradient;
+      stats holds the scalars ``M2PO_STAT_KEYS``: "m2po/masked_tokens" (int32: valid
+      tokens turned off), "m2po/masked_fraction" (masked / valid), "m2po/m2_before" and
+      "m2po/m2_after" (mean m2 over valid / kept tokens with finite m2; non-finite ones
+      are counted in "m2po/nonfinite_tokens" instead), "m2po/boundary" (largest finite
+      m2 among kept participating tokens, 0 if none; with ``m2_threshold=None`` the
+      largest finite m2 of the participating tokens).
     """
-    _check_choice("method", method, METHODS)
-    _check_choice("stop_rule", stop_rule, STOP_RULES)
-    _check_choice("candidates", candidates, CANDIDATES)
-    _check_choice("scope", scope, SCOPES)
-    behav_logp, prox_logp, logp = _validated_logps(behav_logp, prox_logp, second_moment, logp)
-    loss_mask = jnp.asarray(loss_mask)
-    _check_same_shape("behav_logp", behav_logp, "loss_mask", loss_mask)
-    if candidates == "harmful" and advantages is None:
-        raise ValueError("candidates='harmful' needs advantages= (per-token advantages)")
-    if advantages is not None:
-        advantages = _as_float_array("advantages", advantages, "advantages")
-        _check_same_shape("advantages", advantages, "loss_mask", loss_mask)
-    if scope == "row" and loss_mask.ndim < 2:
-        raise ValueError(f"scope='row' needs inputs with ndim >= 2, got shape {loss_mask.shape}")
-    if m2_threshold is not None:
-        _check_nonnegative_scalar("m2_threshold", m2_threshold)
-
-    tau = None if m2_threshold is None else jnp.asarray(m2_threshold, jnp.float32)
-    return _mask_core(
+    mask, parts = m2po_mask_with_parts(
         behav_logp,
         prox_logp,
         loss_mask,
-        tau,
-        logp,
-        advantages,
+        m2_threshold,
         method=method,
         second_moment=second_moment,
         stop_rule=stop_rule,
         candidates=candidates,
         scope=scope,
+        logp=logp,
+        advantages=advantages,
     )
+    return mask, finalize_stats(parts)
+
+
+def m2po_mask_with_parts(
+    behav_logp: ArrayLike,
+    prox_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    m2_threshold: ArrayLike | None,
+    **options,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``m2po_mask_with_stats`` (same keyword options, same checks) with the statistics as
+    additive parts (``M2PO_PART_KEYS``), for masks taken on blocks (minibatches,
+    micro-batches, shards) whose statistics must combine exactly: ``combine_stat_parts``
+    or ``psum_stat_parts``, then ``finalize_stats``.
+    """
+    arrays = check_mask_inputs(behav_logp, prox_logp, loss_mask, m2_threshold, **options)
+    tau = None if m2_threshold is None else jnp.asarray(m2_threshold, jnp.float32)
+    static = {k: v for k, v in options.items() if k not in ("logp", "advantages")}
+    return _mask_core(*arrays[:3], tau, *arrays[3:], **static)
 
 
 # Jitted so that eager calls reuse one compilation (the loops and conds inside would
@@ -444,29 +299,29 @@ def m2po_mask_with_stats(
     jax.jit, static_argnames=("method", "second_moment", "stop_rule", "candidates", "scope")
 )
 def _mask_core(
-    behav_logp, prox_logp, loss_mask, tau, logp, advantages, *,
-    method, second_moment, stop_rule, candidates, scope,
+    behav_logp, prox_logp, loss_mask, tau, logp, advantages, *, method="sort",
+    second_moment="behav_prox", stop_rule="lt", candidates="all", scope="global",
 ):  # fmt: skip
     with jax.named_scope("m2po_mask"):
-        out_sharding = _explicit_sharding(loss_mask)
-        behav_logp, prox_logp, loss_mask, logp, advantages = jax.tree.map(
-            _gathered, (behav_logp, prox_logp, loss_mask, logp, advantages)
+        out_sharding = kernels.explicit_sharding(loss_mask)
+        behav_logp, prox_logp, loss_mask, logp, advantages = (
+            kernels.gathered(x) for x in (behav_logp, prox_logp, loss_mask, logp, advantages)
         )
-        m2 = _second_moment(behav_logp, prox_logp, logp, second_moment)
+        m2 = kernels.second_moment(behav_logp, prox_logp, logp, second_moment)
         valid = loss_mask.astype(bool)
         active = valid
         if candidates == "harmful":
-            harmful = _harmful(behav_logp, prox_logp, logp, advantages, second_moment)
+            harmful = kernels.harmful(behav_logp, prox_logp, logp, advantages, second_moment)
             active = valid & (harmful | ~jnp.isfinite(m2))
         if tau is None or loss_mask.size == 0:
             mask = valid
         else:
-            kept = _kept(_sort_keys(m2, active), tau, method, stop_rule, scope)
+            kept = kernels.kept(kernels.sort_keys(m2, active), tau, method, stop_rule, scope)
             mask = valid & (~active | kept)
-        stats = _stats(m2, valid, active, mask)
+        parts = stat_parts(m2, valid, active, mask)
         if out_sharding is not None:
             mask = jax.sharding.reshard(mask, out_sharding)
-        return mask, stats
+        return mask, parts
 
 
 def m2po_mask(
@@ -493,7 +348,7 @@ def m2po_mask(
     Returns:
       bool array shaped like ``loss_mask``. See ``m2po_mask_with_stats`` for variants.
     """
-    return m2po_mask_with_stats(behav_logp, prox_logp, loss_mask, m2_threshold, method=method)[0]
+    return m2po_mask_with_parts(behav_logp, prox_logp, loss_mask, m2_threshold, method=method)[0]
 
 
 def m2po_clip_bound(m2: ArrayLike, loss_mask: ArrayLike, m2_budget: ArrayLike) -> jax.Array:
@@ -521,29 +376,4 @@ def m2po_clip_bound(m2: ArrayLike, loss_mask: ArrayLike, m2_budget: ArrayLike) -
     loss_mask = jnp.asarray(loss_mask)
     _check_same_shape("m2", m2, "loss_mask", loss_mask)
     _check_nonnegative_scalar("m2_budget", m2_budget)
-    return _clip_bound_core(m2, loss_mask, jnp.asarray(m2_budget, jnp.float32))
-
-
-@jax.jit
-def _clip_bound_core(m2: jax.Array, loss_mask: jax.Array, budget: jax.Array) -> jax.Array:
-    if loss_mask.size == 0:
-        return jnp.float32(jnp.inf)
-    m2, loss_mask = _gathered(m2), _gathered(loss_mask)
-    key_N = _sort_keys(lax.stop_gradient(m2.astype(jnp.float32)), loss_mask.astype(bool))
-    key_N = key_N.reshape(-1)
-    size = key_N.shape[0]
-    n = jnp.sum(key_N != _INACTIVE, dtype=jnp.int32)
-    rank = jnp.arange(size, dtype=jnp.int32)  # j: tokens strictly before breakpoint s_j
-    in_set = rank < n
-    sorted_m2 = jnp.where(in_set, lax.bitcast_convert_type(lax.sort(key_N), jnp.float32), 0.0)
-    csum = jnp.cumsum(sorted_m2)
-    prefix = jnp.concatenate([jnp.zeros(1, jnp.float32), csum[:-1]])  # no inf - inf
-    n_f = jnp.maximum(n, 1).astype(jnp.float32)
-    capped_mean = (prefix + (n - rank).astype(jnp.float32) * sorted_m2) / n_f
-    # i = number of breakpoints s_j at which the capped mean still fits the budget.
-    i = jnp.max(jnp.where(in_set & (capped_mean <= budget), rank + 1, 0))
-    i_c = jnp.minimum(i, size - 1)
-    s = (budget * n_f - prefix[i_c]) / jnp.maximum(n - i, 1).astype(jnp.float32)
-    lower = jnp.where(i > 0, sorted_m2[jnp.maximum(i - 1, 0)], 0.0)
-    s = jnp.clip(s, lower, sorted_m2[i_c])
-    return jnp.where((n == 0) | (i >= n), jnp.inf, jnp.sqrt(jnp.maximum(s, 0.0)))
+    return kernels.clip_bound(m2, loss_mask, jnp.asarray(m2_budget, jnp.float32))

@@ -9,16 +9,14 @@ rollouts (numpy), feeds only its own rows into global arrays with
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from m2po_jax import distributed, masking, sharding
+from m2po_jax import distributed, sharding
 from m2po_jax import model as model_lib
 from m2po_jax.types import TrainBatch
 
@@ -30,7 +28,8 @@ class Layout:
     The step splits the batch into minibatches and micro-batches; without a constraint the
     partitioner may replicate a regrouped batch on every device (the Qwen2.5-7B step of
     `benchmarks/scale_bench.py` then needed 179 GiB of temporaries per device instead of 73).
-    `rows` pins an array's rows to the batch axes.
+    `rows` pins an array's rows to the batch axes. `mesh` is also where the "shard" M2PO
+    scope (`scopes.m2po_mask_scoped`) splits the batch.
     """
 
     mesh: jax.sharding.Mesh
@@ -148,22 +147,3 @@ class Placement:
         if jax.process_count() == 1:
             return jax.device_get(tree)
         return multihost_utils.process_allgather(tree, tiled=True)
-
-    def mask_fn(self, method: str):
-        """The per-shard M2PO scope (AReaL's per-rank rule) as a `train_step` mask_fn."""
-        return functools.partial(_per_shard_mask, mesh=self.mesh, method=method)
-
-
-def _per_shard_mask(behav, prox, loss_mask, threshold, *, mesh, method):
-    mask = sharding.m2po_mask_per_shard(behav, prox, loss_mask, threshold, mesh, method=method)
-    m2 = masking.m2po_second_moment(behav, prox)
-    m2 = jnp.where(jnp.isfinite(m2), m2, 0.0)
-    n_valid = jnp.maximum(jnp.sum(loss_mask), 1)
-    n_kept = jnp.maximum(jnp.sum(mask), 1)
-    masked = jnp.sum(loss_mask & ~mask)
-    return mask, {
-        "m2po/masked_tokens": masked,
-        "m2po/masked_fraction": masked / n_valid,
-        "m2po/m2_before": jnp.sum(m2 * loss_mask) / n_valid,
-        "m2po/m2_after": jnp.sum(m2 * mask) / n_kept,
-    }

@@ -26,12 +26,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from m2po_jax import masking
 from m2po_jax import model as model_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -335,65 +333,35 @@ def m2po_mask_per_shard(
     *,
     method: str = "sort",
     axes: Sequence[str] = BATCH_AXES,
+    **options,
 ) -> jax.Array:
     """M2PO mask computed independently on each shard of the batch (AReaL's per-rank scope).
 
-    AReaL applies the second-moment trim on each data-parallel rank's micro-batch;
-    splitting dim 0 over `axes` and running `m2po_mask` on each block reproduces that.
-    The global-batch mask is plain `m2po_mask` on a sharded array.
+    The mask of `scopes.m2po_mask_scoped(..., scope="shard")`: dim 0 split over `axes`,
+    each block masked on its own with every option of `masking.m2po_mask_with_stats`
+    (`options`: second_moment, stop_rule, candidates, logp, advantages).
 
     Args:
       behav_logp, prox_logp: float [B, ...] log-probs; B divisible by the shard count.
       loss_mask: bool [B, ...] tokens taking part.
       m2_threshold: tau; None returns `loss_mask` unchanged.
       mesh: the device mesh.
-      method: "sort" or "bisect", passed to `m2po_mask`.
+      method: "sort" or "bisect".
       axes: mesh axes that split dim 0.
 
     Returns:
-      bool [B, ...] sharded like the batch: each block is `m2po_mask` of that block.
+      bool [B, ...] sharded like the batch: each block is the mask of that block.
     """
-    loss_mask = jnp.asarray(loss_mask)
-    if m2_threshold is None:
-        return loss_mask
-    behav_logp, prox_logp = jnp.asarray(behav_logp), jnp.asarray(prox_logp)
-    if not (behav_logp.shape == prox_logp.shape == loss_mask.shape) or loss_mask.ndim < 1:
-        raise ValueError(
-            f"behav_logp {behav_logp.shape}, prox_logp {prox_logp.shape} and loss_mask "
-            f"{loss_mask.shape} must share one shape with a batch dim"
-        )
-    unknown = [a for a in axes if a not in mesh.shape]
-    if unknown:
-        raise ValueError(f"axes: {unknown} not in the mesh axes {tuple(mesh.shape)}")
-    shards = math.prod(mesh.shape[a] for a in axes)
-    if loss_mask.shape[0] % shards:
-        raise ValueError(
-            f"loss_mask: batch dim {loss_mask.shape[0]} is not divisible by the "
-            f"{shards} shards of mesh axes {tuple(axes)}"
-        )
-    if not isinstance(m2_threshold, jax.Array) and not float(m2_threshold) >= 0:
-        raise ValueError(f"m2_threshold: must be >= 0 (or None to disable), got {m2_threshold!r}")
-    fn = _per_shard_mask_fn(mesh, tuple(axes), method, loss_mask.ndim)
-    return fn(behav_logp, prox_logp, loss_mask, jnp.asarray(m2_threshold, jnp.float32))
+    from m2po_jax import scopes  # imported late: scopes imports this module
 
-
-@functools.lru_cache(maxsize=32)
-def _per_shard_mask_fn(mesh: Mesh, axes: tuple[str, ...], method: str, ndim: int):
-    spec = P(axes or None, *([None] * (ndim - 1)))
-
-    def block_mask(behav, prox, mask, threshold):
-        return masking.m2po_mask(behav, prox, mask, threshold, method=method)
-
-    # Jitted: an eager shard_map runs op by op. check_vma=False: the bisect method's
-    # loop carries start replicated and become shard-varying, which the check rejects;
-    # the blocks do not communicate, and the output is identical across the unmapped
-    # (tensor) axis because its inputs are.
-    return jax.jit(
-        jax.shard_map(
-            block_mask,
-            mesh=mesh,
-            in_specs=(spec, spec, spec, P()),
-            out_specs=spec,
-            check_vma=False,
-        )
-    )
+    return scopes.m2po_mask_scoped(
+        behav_logp,
+        prox_logp,
+        loss_mask,
+        m2_threshold,
+        scope="shard",
+        method=method,
+        mesh=mesh,
+        axes=axes,
+        **options,
+    )[0]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from m2po_jax import advantages as adv_lib
-from m2po_jax import batching, logprobs, losses, masking
+from m2po_jax import batching, logprobs, losses, masking, scopes
 from m2po_jax import model as model_lib
 from m2po_jax.config import ActorSection
 from m2po_jax.optim import (  # noqa: F401 (public here too)
@@ -56,48 +56,48 @@ class Prepared:
     entropy_BxT: jax.Array  # of the proximal policy
     eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
     eps_clip_higher: Any
-    m2_stats: dict  # batch-level M2PO statistics ({} when the mask is taken later)
+    m2_parts: dict  # batch-level M2PO statistics parts ({} when the mask is taken later)
 
 
-def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None):
-    """M2PO mask and stats for one scope, or the mask unchanged when M2PO is off."""
-    if actor.m2_threshold is None or actor.m2po_stop_rule == "capped_clip":
-        # No mask, but the second moment is still reported: it is what staleness does.
-        return loss_mask, _unmasked_stats(behav, prox, loss_mask)
-    return masking.m2po_mask_with_stats(
+def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None, layout=None):
+    """M2PO mask and statistics parts (`masking.M2PO_PART_KEYS`) of one block: the batch,
+    a minibatch or a micro-batch (see `_m2po_level`), under `actor.m2po_scope`.
+
+    With M2PO off or the capped-clip rule (which clips instead of masking) the mask is
+    `loss_mask` and the parts are those of m2 = (behav - prox)^2 over all valid tokens:
+    the second moment is still reported, it is what staleness does.
+    """
+    on = actor.m2_threshold is not None and actor.m2po_stop_rule != "capped_clip"
+    return scopes.m2po_mask_scoped(
         behav,
         prox,
         loss_mask,
-        threshold,
+        threshold if on else None,
+        scope=actor.m2po_scope,
         method=actor.m2po_method,
-        second_moment=actor.m2po_second_moment,
-        stop_rule=actor.m2po_stop_rule,
-        candidates=actor.m2po_candidates,
-        scope="row" if actor.m2po_scope == "row" else "global",
-        logp=logp,
+        second_moment=actor.m2po_second_moment if on else "behav_prox",
+        stop_rule=actor.m2po_stop_rule if on else "lt",
+        candidates=actor.m2po_candidates if on else "all",
+        logp=logp if on else None,
         advantages=adv,
+        mesh=None if layout is None else layout.mesh,
     )
 
 
-def _unmasked_stats(behav, prox, loss_mask) -> dict:
-    m2 = masking.m2po_second_moment(behav, prox)
-    finite = jnp.isfinite(m2) & loss_mask
-    mean_m2 = jnp.sum(jnp.where(finite, m2, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
-    zero = jnp.zeros((), jnp.float32)
-    return {
-        "m2po/masked_tokens": zero,
-        "m2po/masked_fraction": zero,
-        "m2po/m2_before": mean_m2,
-        "m2po/m2_after": mean_m2,
-    }
+def _m2po_level(actor: ActorSection) -> str:
+    """Which blocks `_m2po` runs on: "batch" (in `prepare`), "minibatch" or "microbatch".
 
-
-def _mask_per_minibatch(actor: ActorSection) -> bool:
-    """The mask is taken per minibatch or micro-batch: its scope says so, or its second
-    moment needs the current policy, which changes after each minibatch's update."""
-    return actor.m2po_scope in ("minibatch", "microbatch") or (
-        actor.m2po_second_moment != "behav_prox"
-    )
+    Per minibatch when the scope says so or when the second moment needs the current
+    policy, which changes after each minibatch's update (then scopes "global" and
+    "shard" mean the minibatch and its shards). Without a mask: once, on the batch.
+    """
+    if actor.m2_threshold is None or actor.m2po_stop_rule == "capped_clip":
+        return "batch"
+    if actor.m2po_scope == "microbatch":
+        return "microbatch"
+    if actor.m2po_scope == "minibatch" or actor.m2po_second_moment != "behav_prox":
+        return "minibatch"
+    return "batch"
 
 
 def _threshold(actor: ActorSection):
@@ -154,15 +154,14 @@ def prepare(
     model_config: model_lib.ModelConfig,
     actor: ActorSection,
     n_parts: int = 1,
-    mask_fn=None,
     layout=None,
 ) -> Prepared:
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
     The log-probs are recomputed without gradient, `n_parts` groups of rows at a time
     (the trainer passes minibatches x micro-batches, so no pass is larger than a
-    training micro-batch). `mask_fn`, when given, replaces the global M2PO mask (the
-    per-shard scope); `layout` (`placement.Layout`) keeps regrouped rows on their devices.
+    training micro-batch). `layout` (`placement.Layout`) keeps regrouped rows on their
+    devices and gives the mesh of the "shard" M2PO scope.
     """
     temperature, chunk = actor.temperature, actor.logp_chunk_size
     loss_mask = batch.loss_mask_BxT
@@ -180,12 +179,11 @@ def prepare(
         )
     advantages = _advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
     threshold = _threshold(actor)
-    if _mask_per_minibatch(actor):
-        mask, m2_stats = loss_mask, {}
-    elif mask_fn is not None and actor.m2_threshold is not None:
-        mask, m2_stats = mask_fn(behav, prox, loss_mask, threshold)
-    else:
-        mask, m2_stats = _m2po(actor, behav, prox, loss_mask, advantages, threshold=threshold)
+    mask, m2_parts = loss_mask, {}
+    if _m2po_level(actor) == "batch":
+        mask, m2_parts = _m2po(
+            actor, behav, prox, loss_mask, advantages, threshold=threshold, layout=layout
+        )
     eps_clip, eps_clip_higher = _clip_range(actor, behav, prox, loss_mask, advantages)
     return Prepared(
         behav_BxT=behav,
@@ -196,7 +194,7 @@ def prepare(
         entropy_BxT=entropy,
         eps_clip=eps_clip,
         eps_clip_higher=eps_clip_higher,
-        m2_stats=m2_stats,
+        m2_parts=m2_parts,
     )
 
 
@@ -206,11 +204,15 @@ def _rejection(actor: ActorSection) -> losses.RejectionSampling | None:
 
 
 def combine_stats(stats: dict, weights: jax.Array) -> dict:
-    """Per-part statistics stacked on axis 0 -> one value each: token counts add up,
-    minima and maxima stay extreme, the rest are means weighted by `weights`."""
+    """Per-part statistics stacked on axis 0 -> one value each: M2PO statistics parts
+    combine exactly (`masking.combine_stat_parts`), token counts add up, minima and
+    maxima stay extreme, the rest are means weighted by `weights`."""
     share = weights / jnp.maximum(jnp.sum(weights), 1)
-    out = {}
+    parts = {k: v for k, v in stats.items() if k in masking.M2PO_PART_KEYS}
+    out = masking.combine_stat_parts(parts)
     for name, values in stats.items():
+        if name in parts:
+            continue
         if name.endswith("_tokens"):
             out[name] = jnp.sum(values)
         elif name.endswith("_min"):
@@ -233,7 +235,6 @@ def ppo_updates(
     actor: ActorSection,
     tx: optax.GradientTransformation,
     n_micro: int = 1,
-    mask_fn=None,
     layout=None,
 ):
     """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over `n_micro`
@@ -241,8 +242,7 @@ def ppo_updates(
 
     Each micro-batch's loss is divided by the whole minibatch's token count, so the summed
     gradient is the unsplit minibatch's. Under `m2po_scope="microbatch"` the mask is taken
-    inside each micro-batch's loss (with `mask_fn`: on each data shard), which then uses its
-    own denominator and is weighted by its share of the minibatch's valid tokens: AReaL's
+    inside each micro-batch's loss, which then uses its own denominator and is weighted by its share of the minibatch's valid tokens: AReaL's
     `_apply_m2po_masking` per micro-batch and its `loss_weight_fn`.
     A non-finite minibatch leaves params and optimizer state untouched (the other
     minibatches of the step still apply).
@@ -265,21 +265,19 @@ def ppo_updates(
         lambda x: constrain(x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), 1), fields
     )
     threshold, rejection = _threshold(actor), _rejection(actor)
-    per_minibatch = _mask_per_minibatch(actor)
+    level = _m2po_level(actor)
     # Where the mask is taken inside the loss (a micro-batch at a time) and where before
     # the micro-batches are split (a minibatch at a time).
-    mask_in_loss = actor.m2po_scope == "microbatch" or (per_minibatch and n_micro == 1)
-    mask_before_split = per_minibatch and not mask_in_loss
+    mask_in_loss = level == "microbatch" or (level == "minibatch" and n_micro == 1)
+    mask_before_split = level == "minibatch" and not mask_in_loss
 
     def loss_fn(params, mb, count, weight):
         logp, _ = logprobs.sequence_logp(
             params, model_config, mb["tokens"], mb["valid"], temperature, chunk, False
         )
-        mask, m2_stats = mb["mask"], {}
-        if mask_in_loss and mask_fn is not None and actor.m2_threshold is not None:
-            mask, m2_stats = mask_fn(mb["behav"], mb["prox"], mb["loss_mask"], threshold)
-        elif mask_in_loss:
-            mask, m2_stats = _m2po(
+        mask, m2_parts = mb["mask"], {}
+        if mask_in_loss:
+            mask, m2_parts = _m2po(
                 actor,
                 mb["behav"],
                 mb["prox"],
@@ -287,6 +285,7 @@ def ppo_updates(
                 mb["adv"],
                 logp=jax.lax.stop_gradient(logp),
                 threshold=threshold,
+                layout=layout,
             )
         loss, stats = losses.policy_loss(
             logp,
@@ -307,13 +306,13 @@ def ppo_updates(
             valid_mask_BxT=mb["loss_mask"],
             count=count,
         )
-        return loss * weight, {**stats, **m2_stats}
+        return loss * weight, {**stats, **m2_parts}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def minibatch_update(carry, mb):
         params, opt_state = carry
-        m2_stats = {}
+        m2_parts = {}
         if mask_before_split:
             logp_now = None
             if actor.m2po_second_moment != "behav_prox":
@@ -327,8 +326,15 @@ def ppo_updates(
                     n_micro,
                     layout,
                 )
-            mb["mask"], m2_stats = _m2po(
-                actor, mb["behav"], mb["prox"], mb["loss_mask"], mb["adv"], logp_now, threshold
+            mb["mask"], m2_parts = _m2po(
+                actor,
+                mb["behav"],
+                mb["prox"],
+                mb["loss_mask"],
+                mb["adv"],
+                logp_now,
+                threshold,
+                layout,
             )
         n_valid = jnp.sum(mb["loss_mask"])
         count = None
@@ -366,7 +372,7 @@ def ppo_updates(
         params, opt_state = jax.lax.cond(
             finite, apply_update, lambda operands: operands[:2], (params, opt_state, grads)
         )
-        stats = {**combine_stats(part_stats, part_valid), **m2_stats}
+        stats = {**combine_stats(part_stats, part_valid), **m2_parts}
         stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
         return (params, opt_state), (stats, n_valid)
 
@@ -385,7 +391,9 @@ def step_metrics(
     metrics = combine_stats(mb_stats, mb_valid)
     metrics["grad_norm"] = jnp.mean(grad_norm_BxM)
     metrics["actor/loss"] = metrics["loss"]
-    metrics.update(prep.m2_stats)
+    # The M2PO parts of whichever level took the mask (batch, minibatches or micro-batches).
+    m2_parts = {k: metrics.pop(k) for k in masking.M2PO_PART_KEYS if k in metrics}
+    metrics.update(masking.finalize_stats(m2_parts or prep.m2_parts))
     metrics.update(
         {
             "train/nonfinite": 1 - all_finite.astype(jnp.int32),
@@ -417,14 +425,13 @@ def train_step(
     actor: ActorSection,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
-    mask_fn=None,
     layout=None,
 ) -> tuple[TrainState, dict]:
     """One RL update of `state` on `batch`: `prepare`, `ppo_updates`, `step_metrics`.
 
     Micro-batches per minibatch follow `actor.mb_spec` and the batch's static shape.
-    `mask_fn`, when given, replaces the M2PO mask (the per-shard scope);
-    `layout` (`placement.Layout`) keeps rows and weights laid out for the mesh.
+    `layout` (`placement.Layout`) keeps rows and weights laid out for the mesh and gives
+    the mesh of the "shard" M2PO scope (without it that scope is one shard: "global").
     """
     n_mb = actor.ppo_n_minibatches
     rows, seq_len = batch.tokens_BxT.shape
@@ -437,7 +444,6 @@ def train_step(
         model_config=model_config,
         actor=actor,
         n_parts=n_mb * n_micro,
-        mask_fn=mask_fn,
         layout=layout,
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
@@ -450,7 +456,6 @@ def train_step(
         actor=actor,
         tx=tx,
         n_micro=n_micro,
-        mask_fn=mask_fn,
         layout=layout,
     )
     all_finite = jnp.all(mb_stats.pop("finite"))
@@ -473,7 +478,6 @@ def make_train_step(
     schedule,
     *,
     jit_kwargs=None,
-    mask_fn=None,
     layout=None,
 ):
     """`train_step` with static settings bound, under one `jax.jit` (state donated)."""
@@ -483,7 +487,6 @@ def make_train_step(
         actor=actor,
         tx=tx,
         schedule=schedule,
-        mask_fn=mask_fn,
         layout=layout,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))

@@ -90,14 +90,12 @@ class Trainer:
 
     def _jitted_step(self) -> StepFn:
         """The jitted train step, with the state donated and laid out by the placement."""
-        cfg, a = self.cfg, self.cfg.actor
-        mask_fn = self.placement.mask_fn(a.m2po_method) if cfg.mesh.m2po_per_shard else None
+        a = self.cfg.actor
         return step_lib.make_train_step(
             self.model_config,
             a,
             self.tx,
             self.schedule,
-            mask_fn=mask_fn,
             jit_kwargs=self.placement.train_step_shardings(self.state, with_ref=a.kl_ctl > 0),
             layout=self.placement.layout,
         )

@@ -30,7 +30,8 @@ def check_sharded():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from m2po_jax.masking import m2po_mask, m2po_mask_with_stats
+    from m2po_jax import scopes
+    from m2po_jax.masking import finalize_stats, m2po_mask, m2po_mask_with_stats
 
     assert jax.device_count() >= NUM_DEVICES, jax.devices()
     behav, prox, loss_mask = _grid_batch()
@@ -89,6 +90,17 @@ def check_sharded():
             with jax.set_mesh(mesh):
                 mask = per_shard(*args, jax.device_put(tau, NamedSharding(mesh, P())))
             np.testing.assert_array_equal(mask, expected, err_msg=f"shard_map {method} {axis_type}")
+            # The library's shard scope: the same blocks, statistics summed across shards.
+            with jax.set_mesh(mesh):
+                mask, parts = scopes.m2po_mask_scoped(
+                    *args, tau, scope="shard", method=method, mesh=mesh, axes=("x",)
+                )
+            np.testing.assert_array_equal(mask, expected, err_msg=f"scope {method} {axis_type}")
+            stats = finalize_stats(parts)
+            assert int(stats["m2po/masked_tokens"]) == int((loss_mask & ~expected).sum())
+            m2 = np.square(behav - prox)
+            np.testing.assert_allclose(stats["m2po/m2_after"], m2[expected].mean(), rtol=1e-6)
+            np.testing.assert_allclose(stats["m2po/boundary"], m2[expected].max(), rtol=1e-6)
 
 
 def test_sharded_mask_equals_unsharded():

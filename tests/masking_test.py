@@ -6,6 +6,7 @@ methods must match the reference bit for bit, including which tied token is kept
 """
 
 import functools
+from unittest import mock
 
 import chex
 import jax
@@ -16,7 +17,7 @@ from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m2po_jax import masking
+from m2po_jax import masking, scopes, sharding
 from m2po_jax.masking import (
     m2po_clip_bound,
     m2po_harmful_tokens,
@@ -529,7 +530,51 @@ class ErrorsTest(parameterized.TestCase):
         self.assertIs(m2po_jax.m2po_mask_with_stats, m2po_mask_with_stats)
 
     def test_checks_run_before_work(self):
-        # A traced threshold is accepted (and cannot be checked); a valid name list is public.
-        self.assertEqual(masking.METHODS, ("sort", "bisect"))
+        """Bad inputs raise naming the field before any kernel runs or is traced: every
+        kernel entry point is replaced by one that records the call and fails."""
+        calls = []
+
+        def kernel(*args, **kwargs):
+            calls.append(args)
+            raise AssertionError("reached the kernel")
+
+        z4, z3, m4 = jnp.zeros(4), jnp.zeros(3), jnp.ones(4, bool)
+        z8, m8 = jnp.zeros((8, 2)), jnp.ones((8, 2), bool)
+        mesh = sharding.make_mesh({"data": -1})
+        cases = [
+            (dict(method="quick"), r"method='quick' is not one of"),
+            (dict(stop_rule="lte"), r"stop_rule='lte' is not one of"),
+            (dict(candidates="harmful"), r"candidates='harmful' needs advantages="),
+            (dict(second_moment="current_behav"), r"second_moment='current_behav' needs logp="),
+            (dict(m2_threshold=-0.5), r"m2_threshold must be >= 0"),
+            (dict(prox=z3), r"prox_logp has shape \([0-9, ]+\) but behav_logp has shape"),
+        ]
+        patches = (
+            mock.patch.object(masking, "_mask_core", kernel),
+            mock.patch.object(masking.kernels, "clip_bound", kernel),
+            mock.patch.object(scopes, "_per_shard_fn", kernel),
+        )
+        with patches[0], patches[1], patches[2]:
+            for options, message in cases:
+                options = dict(options)
+                tau, prox = options.pop("m2_threshold", 0.04), options.pop("prox", z4)
+                with pytest.raises(ValueError, match=message):
+                    m2po_mask_with_stats(z4, prox, m4, tau, **options)
+                with pytest.raises(ValueError, match=message):  # at trace time, under jit
+                    jax.jit(lambda b, p, o=options, t=tau: m2po_mask_with_stats(b, p, m4, t, **o))(
+                        z4, prox
+                    )
+                prox8 = z8 if prox is z4 else z8[:, :1]
+                with pytest.raises(ValueError, match=message):  # before the shard_map
+                    scopes.m2po_mask_scoped(z8, prox8, m8, tau, scope="shard", mesh=mesh, **options)
+            with pytest.raises(ValueError, match=r"m2_budget must be >= 0"):
+                m2po_clip_bound(z4, m4, -1.0)
+            with pytest.raises(ValueError, match=r"m2 has shape \(3,\) but loss_mask"):
+                m2po_clip_bound(z3, m4, 0.1)
+            self.assertEqual(calls, [])
+            with pytest.raises(AssertionError, match="reached the kernel"):
+                m2po_mask(z4, z4, m4, 0.04)  # a good call does reach it
+            self.assertEqual(len(calls), 1)
+        # A traced threshold cannot be checked: accepted; a negative one keeps one token.
         out = jax.jit(lambda t: m2po_mask(jnp.zeros(2), jnp.ones(2), jnp.ones(2, bool), t))(-1.0)
-        self.assertEqual(int(out.sum()), 1)  # a negative tau keeps exactly one token
+        self.assertEqual(int(out.sum()), 1)

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -70,14 +69,14 @@ def synthetic_batch(rows=16, prompt=4, new=6, seed=0):
     )
 
 
-def two_steps(mesh_shape, actor):
+def two_steps(mesh_shape, actor, batch=None, with_layout=False):
     placement = placement_lib.Placement.from_shape(mesh_shape, MODEL)
     tx, schedule = step_lib.make_optimizer(actor.optimizer, 10)
     params = placement.init_params(jax.random.key(0))
     init_fn = functools.partial(step_lib.init_train_state, tx=tx)
     state_sh = placement.state_shardings(jax.eval_shape(init_fn, params))
     state = jax.jit(init_fn, out_shardings=state_sh)(params)
-    batch = synthetic_batch()
+    batch = synthetic_batch() if batch is None else batch
     step = step_lib.make_train_step(
         MODEL,
         actor,
@@ -87,6 +86,7 @@ def two_steps(mesh_shape, actor):
             in_shardings=(state_sh, placement.batch_shardings(batch), placement.replicated, None),
             out_shardings=(state_sh, placement.replicated),
         ),
+        layout=placement.layout if with_layout else None,
     )
     metrics = []
     for i in range(2):
@@ -123,26 +123,49 @@ def test_sharded_train_step_equals_single_device(single_device_run, name):
     assert metrics[0]["m2po/masked_fraction"] > 0
 
 
-def test_per_shard_mask_scope_differs_from_global_and_trains():
-    actor = actor_section()
-    placement = placement_lib.Placement.from_shape(MESHES["data8"], MODEL)
-    batch = synthetic_batch()
-    params = placement.init_params(jax.random.key(0))
-    prox, _ = logprobs.sequence_logp(
-        params, MODEL, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.valid_BxT), 1.0
-    )
-    args = placement.to_global((batch.behav_logp_BxT, np.asarray(prox), batch.loss_mask_BxT))
-    mask, stats = placement.mask_fn("sort")(*args, jnp.float32(actor.m2_threshold))
-    from m2po_jax import m2po_mask
+def _ref_masked(m2, valid, tau):
+    """Tokens docs/algorithm.md masks in one set: keep the longest ascending prefix whose
+    mean is below tau (at least one)."""
+    values = np.sort(m2[valid])
+    means = np.cumsum(values) / np.arange(1, values.size + 1)
+    keep = max([k + 1 for k in range(values.size) if means[k] < tau], default=1)
+    return values.size - keep
 
-    per_block = np.concatenate(
-        [
-            np.asarray(m2po_mask(*(np.asarray(a)[i * 2 : (i + 1) * 2] for a in args), 0.04))
-            for i in range(8)
-        ]
+
+def test_per_shard_mask_scope_differs_from_global_and_trains():
+    """Shard 0 (rows 0-1 of 16 on 8 data shards) is far off-policy, the rest on-policy: the
+    global set keeps a few of shard 0's tokens (their share of the mean fits tau), while
+    shard 0 alone keeps exactly one, and the on-policy shards keep everything."""
+    batch = synthetic_batch()
+    initial = model_lib.init_params(MODEL, jax.random.key(0))
+    prox, _ = logprobs.sequence_logp(initial, MODEL, batch.tokens_BxT, batch.valid_BxT, 1.0)
+    prox = np.asarray(prox, np.float64)
+    valid = batch.loss_mask_BxT
+    delta = np.zeros(prox.shape)
+    delta[:2] = np.random.default_rng(1).uniform(0.8, 1.2, (2, prox.shape[1]))
+    behav = np.where(valid, prox + delta, 0.0).astype(np.float32)
+    batch = batch.replace(behav_logp_BxT=behav)
+    m2 = np.square(behav - prox)
+    tau = 0.04
+    want_global = _ref_masked(m2, valid, tau)
+    want_shard = sum(_ref_masked(m2[i : i + 2], valid[i : i + 2], tau) for i in range(0, 16, 2))
+    assert want_shard == valid[:2].sum() - 1 and want_global < want_shard  # the batch's design
+
+    runs = {}
+    for scope in ("global", "shard"):
+        actor = actor_section(m2po_scope=scope, m2_threshold=tau)
+        runs[scope] = two_steps(MESHES["data8"], actor, batch, with_layout=True)
+    for scope, want in (("global", want_global), ("shard", want_shard)):
+        first = runs[scope][1][0]
+        assert int(first["m2po/masked_tokens"]) == want, scope
+        np.testing.assert_allclose(first["m2po/masked_fraction"], want / valid.sum(), rtol=1e-6)
+    params, metrics = runs["shard"]
+    assert all(np.isfinite(m["loss"]) and int(m["train/nonfinite"]) == 0 for m in metrics)
+    moved = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
     )
-    np.testing.assert_array_equal(np.asarray(mask), per_block)
-    assert 0 < float(stats["m2po/masked_fraction"]) < 1
+    assert moved > 1e-4
 
 
 def test_sharded_sampler_matches_unsharded_tokens():

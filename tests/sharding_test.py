@@ -334,7 +334,7 @@ def test_m2po_mask_per_shard_errors_and_none(logp_batch):
     )
     with pytest.raises(ValueError, match="batch dim 6 is not divisible by the 4 shards"):
         sharding.m2po_mask_per_shard(behav[:6], prox[:6], mask[:6], 0.04, mesh)
-    with pytest.raises(ValueError, match="share one shape"):
+    with pytest.raises(ValueError, match="they must match"):
         sharding.m2po_mask_per_shard(behav, prox[:, :4], mask, 0.04, mesh)
     with pytest.raises(ValueError, match="m2_threshold"):
         sharding.m2po_mask_per_shard(behav, prox, mask, -1.0, mesh)

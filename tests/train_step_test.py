@@ -242,3 +242,87 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
     assert masked > 0 and int(metrics["m2po/masked_tokens"]) == masked
     for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- M2PO statistics
+
+
+def _ref_kept(m2, valid, tau):
+    """docs/algorithm.md on one set: the longest ascending prefix with mean < tau (>= 1)."""
+    idx = np.flatnonzero(valid)
+    kept = np.zeros(m2.size, bool)
+    if idx.size:
+        order = idx[np.argsort(m2.ravel()[idx], kind="stable")]
+        means = np.cumsum(m2.ravel()[order]) / np.arange(1, idx.size + 1)
+        kept[order[: max([k + 1 for k in range(idx.size) if means[k] < tau], default=1)]] = True
+    return kept.reshape(m2.shape)
+
+
+@pytest.mark.parametrize("n_mbs", [1, 2])  # mask in the loss / before the micro-batch split
+def test_minibatch_scope_statistics_combine_exactly(n_mbs):
+    """masked_tokens is the sum over minibatches, masked_fraction and the m2 means are
+    totals over totals, the boundary the largest of the minibatches'."""
+    a = _mb_actor(m2po_scope="minibatch", n_mbs=n_mbs)
+    params, state, step = setup(a)
+    b = batch(params, seed=3)
+    _, metrics = step(state, b, jax.random.key(5), None)
+    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    m2 = np.square(np.asarray(b.behav_logp_BxT, np.float64) - np.asarray(prox, np.float64))
+    valid = np.asarray(b.loss_mask_BxT)
+    rows = valid.shape[0]
+    perm = np.asarray(jax.random.permutation(jax.random.key(5), rows)).reshape(2, rows // 2)
+    masks = [valid[r] & _ref_kept(m2[r], valid[r], 0.04) for r in perm]
+    boundaries = [m2[r][mask].max() for r, mask in zip(perm, masks, strict=True)]
+    assert boundaries[0] != boundaries[1]  # a weighted mean would not be the max
+    kept = np.concatenate(masks)
+    m2_p, valid_p = m2[perm.ravel()], valid[perm.ravel()]
+    masked = int((valid_p & ~kept).sum())
+    assert 0 < masked and int(metrics["m2po/masked_tokens"]) == masked
+    np.testing.assert_allclose(metrics["m2po/masked_fraction"], masked / valid.sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["m2po/m2_before"], m2[valid].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["m2po/m2_after"], m2_p[kept].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["m2po/boundary"], max(boundaries), rtol=1e-5)
+
+
+STAT_KEYS = {
+    "m2po/masked_tokens",
+    "m2po/masked_fraction",
+    "m2po/m2_before",
+    "m2po/m2_after",
+    "m2po/boundary",
+    "m2po/nonfinite_tokens",
+}
+
+
+@pytest.mark.parametrize(
+    "preset, changes",
+    [
+        ("m2po", {}),
+        ("m2po", {"m2po_scope": "row"}),
+        ("m2po", {"m2po_scope": "microbatch"}),
+        ("paper", {}),  # per minibatch: the current policy
+        ("authors", {}),  # capped_clip: no mask
+        ("stale_grpo", {}),  # M2PO off
+    ],
+)
+def test_every_path_reports_one_statistics_schema(preset, changes):
+    """Same keys everywhere; with no mask: m2 of behav vs prox over valid tokens, the
+    boundary its largest finite value, non-finite tokens counted and left out."""
+    params, state, step = setup(actor(preset, **changes))
+    b = batch(params, seed=2)
+    b = b.replace(behav_logp_BxT=b.behav_logp_BxT.at[1, -1].set(jnp.nan))
+    _, metrics = step(state, b, jax.random.key(0), None)
+    keys = {k for k in metrics if k.startswith("m2po/") and not k.startswith("m2po/clip_")}
+    assert keys == STAT_KEYS
+    assert set(masking.M2PO_STAT_KEYS) == STAT_KEYS
+    assert int(metrics["m2po/nonfinite_tokens"]) == 1
+    if preset in ("authors", "stale_grpo"):
+        prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+        m2 = np.square(np.asarray(b.behav_logp_BxT) - np.asarray(prox))
+        finite = np.asarray(b.loss_mask_BxT) & np.isfinite(m2)
+        assert int(metrics["m2po/masked_tokens"]) == 0
+        np.testing.assert_allclose(metrics["m2po/m2_before"], m2[finite].mean(), rtol=1e-5)
+        np.testing.assert_allclose(metrics["m2po/m2_after"], m2[finite].mean(), rtol=1e-5)
+        np.testing.assert_allclose(metrics["m2po/boundary"], m2[finite].max(), rtol=1e-5)
+    else:
+        assert int(metrics["m2po/masked_tokens"]) >= 1  # the non-finite token at least
