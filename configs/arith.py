@@ -7,11 +7,14 @@
 
 Presets: m2po, grpo, stale_grpo, paper (the paper's variant: m2 against the current
 policy, <= rule, no epsilon clip, loss over all valid tokens), authors (the authors'
-code: harmful tokens, capped-mean clip range), tiny (a seconds-long smoke run for tests).
+code: harmful tokens, capped-mean clip range), paper_final (the published ICLR 2026 M2PO:
+harmful-quadrant candidates, <= rule over the whole batch, -exp(log r) * A without clip;
+m2po_jax/variants.py), tiny (a seconds-long smoke run for tests).
 """
 
 import ml_collections
 
+from m2po_jax import variants
 from m2po_jax.configs import default
 
 
@@ -35,6 +38,13 @@ def _paper(c):
     c.actor.m2po_stop_rule = "le"
     c.actor.eps_clip = None  # no ratio clip: the loss is -A * r on the kept tokens
     c.actor.loss_denominator = "valid"
+
+
+def _paper_final(c):
+    c.actor.m2_threshold = 0.04
+    for key, value in variants.ACTOR["paper_final"].items():
+        c.actor[key] = value
+    c.actor.rejection_sampling.enabled = False  # no proximal policy, so nothing to correct
 
 
 def _authors(c):
@@ -70,6 +80,7 @@ PRESETS = {
     "grpo": _grpo,
     "stale_grpo": _stale_grpo,
     "paper": _paper,
+    "paper_final": _paper_final,
     "authors": _authors,
     "tiny": _tiny,
 }
