@@ -1,9 +1,8 @@
 """Jit-compiled autoregressive sampling with a KV cache into fixed-shape buffers.
 
-One call of `generate` = one prefill forward over the left-padded prompts plus a
-`jax.lax.while_loop` that decodes one token per iteration and exits as soon as every
-row has emitted a stop token (or `max_new_tokens` is reached). All shapes are fixed by
-(batch, prompt width, `max_new_tokens`), so repeated calls never recompile.
+One call of `generate` = one prefill per prompt (its cache shared by the prompt's samples)
+plus a `jax.lax.while_loop` that decodes a token per iteration and exits once every row has
+emitted a stop token (or at `max_new_tokens`). Shapes are fixed: no recompiles.
 
 Output layout (`SampleOutput`), T = P + max_new_tokens:
 
@@ -246,8 +245,7 @@ def _generate(
     max_new = sampling.max_new_tokens
     prompt_len_B = jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32)
 
-    # The prefill runs once per prompt, not once per sample: the n_samples rows of a prompt
-    # share its keys and values, so the cache is filled for the prompts and then repeated.
+    # One prefill per prompt, not per sample: its cache is then repeated for the samples.
     cache = model_lib.init_cache(model_config, prompt_tokens_GxP.shape[0], width + max_new)
     # Left padding puts every row's last prompt token in the last column: only its logits
     # are needed, so the LM head runs on that column alone.
@@ -261,9 +259,8 @@ def _generate(
         0,
         last_only=True,
     )
-    logits_Bx1xV, cache = jax.tree.map(
-        lambda x: jnp.repeat(x, n_samples, axis=0), (logits_Gx1xV, cache)
-    )
+    repeat = functools.partial(jnp.repeat, repeats=n_samples, axis=0)
+    logits_Bx1xV, cache = jax.tree.map(repeat, (logits_Gx1xV, cache))
     token_B, logp_B = sample_token(logits_Bx1xV[:, 0], jax.random.fold_in(rng, 0), sampling)
     zeros_BxN = jnp.zeros((batch, max_new), jnp.int32)
     state = _DecodeState(

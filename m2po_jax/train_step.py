@@ -24,6 +24,7 @@ from m2po_jax.optim import (  # noqa: F401 (public here too)
     make_optimizer,
     make_schedule,
 )
+from m2po_jax.step_metrics import combine_stats, step_metrics  # noqa: F401 (public here too)
 from m2po_jax.types import TrainBatch
 
 
@@ -203,27 +204,6 @@ def _rejection(actor: ActorSection) -> losses.RejectionSampling | None:
     return losses.build_rejection_sampling(actor.rejection_sampling)
 
 
-def combine_stats(stats: dict, weights: jax.Array) -> dict:
-    """Per-part statistics stacked on axis 0 -> one value each: M2PO statistics parts
-    combine exactly (`masking.combine_stat_parts`), token counts add up, minima and
-    maxima stay extreme, the rest are means weighted by `weights`."""
-    share = weights / jnp.maximum(jnp.sum(weights), 1)
-    parts = {k: v for k, v in stats.items() if k in masking.M2PO_PART_KEYS}
-    out = masking.combine_stat_parts(parts)
-    for name, values in stats.items():
-        if name in parts:
-            continue
-        if name.endswith("_tokens"):
-            out[name] = jnp.sum(values)
-        elif name.endswith("_min"):
-            out[name] = jnp.min(values)
-        elif name.endswith("_max"):
-            out[name] = jnp.max(values)
-        else:
-            out[name] = jnp.sum(values * share)
-    return out
-
-
 def ppo_updates(
     params,
     opt_state,
@@ -380,39 +360,6 @@ def ppo_updates(
         minibatch_update, (params, opt_state), minibatches
     )
     return params, opt_state, stats, mb_valid
-
-
-def step_metrics(
-    state: TrainState, params, prep: Prepared, mb_stats: dict, mb_valid, all_finite, schedule, n_mb
-) -> dict:
-    """The step's flat metrics dict (minibatch statistics combined, M2PO, entropy, norms)."""
-    loss_mask, n_valid = prep.loss_mask_BxT, jnp.maximum(jnp.sum(prep.loss_mask_BxT), 1)
-    grad_norm_BxM = mb_stats.pop("grad_norm")
-    metrics = combine_stats(mb_stats, mb_valid)
-    metrics["grad_norm"] = jnp.mean(grad_norm_BxM)
-    metrics["actor/loss"] = metrics["loss"]
-    # The M2PO parts of whichever level took the mask (batch, minibatches or micro-batches).
-    m2_parts = {k: metrics.pop(k) for k in masking.M2PO_PART_KEYS if k in metrics}
-    metrics.update(masking.finalize_stats(m2_parts or prep.m2_parts))
-    metrics.update(
-        {
-            "train/nonfinite": 1 - all_finite.astype(jnp.int32),
-            "train/lr": schedule(state.step * n_mb),
-            "train/entropy": jnp.sum(prep.entropy_BxT * loss_mask) / n_valid,
-            "train/tokens": jnp.sum(loss_mask),
-            "train/adv_abs_mean": jnp.sum(jnp.abs(prep.advantages_BxT) * loss_mask) / n_valid,
-            "train/grad_norm_max": jnp.max(grad_norm_BxM),
-            "train/param_norm": optax.tree.norm(params),
-            "train/behav_prox_abs_diff": jnp.sum(
-                jnp.abs(prep.behav_BxT - prep.prox_BxT) * loss_mask
-            )
-            / n_valid,
-        }
-    )
-    if isinstance(prep.eps_clip, jax.Array):
-        metrics["m2po/clip_bound_low"] = 1.0 - prep.eps_clip
-        metrics["m2po/clip_bound_high"] = 1.0 + prep.eps_clip_higher
-    return metrics
 
 
 def train_step(

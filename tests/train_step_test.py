@@ -1,6 +1,7 @@
 """The pure train step: non-finite guard, M2PO statistics, variants, no recompiles."""
 
-import chex
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from m2po_jax import config as config_lib
 from m2po_jax import logprobs, losses, masking
 from m2po_jax import model as model_lib
+from m2po_jax import placement as placement_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax.configs import arith
 from m2po_jax.types import TrainBatch
@@ -119,20 +121,33 @@ def test_published_variants_train(preset):
         assert float(metrics["m2po/masked_fraction"]) > 0
 
 
-def test_same_shapes_do_not_recompile():
+def test_same_shapes_do_not_recompile_and_the_state_is_donated():
+    # The trainer's own construction: make_train_step with the placement's shardings,
+    # its layout, and the state donated.
     a = actor()
     tx, schedule = step_lib.make_optimizer(a.optimizer, 10)
     params = model_lib.init_params(MODEL, jax.random.key(0))
-    traced = chex.assert_max_traces(n=1)(
-        lambda state, b, rng: step_lib.train_step(
-            state, b, rng, None, model_config=MODEL, actor=a, tx=tx, schedule=schedule
-        )
+    place = placement_lib.Placement.from_shape({"data": 2, "fsdp": 1, "tensor": 1}, MODEL)
+    init = functools.partial(step_lib.init_train_state, tx=tx)
+    shapes = jax.eval_shape(init, params)
+    state = jax.jit(init, out_shardings=place.state_shardings(shapes))(place.put_params(params))
+    step = step_lib.make_train_step(
+        MODEL,
+        a,
+        tx,
+        schedule,
+        jit_kwargs=place.train_step_shardings(state, with_ref=False),
+        layout=place.layout,
     )
-    step = jax.jit(traced)
-    batches = [batch(params, seed=seed) for seed in range(3)]
-    state = step_lib.init_train_state(params, tx)
-    for seed, b in enumerate(batches):
-        state, _ = step(state, b, jax.random.key(seed))
+    for seed in range(3):
+        before = state
+        state, metrics = step(
+            state, place.to_global(batch(params, seed=seed)), jax.random.key(seed), None
+        )
+        assert int(metrics["train/nonfinite"]) == 0
+        assert all(x.is_deleted() for x in jax.tree.leaves(before.params))  # donated
+        assert state.params["embedding"].sharding.mesh.shape == place.mesh.shape
+    assert step._cache_size() == 1  # one compiled program for three batches
 
 
 def _mb_actor(preset="m2po", n_mbs=1, max_tokens=0, **changes):
