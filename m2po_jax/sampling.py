@@ -247,8 +247,7 @@ def _generate(
 
     # One prefill per prompt, not per sample: its cache is then repeated for the samples.
     cache = model_lib.init_cache(model_config, prompt_tokens_GxP.shape[0], width + max_new)
-    # Left padding puts every row's last prompt token in the last column: only its logits
-    # are needed, so the LM head runs on that column alone.
+    # Left padding puts each row's last prompt token in the last column: the head runs there.
     logits_Gx1xV, cache = model_lib.apply(
         params,
         model_config,
