@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from m2po_jax import batching, plots, sft
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import evaluate as evaluate_lib
 from m2po_jax import metrics as metrics_lib
-from m2po_jax import plots, sft
 from m2po_jax import prompts as prompts_lib
 from m2po_jax import rollout as rollout_lib
 from m2po_jax import setup as setup_lib
@@ -282,7 +282,12 @@ class Trainer:
         self.queue.push(fresh)
         host = self.queue.pop()
         t1 = time.perf_counter()
-        batch = self.placement.to_global(rollout_lib.train_batch(host))
+        # Train on the columns that were generated: the longest completion, rounded up to
+        # a bucket so that only a few shapes are ever compiled.
+        trimmed, width = batching.trim_completions(
+            host, self.cfg.task.max_prompt_len, self.cfg.gconfig.max_new_tokens
+        )
+        batch = self.placement.to_global(rollout_lib.train_batch(trimmed))
         train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
         self.state, metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
         record = metrics_lib.host_metrics(metrics)
@@ -297,6 +302,10 @@ class Trainer:
                 "rollout/fresh_reward_mean": float(fresh["rewards_B"].mean()),
                 "rollout/completion_len_mean": float(host["completion_len_B"].mean()),
                 "rollout/stopped_fraction": float(host["stopped_B"].mean()),
+                "train/completion_width": width,
+                "train/padding_fraction": 1.0
+                - float(host["loss_mask_BxT"].sum())
+                / max(host["loss_mask_BxT"].shape[0] * width, 1),
                 "rollout/prompts_truncated": truncated,
                 "time/rollout_s": t1 - t0,
                 "time/train_s": t2 - t1,

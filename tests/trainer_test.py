@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from m2po_jax import batching
 from m2po_jax import config as config_lib
 from m2po_jax import metrics as metrics_lib
 from m2po_jax import trainer as trainer_lib
@@ -196,3 +197,31 @@ def test_kl_penalty_against_the_reference_policy_trains_and_resumes(tmp_path):
     records = read(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_steps_train_on_the_generated_columns_only(tmp_path):
+    # Every batch is cut to the smallest bucket that holds its longest completion (an
+    # untrained policy may fill the buffer: then the bucket is the buffer), losing nothing.
+    seen = []
+
+    def recording_step(state, batch, rng, ref_params):
+        seen.append((np.asarray(batch.valid_BxT), np.asarray(batch.loss_mask_BxT)))
+        metrics = {"loss": jnp.float32(0.0), "train/nonfinite": jnp.int32(0)}
+        return state.replace(step=state.step + 1), metrics
+
+    cfg = tiny_config(**{"sft.max_steps": 0, "gconfig.max_new_tokens": 40})
+    trainer = trainer_lib.Trainer(cfg, tmp_path, train_step=recording_step)
+    trainer.run()
+    prompt = cfg.task.max_prompt_len
+    records = read(tmp_path)
+    assert len(seen) == len(records) == 4
+    for (valid, loss_mask), record in zip(seen, records, strict=True):
+        longest = int(valid[:, prompt:].sum(axis=1).max())
+        width = batching.completion_width(longest, 40)
+        assert valid.shape[1] == prompt + width <= prompt + 40
+        # Nothing generated was cut: the record counts the untrimmed batch's completions.
+        rows = valid.shape[0]
+        assert valid[:, prompt:].sum() == round(record["rollout/completion_len_mean"] * rows)
+        assert record["train/completion_width"] == width
+        pad = 1 - loss_mask.sum() / (loss_mask.shape[0] * width)
+        assert record["train/padding_fraction"] == pytest.approx(pad)
