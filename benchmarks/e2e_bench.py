@@ -81,7 +81,6 @@ def _raise_eos(path: Path, stop_prob: float) -> None:
     A constant component along one hidden unit is added to every token embedding; the
     output row of EOS reads that unit. Its weight is calibrated on random token streams.
     """
-    import safetensors.torch as st
     import torch
     import transformers
 
@@ -102,7 +101,6 @@ def _raise_eos(path: Path, stop_prob: float) -> None:
                 (head[EOS_ID, 0].item(), hi) if probs < stop_prob else (lo, head[EOS_ID, 0].item())
             )
     model.save_pretrained(str(path), safe_serialization=True)
-    del st
 
 
 def make_fixtures(root: Path, setting: str) -> dict:
