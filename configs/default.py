@@ -110,6 +110,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.c_clip = placeholder(float)  # dual-clip bound (> 1) for negative advantages; None = off
     c.actor.use_decoupled_loss = True  # decoupled PPO: ratio against the recomputed proximal policy
     c.actor.recompute_logprob = True  # recompute proximal log-probs with the current params
+    # Where the proximal log-probs come from (AReaL's names): recompute (exact; from the
+    # loss's own forward pass when there is one minibatch, else one extra pass) | loglinear
+    # (AReaL's version-interpolated approximation, no extra pass) | metrics (recompute and
+    # report the approximation's error). m2po_jax/proximal.py, m2po_jax/step_plan.py.
+    c.actor.prox_logp_method = "recompute"
     c.actor.loss_denominator = "kept"  # kept (AReaL: tokens after M2PO) | valid (paper)
     c.actor.rejection_sampling = ml_collections.ConfigDict()
     c.actor.rejection_sampling.enabled = True  # behaviour correction of the decoupled loss

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 
 
 def micro_batch_count(rows: int, seq_len: int, n_mbs: int = 1, max_tokens_per_mb: int = 0) -> int:
@@ -30,21 +31,28 @@ def micro_batch_count(rows: int, seq_len: int, n_mbs: int = 1, max_tokens_per_mb
     return next(n for n in range(need, rows + 1) if rows % n == 0)
 
 
-def split_rows(x: jax.Array, n: int) -> jax.Array:
-    """[R, ...] -> [n, R / n, ...] taking every n-th row into one part.
+def split_rows(x: jax.Array, n: int, block: int = 1) -> jax.Array:
+    """[R, ...] -> [n, R / n, ...] taking every n-th block of `block` rows into one part.
 
-    Part i holds rows i, i + n, i + 2n, ...: a row-sharded array keeps each device's rows
-    on that device in every part, so a scan over the parts needs no communication.
+    Part i holds blocks i, i + n, i + 2n, ... (rows i, i + n, ... when `block` is 1): a
+    row-sharded array keeps each device's rows on that device in every part, so a scan
+    over the parts needs no communication. `block` keeps groups of consecutive rows (the
+    samples of one prompt) together.
     """
     rows = x.shape[0]
-    if rows % n:
-        raise ValueError(f"rows: {rows} rows do not split into {n} equal parts")
-    return x.reshape((rows // n, n) + x.shape[1:]).swapaxes(0, 1)
+    if rows % (n * block):
+        raise ValueError(
+            f"rows: {rows} rows do not split into {n} equal parts of whole {block}-row blocks"
+        )
+    parts = x.reshape((rows // (n * block), n, block) + x.shape[1:]).swapaxes(0, 1)
+    return parts.reshape((n, rows // n) + x.shape[1:])
 
 
-def merge_rows(x: jax.Array) -> jax.Array:
+def merge_rows(x: jax.Array, block: int = 1) -> jax.Array:
     """The inverse of `split_rows`: [n, R / n, ...] -> [R, ...]."""
-    return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+    n, part = x.shape[:2]
+    blocks = x.reshape((n, part // block, block) + x.shape[2:]).swapaxes(0, 1)
+    return blocks.reshape((n * part,) + x.shape[2:])
 
 
 MIN_COMPLETION_WIDTH = 16
@@ -88,3 +96,22 @@ def trim_completions(arrays: dict, prompt_len: int, max_new_tokens: int) -> tupl
         for name, x in arrays.items()
     }
     return trimmed, width
+
+
+def check_prompt_groups(tokens_BxT, valid_BxT, prompt_len: int, group_size: int) -> None:
+    """Raises ValueError unless rows come in groups of `group_size` consecutive rows with
+    the same first `prompt_len` columns (tokens and validity), as the sampler writes them:
+    the promise the train step's shared-prompt forward pass relies on."""
+    tokens, valid = np.asarray(tokens_BxT), np.asarray(valid_BxT)
+    rows = tokens.shape[0]
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"{rows} rows do not form whole groups of group_size={group_size}")
+    for name, x in (("tokens", tokens), ("valid", valid)):
+        groups = x[:, :prompt_len].reshape(rows // group_size, group_size, prompt_len)
+        differ = (groups != groups[:, :1]).any(axis=(1, 2))
+        if differ.any():
+            g = int(differ.nonzero()[0][0])
+            raise ValueError(
+                f"rows {g * group_size}..{(g + 1) * group_size - 1} should share one prompt "
+                f"(group_size={group_size}) but their first {prompt_len} {name} columns differ"
+            )

@@ -189,7 +189,7 @@ def validate(cfg: Config) -> Config:
     """Range and consistency checks, then the library objects the run will build (whatever
     they refuse is refused here); raises ConfigError naming the field."""
     # The library's own lists; imported here so that importing this module needs no JAX.
-    from m2po_jax import advantages, attention, losses, model_config, tasks, train_step
+    from m2po_jax import advantages, attention, losses, model_config, proximal, tasks, train_step
 
     a, g, r = cfg.actor, cfg.gconfig, cfg.rollout
     _check_range("total_steps", cfg.total_steps, 0)
@@ -213,6 +213,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "actor.use_sapo_loss=True cannot be combined with actor.use_decoupled_loss=True; "
             "set actor.use_decoupled_loss=False"
+        )
+    _check_choice("actor.prox_logp_method", a.prox_logp_method, proximal.PROX_LOGP_METHODS)
+    if a.prox_logp_method != "recompute" and not a.use_decoupled_loss:
+        raise ConfigError(
+            f"actor.prox_logp_method={a.prox_logp_method!r} approximates the proximal policy "
+            "of the decoupled loss; it needs actor.use_decoupled_loss=True "
+            "(or set actor.prox_logp_method='recompute')"
         )
     if a.use_decoupled_loss and not a.recompute_logprob:
         raise ConfigError(

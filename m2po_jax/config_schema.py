@@ -129,6 +129,7 @@ class ActorSection:
     c_clip: float | None
     use_decoupled_loss: bool
     recompute_logprob: bool
+    prox_logp_method: str
     loss_denominator: str
     rejection_sampling: RejectionSamplingSection
     importance_sampling_level: str

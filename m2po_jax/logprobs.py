@@ -182,6 +182,40 @@ def shared_prompt_logp(
     return pad(logp), pad(entropy)
 
 
+def shares_prompts(rows: int, prompt_len: int | None, group_size: int | None) -> bool:
+    """Whether `policy_logp` can run a block of `rows` rows through `shared_prompt_logp`."""
+    return bool(prompt_len) and bool(group_size) and group_size > 1 and rows % group_size == 0
+
+
+def policy_logp(
+    params,
+    config: model_lib.ModelConfig,
+    tokens_BxT: jax.Array,
+    valid_BxT: jax.Array,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+    prompt_len: int | None = None,
+    group_size: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`shared_prompt_logp` when the rows come in whole groups sharing a prompt (prompt
+    columns of the result are 0), `sequence_logp` otherwise (`prompt_len` or `group_size`
+    None). Equal on the completion columns either way."""
+    if shares_prompts(tokens_BxT.shape[0], prompt_len, group_size):
+        return shared_prompt_logp(
+            params,
+            config,
+            tokens_BxT,
+            valid_BxT,
+            prompt_len,
+            group_size,
+            temperature,
+            chunk,
+            with_entropy,
+        )
+    return sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk, with_entropy)
+
+
 def micro_batched_logp(
     params,
     config: model_lib.ModelConfig,
@@ -191,21 +225,26 @@ def micro_batched_logp(
     chunk: int = DEFAULT_CHUNK,
     n_micro: int = 1,
     layout=None,
+    prompt_len: int | None = None,
+    group_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`sequence_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`).
+    """`policy_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`).
 
-    `layout` (`placement.Layout`) keeps each group's rows sharded like the batch's.
+    With `prompt_len` and `group_size` (rows in groups of `group_size` sharing a prompt,
+    as the sampler writes them) each part holds whole groups and runs every prompt once.
+    `layout` (`placement.Layout`) keeps each part's rows sharded like the batch's.
     """
-    if n_micro == 1:
-        return jax.lax.stop_gradient(
-            sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk)
-        )
+    rows = tokens_BxT.shape[0]
+    block = group_size if shares_prompts(rows // n_micro, prompt_len, group_size) else 1
+    shared = (prompt_len, group_size) if block > 1 else (None, None)
 
     def one(xs):
         tokens, valid = xs
-        return sequence_logp(params, config, tokens, valid, temperature, chunk)
+        return policy_logp(params, config, tokens, valid, temperature, chunk, True, *shared)
 
+    if n_micro == 1:
+        return jax.lax.stop_gradient(one((tokens_BxT, valid_BxT)))
     constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
-    split = lambda x: constrain(split_rows(x, n_micro), 1)
+    split = lambda x: constrain(split_rows(x, n_micro, block), 1)  # noqa: E731
     parts = jax.lax.map(one, (split(tokens_BxT), split(valid_BxT)))
-    return jax.lax.stop_gradient(jax.tree.map(merge_rows, parts))
+    return jax.lax.stop_gradient(jax.tree.map(lambda x: merge_rows(x, block), parts))

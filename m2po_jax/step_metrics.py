@@ -30,8 +30,14 @@ def combine_stats(stats: dict, weights: jax.Array) -> dict:
     return out
 
 
-def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, schedule, n_mb) -> dict:
-    """The step's flat metrics dict (minibatch statistics combined, M2PO, entropy, norms)."""
+def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, schedule, plan) -> dict:
+    """The step's flat metrics dict (minibatch statistics combined, M2PO, entropy, norms).
+
+    `plan` is the step's `step_plan.StepPlan`: "train/prox_pass" says whether a separate
+    forward pass computed the proximal log-probs (1) or the loss pass did (0), and
+    "train/prox_loglinear" whether they are AReaL's approximation (1). Entropy and the
+    behaviour-proximal gap come from that pass, whichever it was.
+    """
     loss_mask, n_valid = prep.loss_mask_BxT, jnp.maximum(jnp.sum(prep.loss_mask_BxT), 1)
     grad_norm_BxM = mb_stats.pop("grad_norm")
     metrics = combine_stats(mb_stats, mb_valid)
@@ -43,18 +49,20 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
     metrics.update(
         {
             "train/nonfinite": 1 - all_finite.astype(jnp.int32),
-            "train/lr": schedule(state.step * n_mb),
-            "train/entropy": jnp.sum(prep.entropy_BxT * loss_mask) / n_valid,
+            "train/lr": schedule(state.step * plan.n_minibatches),
             "train/tokens": jnp.sum(loss_mask),
             "train/adv_abs_mean": jnp.sum(jnp.abs(prep.advantages_BxT) * loss_mask) / n_valid,
             "train/grad_norm_max": jnp.max(grad_norm_BxM),
             "train/param_norm": optax.tree.norm(params),
-            "train/behav_prox_abs_diff": jnp.sum(
-                jnp.abs(prep.behav_BxT - prep.prox_BxT) * loss_mask
-            )
-            / n_valid,
+            "train/prox_pass": jnp.int32(plan.prox_pass),
+            "train/prox_loglinear": jnp.int32(plan.prox_source == "loglinear"),
         }
     )
+    if prep.entropy_BxT is not None:
+        metrics["train/entropy"] = jnp.sum(prep.entropy_BxT * loss_mask) / n_valid
+    if prep.prox_BxT is not None:
+        gap = jnp.abs(prep.behav_BxT - prep.prox_BxT) * loss_mask
+        metrics["train/behav_prox_abs_diff"] = jnp.sum(gap) / n_valid
     if isinstance(prep.eps_clip, jax.Array):
         metrics["m2po/clip_bound_low"] = 1.0 - prep.eps_clip
         metrics["m2po/clip_bound_high"] = 1.0 + prep.eps_clip_higher

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax import advantages as adv_lib
-from m2po_jax import batching, logprobs, losses, masking, scopes
+from m2po_jax import batching, logprobs, losses, proximal, step_math
 from m2po_jax import model as model_lib
 from m2po_jax.config import ActorSection
 from m2po_jax.optim import (  # noqa: F401 (public here too)
@@ -25,6 +24,7 @@ from m2po_jax.optim import (  # noqa: F401 (public here too)
     make_schedule,
 )
 from m2po_jax.step_metrics import combine_stats, step_metrics  # noqa: F401 (public here too)
+from m2po_jax.step_plan import StepPlan, plan_step
 from m2po_jax.types import TrainBatch
 
 
@@ -50,101 +50,14 @@ class Prepared:
     """Everything the PPO updates need that is fixed for the whole step."""
 
     behav_BxT: jax.Array  # float32 behaviour log-probs
-    prox_BxT: jax.Array  # float32 proximal log-probs (params at the start of the step)
+    prox_BxT: jax.Array | None  # float32 proximal log-probs; None: the loss pass takes them
     advantages_BxT: jax.Array
     loss_mask_BxT: jax.Array  # valid completion tokens
     mask_BxT: jax.Array  # after the batch-level M2PO mask (loss_mask if it is taken later)
-    entropy_BxT: jax.Array  # of the proximal policy
+    entropy_BxT: jax.Array | None  # of the proximal policy; None: the loss pass reports it
     eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
     eps_clip_higher: Any
     m2_parts: dict  # batch-level M2PO statistics parts ({} when the mask is taken later)
-
-
-def _m2po(actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None, layout=None):
-    """M2PO mask and statistics parts (`masking.M2PO_PART_KEYS`) of one block: the batch,
-    a minibatch or a micro-batch (see `_m2po_level`), under `actor.m2po_scope`.
-
-    With M2PO off or the capped-clip rule (which clips instead of masking) the mask is
-    `loss_mask` and the parts are those of m2 = (behav - prox)^2 over all valid tokens:
-    the second moment is still reported, it is what staleness does.
-    """
-    on = actor.m2_threshold is not None and actor.m2po_stop_rule != "capped_clip"
-    return scopes.m2po_mask_scoped(
-        behav,
-        prox,
-        loss_mask,
-        threshold if on else None,
-        scope=actor.m2po_scope,
-        method=actor.m2po_method,
-        second_moment=actor.m2po_second_moment if on else "behav_prox",
-        stop_rule=actor.m2po_stop_rule if on else "lt",
-        candidates=actor.m2po_candidates if on else "all",
-        logp=logp if on else None,
-        advantages=adv,
-        mesh=None if layout is None else layout.mesh,
-    )
-
-
-def _m2po_level(actor: ActorSection) -> str:
-    """Which blocks `_m2po` runs on: "batch" (in `prepare`), "minibatch" or "microbatch".
-
-    Per minibatch when the scope says so or when the second moment needs the current
-    policy, which changes after each minibatch's update (then scopes "global" and
-    "shard" mean the minibatch and its shards). Without a mask: once, on the batch.
-    """
-    if actor.m2_threshold is None or actor.m2po_stop_rule == "capped_clip":
-        return "batch"
-    if actor.m2po_scope == "microbatch":
-        return "microbatch"
-    if actor.m2po_scope == "minibatch" or actor.m2po_second_moment != "behav_prox":
-        return "minibatch"
-    return "batch"
-
-
-def _threshold(actor: ActorSection):
-    return None if actor.m2_threshold is None else jnp.float32(actor.m2_threshold)
-
-
-def _clip_range(actor: ActorSection, behav, prox, loss_mask, adv):
-    """(eps_clip, eps_clip_higher); the authors' capped-mean rule turns tau into [e^-t, e^t].
-
-    The budget applies to m2 = (behav - prox)^2 at the start of the step (in the authors'
-    code prox equals behaviour and the ratio is taken against it; here the bound clips
-    the decoupled ratio exp(logp - prox)).
-    """
-    if actor.m2_threshold is not None and actor.m2po_stop_rule == "capped_clip":
-        m2 = masking.m2po_second_moment(behav, prox)
-        candidates = loss_mask
-        if actor.m2po_candidates == "harmful":
-            candidates = loss_mask & masking.m2po_harmful_tokens(behav, prox, adv)
-        bound = masking.m2po_clip_bound(m2, candidates, _threshold(actor))
-        return 1.0 - jnp.exp(-bound), jnp.exp(bound) - 1.0
-    return actor.eps_clip, actor.eps_clip_higher
-
-
-def _advantages(actor: ActorSection, rewards_B, loss_mask, behav, ref_logp):
-    rewards = adv_lib.transform_rewards(
-        rewards_B,
-        reward_bias=actor.reward_bias,
-        reward_scaling=actor.reward_scaling,
-        reward_clip=actor.reward_clip,
-    )
-    rn = actor.reward_norm
-    return adv_lib.grpo_token_advantages(
-        rewards,
-        loss_mask,
-        group_size=rn.group_size,
-        mean_level=rn.mean_level,
-        std_level=rn.std_level,
-        mean_leave1out=rn.mean_leave1out,
-        std_unbiased=rn.std_unbiased,
-        eps=rn.eps,
-        kl_ctl=actor.kl_ctl if ref_logp is not None else 0.0,
-        logp_BxT=behav if ref_logp is not None else None,
-        ref_logp_BxT=ref_logp,
-        kl_estimator=actor.kl_estimator,
-        adv_norm=actor.adv_norm,
-    )
 
 
 def prepare(
@@ -154,38 +67,51 @@ def prepare(
     *,
     model_config: model_lib.ModelConfig,
     actor: ActorSection,
-    n_parts: int = 1,
+    plan: StepPlan,
     layout=None,
+    prompt: tuple = (None, None),
 ) -> Prepared:
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
-    The log-probs are recomputed without gradient, `n_parts` groups of rows at a time
-    (the trainer passes minibatches x micro-batches, so no pass is larger than a
-    training micro-batch). `layout` (`placement.Layout`) keeps regrouped rows on their
-    devices and gives the mesh of the "shard" M2PO scope.
+    The proximal log-probs are recomputed without gradient only where `plan` says so
+    ("pass"), minibatches x micro-batches parts at a time, so no pass is larger than a
+    training micro-batch. `prompt` = (prompt_len, group_size) when rows come in groups
+    sharing a prompt (each prompt then runs once). `layout` (`placement.Layout`) keeps
+    regrouped rows on their devices and gives the mesh of the "shard" M2PO scope.
     """
     temperature, chunk = actor.temperature, actor.logp_chunk_size
+    n_parts = plan.n_minibatches * plan.n_micro
     loss_mask = batch.loss_mask_BxT
     behav = batch.behav_logp_BxT.astype(jnp.float32)
     tokens, valid = batch.tokens_BxT, batch.valid_BxT
-    prox, entropy = logprobs.micro_batched_logp(
-        params, model_config, tokens, valid, temperature, chunk, n_parts, layout
-    )
-    if not actor.recompute_logprob:
+    prox, entropy = None, None
+    if plan.prox_source == "pass":
+        prox, entropy = logprobs.micro_batched_logp(
+            params, model_config, tokens, valid, temperature, chunk, n_parts, layout, *prompt
+        )
+    elif plan.prox_source == "behav":
         prox = behav
     ref_logp = None
     if ref_params is not None and actor.kl_ctl > 0:
         ref_logp, _ = logprobs.micro_batched_logp(
-            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout
+            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout, *prompt
         )
-    advantages = _advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
-    threshold = _threshold(actor)
+    advantages = step_math.token_advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
     mask, m2_parts = loss_mask, {}
-    if _m2po_level(actor) == "batch":
-        mask, m2_parts = _m2po(
-            actor, behav, prox, loss_mask, advantages, threshold=threshold, layout=layout
+    # Without a mask the second moment is still reported, from wherever prox is known.
+    if plan.mask_at == "prepare" or (plan.mask_at == "none" and prox is not None):
+        mask, m2_parts = step_math.m2po_block(
+            actor,
+            behav,
+            prox,
+            loss_mask,
+            advantages,
+            threshold=step_math.threshold(actor),
+            layout=layout,
         )
-    eps_clip, eps_clip_higher = _clip_range(actor, behav, prox, loss_mask, advantages)
+    eps_clip, eps_clip_higher = actor.eps_clip, actor.eps_clip_higher
+    if prox is not None:
+        eps_clip, eps_clip_higher = step_math.clip_range(actor, behav, prox, loss_mask, advantages)
     return Prepared(
         behav_BxT=behav,
         prox_BxT=prox,
@@ -199,9 +125,10 @@ def prepare(
     )
 
 
-def _rejection(actor: ActorSection) -> losses.RejectionSampling | None:
-    # The one builder config.validate runs too: what it accepts, this accepts.
-    return losses.build_rejection_sampling(actor.rejection_sampling)
+def _permutation(rng, rows: int, block: int) -> jax.Array:
+    """A random order of the rows that keeps each block of `block` consecutive rows whole."""
+    order = jax.random.permutation(rng, rows // block)
+    return (order[:, None] * block + jnp.arange(block)[None, :]).reshape(-1)
 
 
 def ppo_updates(
@@ -214,62 +141,93 @@ def ppo_updates(
     model_config: model_lib.ModelConfig,
     actor: ActorSection,
     tx: optax.GradientTransformation,
-    n_micro: int = 1,
+    plan: StepPlan,
+    version: jax.Array | int = 0,
     layout=None,
 ):
-    """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over `n_micro`
-    micro-batches (`lax.scan` in `lax.scan`); returns (params, opt_state, stats per minibatch).
+    """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over
+    `plan.n_micro` micro-batches (`lax.scan` in `lax.scan`); returns (params, opt_state,
+    stats per minibatch, valid tokens per minibatch).
 
     Each micro-batch's loss is divided by the whole minibatch's token count, so the summed
-    gradient is the unsplit minibatch's. Under `m2po_scope="microbatch"` the mask is taken
-    inside each micro-batch's loss, which then uses its own denominator and is weighted by its share of the minibatch's valid tokens: AReaL's
-    `_apply_m2po_masking` per micro-batch and its `loss_weight_fn`.
-    A non-finite minibatch leaves params and optimizer state untouched (the other
-    minibatches of the step still apply).
+    gradient is the unsplit minibatch's. Where the mask is taken inside the loss (see
+    `step_plan`) the loss uses its own denominator and is weighted by its share of the
+    minibatch's valid tokens: AReaL's `_apply_m2po_masking` per micro-batch and its
+    `loss_weight_fn`; with one micro-batch that is the minibatch's own loss. Where the
+    plan takes the proximal log-probs from the loss pass, they are its log-probs with the
+    gradient stopped (or AReaL's loglinear approximation from them, `version` being the
+    policy version of `params`). A non-finite minibatch leaves params and optimizer state
+    untouched (the other minibatches of the step still apply).
     """
     temperature, chunk = actor.temperature, actor.logp_chunk_size
-    n_mb = actor.ppo_n_minibatches
+    n_mb, n_micro = plan.n_minibatches, plan.n_micro
     rows = batch.tokens_BxT.shape[0]
-    perm = jax.random.permutation(rng, rows)
+    perm = _permutation(rng, rows, plan.perm_block)
     fields = {
         "tokens": batch.tokens_BxT,
         "valid": batch.valid_BxT,
         "behav": prep.behav_BxT,
-        "prox": prep.prox_BxT,
         "adv": prep.advantages_BxT,
         "loss_mask": prep.loss_mask_BxT,
         "mask": prep.mask_BxT,
+        "version": batch.version_B,
     }
+    if prep.prox_BxT is not None:
+        fields["prox"] = prep.prox_BxT
     constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
     minibatches = jax.tree.map(
         lambda x: constrain(x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), 1), fields
     )
-    threshold, rejection = _threshold(actor), _rejection(actor)
-    level = _m2po_level(actor)
-    # Where the mask is taken inside the loss (a micro-batch at a time) and where before
-    # the micro-batches are split (a minibatch at a time).
-    mask_in_loss = level == "microbatch" or (level == "minibatch" and n_micro == 1)
-    mask_before_split = level == "minibatch" and not mask_in_loss
+    threshold, rejection = step_math.threshold(actor), step_math.rejection(actor)
+    mask_in_loss = plan.mask_at == "loss"
+    with_entropy = prep.entropy_BxT is None
 
     def loss_fn(params, mb, count, weight):
-        logp, _ = logprobs.sequence_logp(
-            params, model_config, mb["tokens"], mb["valid"], temperature, chunk, False
+        logp, entropy = logprobs.policy_logp(
+            params,
+            model_config,
+            mb["tokens"],
+            mb["valid"],
+            temperature,
+            chunk,
+            with_entropy,
+            *plan.loss_prompt,
         )
-        mask, m2_parts = mb["mask"], {}
-        if mask_in_loss:
-            mask, m2_parts = _m2po(
+        logp_now = jax.lax.stop_gradient(logp)
+        stats = {}
+        if plan.prox_source == "loss":
+            prox = logp_now
+        elif plan.prox_source == "loglinear":
+            prox = proximal.loglinear_prox(mb["behav"], logp_now, mb["version"], version)
+        else:
+            prox = mb["prox"]
+        if plan.approx_metrics:
+            approx = proximal.loglinear_prox(mb["behav"], logp_now, mb["version"], version)
+            stats.update(proximal.approximation_stats(approx, prox, mb["behav"], mb["loss_mask"]))
+        n_valid = jnp.maximum(jnp.sum(mb["loss_mask"]), 1)
+        if with_entropy:
+            stats["train/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mb["loss_mask"])
+            stats["train/entropy"] /= n_valid
+        if "prox" not in mb:
+            diff = jnp.abs(mb["behav"] - prox) * mb["loss_mask"]
+            stats["train/behav_prox_abs_diff"] = jnp.sum(diff) / n_valid
+        mask = mb["mask"]
+        if mask_in_loss or "prox" not in mb:
+            kept, m2_parts = step_math.m2po_block(
                 actor,
                 mb["behav"],
-                mb["prox"],
+                prox,
                 mb["loss_mask"],
                 mb["adv"],
-                logp=jax.lax.stop_gradient(logp),
+                logp=logp_now,
                 threshold=threshold,
                 layout=layout,
             )
-        loss, stats = losses.policy_loss(
+            mask = kept if mask_in_loss else mask
+            stats.update(m2_parts)
+        loss, loss_stats = losses.policy_loss(
             logp,
-            mb["prox"],
+            prox,
             mb["behav"],
             mb["adv"],
             mask,
@@ -286,14 +244,14 @@ def ppo_updates(
             valid_mask_BxT=mb["loss_mask"],
             count=count,
         )
-        return loss * weight, {**stats, **m2_parts}
+        return loss * weight, {**loss_stats, **stats}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def minibatch_update(carry, mb):
         params, opt_state = carry
         m2_parts = {}
-        if mask_before_split:
+        if plan.mask_at == "minibatch":
             logp_now = None
             if actor.m2po_second_moment != "behav_prox":
                 logp_now, _ = logprobs.micro_batched_logp(
@@ -305,8 +263,9 @@ def ppo_updates(
                     chunk,
                     n_micro,
                     layout,
+                    *plan.loss_prompt,
                 )
-            mb["mask"], m2_parts = _m2po(
+            mb["mask"], m2_parts = step_math.m2po_block(
                 actor,
                 mb["behav"],
                 mb["prox"],
@@ -334,7 +293,8 @@ def ppo_updates(
                 lambda x: x[None], (loss, stats, n_valid)
             )
         else:
-            micro = jax.tree.map(lambda x: constrain(batching.split_rows(x, n_micro), 1), mb)
+            split = lambda x: constrain(batching.split_rows(x, n_micro, plan.micro_block), 1)  # noqa: E731
+            micro = jax.tree.map(split, mb)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             grads, (part_loss, part_stats, part_valid) = jax.lax.scan(accumulate, zeros, micro)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -373,25 +333,36 @@ def train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     layout=None,
+    prompt_len: int | None = None,
+    group_size: int | None = None,
+    fuse_prox: bool = True,
 ) -> tuple[TrainState, dict]:
     """One RL update of `state` on `batch`: `prepare`, `ppo_updates`, `step_metrics`.
 
-    Micro-batches per minibatch follow `actor.mb_spec` and the batch's static shape.
+    What runs follows `step_plan.plan_step` for the batch's static shape: micro-batches
+    per minibatch (`actor.mb_spec`), where the proximal log-probs come from
+    (metric `train/prox_pass` is 1 when a separate forward pass computed them) and where
+    the M2PO mask is taken. `prompt_len` / `group_size`: the rows come in groups of
+    `group_size` sharing their first `prompt_len` columns (as the sampler writes them);
+    minibatches and micro-batches then hold whole groups and each prompt runs once.
+    `fuse_prox=False` keeps the separate proximal pass (the reference path).
     `layout` (`placement.Layout`) keeps rows and weights laid out for the mesh and gives
     the mesh of the "shard" M2PO scope (without it that scope is one shard: "global").
     """
-    n_mb = actor.ppo_n_minibatches
     rows, seq_len = batch.tokens_BxT.shape
-    mb = actor.mb_spec
-    n_micro = batching.micro_batch_count(rows // n_mb, seq_len, mb.n_mbs, mb.max_tokens_per_mb)
+    plan = plan_step(
+        actor, rows, seq_len, prompt_len=prompt_len, group_size=group_size, fuse_prox=fuse_prox
+    )
+    prompt = (prompt_len, group_size) if plan.perm_block > 1 else (None, None)
     prep = prepare(
         state.params,
         batch,
         ref_params,
         model_config=model_config,
         actor=actor,
-        n_parts=n_mb * n_micro,
+        plan=plan,
         layout=layout,
+        prompt=prompt,
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         state.params,
@@ -402,7 +373,8 @@ def train_step(
         model_config=model_config,
         actor=actor,
         tx=tx,
-        n_micro=n_micro,
+        plan=plan,
+        version=state.step,
         layout=layout,
     )
     all_finite = jnp.all(mb_stats.pop("finite"))
@@ -413,8 +385,9 @@ def train_step(
         nonfinite_steps=jnp.where(all_finite, 0, state.nonfinite_steps + 1),
     )
     metrics = step_metrics(
-        state, new_state.params, prep, mb_stats, mb_valid, all_finite, schedule, n_mb
+        state, new_state.params, prep, mb_stats, mb_valid, all_finite, schedule, plan
     )
+    metrics["train/nonfinite_steps"] = new_state.nonfinite_steps
     return new_state, metrics
 
 
@@ -426,6 +399,9 @@ def make_train_step(
     *,
     jit_kwargs=None,
     layout=None,
+    prompt_len: int | None = None,
+    group_size: int | None = None,
+    fuse_prox: bool = True,
 ):
     """`train_step` with static settings bound, under one `jax.jit` (state donated)."""
     step = functools.partial(
@@ -435,5 +411,8 @@ def make_train_step(
         tx=tx,
         schedule=schedule,
         layout=layout,
+        prompt_len=prompt_len,
+        group_size=group_size,
+        fuse_prox=fuse_prox,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))

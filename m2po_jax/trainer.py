@@ -98,6 +98,10 @@ class Trainer:
             self.schedule,
             jit_kwargs=self.placement.train_step_shardings(self.state, with_ref=a.kl_ctl > 0),
             layout=self.placement.layout,
+            # Rollout rows come as n_samples completions of each prompt: one trunk pass per
+            # prompt, minibatches and micro-batches of whole groups.
+            prompt_len=self.cfg.task.max_prompt_len,
+            group_size=self.cfg.gconfig.n_samples,
         )
 
     # ---- evaluation and warm-up ---------------------------------------------------------
@@ -211,46 +215,67 @@ class Trainer:
     def _loop(self, writer, progress, start: int, end: int, accuracies: list) -> bool:
         """Steps `start` .. `end - 1`, then a checkpoint; True if a signal stopped them.
 
-        Each step's row is written; its evaluations are appended to `accuracies` too.
+        Each step's row is written; its evaluations are appended to `accuracies` too. A
+        step's device metrics are fetched one step late, after the next update has been
+        dispatched (its rollout has waited for the update by then), so the host never
+        waits for them; a step that evaluates, saves, stops or ends the loop has its row
+        written at once.
         """
         cfg = self.cfg
-        interrupted = False
+        pending = None  # (step, record, device metrics) of the previous step
         for step in range(start, end):
             # Step 0 evaluates the initial policy; later evaluations follow the update.
             accuracy = self.evaluate() if step == 0 else None
-            record = self._step(step)
+            record, device_metrics = self._step(step)
+            if pending is not None:
+                self._finish(writer, progress, *pending, current=(step, record, device_metrics))
+                pending = None
             last = step + 1 == cfg.total_steps
             if accuracy is None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                 accuracy = self.evaluate()
             if accuracy is not None:
                 record["eval/accuracy"] = accuracy
                 accuracies.append((step, accuracy))
-            writer.write(step, record)
-            progress.update(step + 1, record)
-            if record.get("train/nonfinite"):
-                self._skipped(step, writer)
+            save = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+            if not (save or accuracy is not None or self._stop_requested or step + 1 == end):
+                pending = (step, record, device_metrics)
+                continue
+            self._finish(writer, progress, step, record, device_metrics)
             if self._stop_requested:
-                interrupted = True
-                break
-            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                self.save(writer)
+                return True
+            if save:
                 self.save(writer)
         self.save(writer)
-        return interrupted
+        return False
 
-    def _skipped(self, step: int, writer) -> None:
-        """After a step whose update was skipped: stop once `max_nonfinite_steps` in a row were."""
-        skipped = int(self.state.nonfinite_steps)
+    def _finish(self, writer, progress, step, record, device_metrics, current=None) -> None:
+        """Writes `step`'s row with its device metrics; stops the run after too many
+        non-finite steps in a row. `current`: the step dispatched since, whose row is
+        written too before such a stop (the checkpoint then holds its state)."""
+        record.update(metrics_lib.host_metrics(device_metrics))
+        writer.write(step, record)
+        progress.update(step + 1, record)
+        if not record.get("train/nonfinite"):
+            return
+        skipped = int(record["train/nonfinite_steps"])
         logging.warning(
             "step %d: non-finite loss or gradients; update skipped (%d in a row)", step, skipped
         )
-        if skipped >= self.cfg.max_nonfinite_steps:
-            # The failing step has its row; the checkpoint holds the last good params.
-            self.save(writer)
-            raise NonFiniteError(
-                f"max_nonfinite_steps: {skipped} consecutive steps had non-finite loss or "
-                f"gradients (last: step {step}); the last good state is saved in "
-                f"{self.checkpointer.directory}"
-            )
+        if skipped < self.cfg.max_nonfinite_steps:
+            return
+        if current is not None:
+            step, record, device_metrics = current
+            record.update(metrics_lib.host_metrics(device_metrics))
+            writer.write(step, record)
+            progress.update(step + 1, record)
+        # The failing steps have their rows; the checkpoint holds the last good params.
+        self.save(writer)
+        raise NonFiniteError(
+            f"max_nonfinite_steps: {skipped} consecutive steps had non-finite loss or "
+            f"gradients (the last of them: step {step}); the last good state is saved in "
+            f"{self.checkpointer.directory}"
+        )
 
     def _rollout(self, rng, version: int) -> tuple[dict, int]:
         """The next prompts' rollout batch and how many of its prompts were cut to fit."""
@@ -274,8 +299,14 @@ class Trainer:
         )
         return batch, truncated
 
-    def _step(self, step: int) -> dict:
-        """One RL step: a fresh rollout into the queue, an update on the stale one; its row."""
+    def _step(self, step: int) -> tuple[dict, dict]:
+        """One RL step: a fresh rollout into the queue, an update on the stale one.
+
+        Returns its row's host part and the update's metrics, still on the device: the
+        update is dispatched, not waited for. "time/rollout_s" includes waiting for the
+        previous update (the sampler needs its params); "time/train_s" is preparing and
+        dispatching this one.
+        """
         t0 = time.perf_counter()
         gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
         fresh, truncated = self._rollout(gen_rng, version=step)
@@ -287,13 +318,18 @@ class Trainer:
         trimmed, width = batching.trim_completions(
             host, self.cfg.task.max_prompt_len, self.cfg.gconfig.max_new_tokens
         )
+        batching.check_prompt_groups(
+            host["tokens_BxT"],
+            host["valid_BxT"],
+            self.cfg.task.max_prompt_len,
+            self.cfg.gconfig.n_samples,
+        )
         batch = self.placement.to_global(rollout_lib.train_batch(trimmed))
         train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
-        self.state, metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
-        record = metrics_lib.host_metrics(metrics)
+        self.state, device_metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
         t2 = time.perf_counter()
         rewards = host["rewards_B"]
-        record.update(metrics_lib.staleness_stats(host["version_B"], step))
+        record = metrics_lib.staleness_stats(host["version_B"], step)
         tokens = int(host["loss_mask_BxT"].sum()) + int(fresh["loss_mask_BxT"].sum())
         record.update(
             {
@@ -316,7 +352,7 @@ class Trainer:
         if filtered is not None:
             record["data/prompts_filtered"] = filtered["train"]
             record["data/eval_prompts_filtered"] = filtered["eval"]
-        return record
+        return record, device_metrics
 
     @contextlib.contextmanager
     def _signals(self):

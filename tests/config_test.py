@@ -272,12 +272,12 @@ def test_rejection_sampling_ranges_are_the_librarys():
 
 
 def test_library_objects_are_built_by_the_runs_builders():
-    from m2po_jax import losses, sampling, train_step
+    from m2po_jax import losses, sampling, step_math
 
     cfg = build(**{"actor.rejection_sampling.lower": 0.5, "gconfig.top_k": 5})
     built = config_lib.build_library_objects(cfg)
     assert built["rejection_sampling"] == losses.RejectionSampling(upper=5.0, lower=0.5)
-    assert train_step._rejection(cfg.actor) == built["rejection_sampling"]
+    assert step_math.rejection(cfg.actor) == built["rejection_sampling"]
     assert built["sampling"] == sampling.SamplingConfig(max_new_tokens=4, temperature=1.0, top_k=5)
     off = build(**{"actor.rejection_sampling.enabled": False})
     assert config_lib.build_library_objects(off)["rejection_sampling"] is None

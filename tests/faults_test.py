@@ -116,7 +116,9 @@ def _child(workdir, *extra, fault=""):
 def test_a_kill_loses_no_tensorboard_events(tmp_path):
     killed = _child(tmp_path, fault="kill:step:3")
     assert killed.returncode == -9
-    assert [r["step"] for r in read(tmp_path)] == [0, 1, 2]
+    # Step 2's row waits for its metrics, fetched after step 3's update is dispatched: the
+    # kill as step 3's update starts comes first. The resumed run writes it again.
+    assert [r["step"] for r in read(tmp_path)] == [0, 1]
     assert _child(tmp_path).returncode == 0
     rows = read(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -5,7 +5,7 @@ sort m2 ascending (non-finite last, ties by index), keep the longest prefix whos
 mean passes `<` (lt) or `<=` (le) tau, at least one. A set is the whole block, a row, or
 a data-parallel shard of the block; a block is the batch, a minibatch or a micro-batch,
 depending on where the train step takes the mask. The step's own dispatch
-(`train_step._m2po`, which `prepare` and `ppo_updates` call) runs every case, with a
+(`step_math.m2po_block`, which `prepare` and `ppo_updates` call) runs every case, with a
 real mesh of 8 fake CPU devices (tests/conftest.py) for the shard scope.
 
 Log-probs lie on a 1/8 grid and tau is an odd multiple of 1/128, so every sum and mean
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m2po_jax import batching, masking, scopes, sharding
+from m2po_jax import batching, masking, scopes, sharding, step_math, step_plan
 from m2po_jax import config as config_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import train_step as step_lib
@@ -209,7 +209,7 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
         return
     actor = config_lib.from_configdict(c).actor
     level = expected_level(scope, stop_rule, second_moment)
-    assert step_lib._m2po_level(actor) == level
+    assert step_plan.m2po_level(actor) == level
 
     behav, prox, logp, adv, loss_mask = data()
     tau = None if stop_rule == "capped_clip" else TAU
@@ -220,13 +220,13 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
     for rows in blocks(level):
         arrays = tuple(x[rows] for x in (behav, prox, logp, adv, loss_mask))
         block_logp = None if level == "batch" else arrays[2]  # prepare has no current logp
-        mask, parts = step_lib._m2po(
+        mask, parts = step_math.m2po_block(
             actor,
             *arrays[:2],
             arrays[4],
             arrays[3],
             logp=block_logp,
-            threshold=step_lib._threshold(actor),
+            threshold=step_math.threshold(actor),
             layout=layout(),
         )
         sm, cand, rule = ref_options
@@ -243,7 +243,7 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
     if tau is not None:
         assert 0 < int(stats["m2po/masked_tokens"]) < loss_mask.sum()
     else:  # the capped-mean rule clips instead: its bound against the reference
-        eps = step_lib._clip_range(actor, behav, prox, loss_mask, adv)
+        eps = step_math.clip_range(actor, behav, prox, loss_mask, adv)
         want = ref_clip_range(behav, prox, adv, loss_mask, TAU, candidates)
         np.testing.assert_allclose(np.asarray(eps, np.float64), want, rtol=1e-5)
 
@@ -251,9 +251,9 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
 @pytest.mark.parametrize("scope", scopes.M2PO_SCOPES)
 def test_m2po_off_reports_the_unmasked_second_moment_on_every_scope(scope):
     actor = config_lib.from_configdict(config_dict(m2po_scope=scope, m2_threshold=None)).actor
-    assert step_lib._m2po_level(actor) == "batch"
+    assert step_plan.m2po_level(actor) == "batch"
     behav, prox, logp, adv, loss_mask = data()
-    mask, parts = step_lib._m2po(actor, behav, prox, loss_mask, adv, layout=layout())
+    mask, parts = step_math.m2po_block(actor, behav, prox, loss_mask, adv, layout=layout())
     np.testing.assert_array_equal(mask, loss_mask)
     want, part, m2 = ref_block(data(), None, scope, "lt", "all", "behav_prox")
     stats = masking.finalize_stats(parts)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from m2po_jax import config as config_lib
-from m2po_jax import logprobs, losses, masking
+from m2po_jax import logprobs, losses, masking, step_math
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import train_step as step_lib
@@ -215,7 +215,7 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
 
     tx, _ = step_lib.make_optimizer(a.optimizer, 10)
     prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
-    adv = step_lib._advantages(a, b.rewards_B, b.loss_mask_BxT, b.behav_logp_BxT, None)
+    adv = step_math.token_advantages(a, b.rewards_B, b.loss_mask_BxT, b.behav_logp_BxT, None)
     rows = b.tokens_BxT.shape[0]
     perm = np.asarray(jax.random.permutation(jax.random.key(3), rows))
     ref_params, opt_state = params, tx.init(params)
@@ -246,7 +246,7 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
                     adv[part],
                     mask,
                     eps_clip=a.eps_clip,
-                    rejection_sampling=step_lib._rejection(a),
+                    rejection_sampling=step_math.rejection(a),
                 )
                 total = total + part_loss * jnp.sum(b.loss_mask_BxT[part]) / n_valid
             return total

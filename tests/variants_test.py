@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m2po_jax import losses, masking, train_step, variants
+from m2po_jax import losses, masking, step_math, variants
 from m2po_jax.config import from_configdict
 from m2po_jax.configs import arith
 
@@ -64,7 +64,7 @@ def test_mask_and_loss_match_the_numpy_rule(seed):
     # The train step's dispatch with the preset's actor section (prox is unused: the
     # ratio is against the behaviour policy).
     actor = from_configdict(arith.get_config("paper_final")).actor
-    step_mask, _ = train_step._m2po(
+    step_mask, _ = step_math.m2po_block(
         actor, jnp.asarray(behav), jnp.asarray(behav), jnp.asarray(valid), jnp.asarray(adv),
         logp=jnp.asarray(logp), threshold=jnp.float32(TAU),
     )  # fmt: skip

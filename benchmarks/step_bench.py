@@ -1,0 +1,120 @@
+"""The train step alone: today's fast paths against the reference step, same process.
+
+    python benchmarks/step_bench.py                       # the e2e_bench short batch
+    python benchmarks/step_bench.py --prompt 128 --new 64 # a longer one
+
+The model is e2e_bench's 3.2M Llama (vocab 512, hidden 256, 4 layers, float32); the batch
+is 16 prompts x 8 samples, prompt columns shared within each group as the sampler writes
+them, completions of random lengths, M2PO on (tau 0.04), one minibatch. Paths, each jitted
+once and timed alternately over `--repeats` calls (median, after a warm-up call):
+
+  reference   a separate proximal pass, every row's whole sequence through the trunk
+  fused       prox from the loss's own pass (gradient stopped), rows' full sequences
+  fast        fused, and each prompt once through the trunk (what the trainer runs)
+
+Prints seconds per step and the ratio to the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from m2po_jax import config as config_lib  # noqa: E402
+from m2po_jax import logprobs  # noqa: E402
+from m2po_jax import model as model_lib  # noqa: E402
+from m2po_jax import train_step as step_lib  # noqa: E402
+from m2po_jax.configs import arith  # noqa: E402
+from m2po_jax.types import TrainBatch  # noqa: E402
+
+MODEL = model_lib.ModelConfig(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+)
+
+
+def make_batch(params, groups, group, prompt, new, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = groups * group
+    tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
+    valid = np.ones_like(tokens, bool)
+    for g in range(groups):
+        tokens[g * group : (g + 1) * group, :prompt] = tokens[g * group, :prompt]
+        valid[g * group : (g + 1) * group, : g % 4] = False
+    for r, n in enumerate(rng.integers(new // 4, new + 1, rows)):
+        valid[r, prompt + n :] = False
+    tokens[~valid] = 0
+    loss_mask = valid.copy()
+    loss_mask[:, :prompt] = False
+    prox, _ = logprobs.sequence_logp(params, MODEL, tokens, valid)
+    behav = np.asarray(prox) * loss_mask
+    behav += rng.normal(0, 0.3, behav.shape).astype(np.float32) * loss_mask
+    return TrainBatch(
+        tokens_BxT=jnp.asarray(tokens),
+        valid_BxT=jnp.asarray(valid),
+        behav_logp_BxT=jnp.asarray(behav),
+        loss_mask_BxT=jnp.asarray(loss_mask),
+        rewards_B=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
+        version_B=jnp.zeros(rows, jnp.int32),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=37)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    c = arith.get_config("m2po").to_dict()
+    c["actor"]["m2_threshold"] = 0.04
+    c["actor"]["ppo_n_minibatches"] = 1
+    c["actor"]["logp_chunk_size"] = 4096
+    actor = config_lib.from_configdict(c).actor
+    tx, schedule = step_lib.make_optimizer(actor.optimizer, 100)
+    params = model_lib.init_params(MODEL, jax.random.key(0))
+    batch = make_batch(params, args.groups, args.group, args.prompt, args.new)
+    paths = {
+        "reference": dict(fuse_prox=False),
+        "fused": dict(),
+        "fast": dict(prompt_len=args.prompt, group_size=args.group),
+    }
+    steps, states = {}, {}
+    for name, kwargs in paths.items():
+        steps[name] = step_lib.make_train_step(MODEL, actor, tx, schedule, **kwargs)
+        state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), tx)
+        states[name], _ = steps[name](state, batch, jax.random.key(0), None)  # compile
+        jax.block_until_ready(states[name])
+    times = {name: [] for name in paths}
+    for i in range(args.repeats):
+        for name in paths:
+            t = time.perf_counter()
+            states[name], metrics = steps[name](states[name], batch, jax.random.key(i), None)
+            jax.block_until_ready((states[name], metrics))
+            times[name].append(time.perf_counter() - t)
+    rows, cols = batch.tokens_BxT.shape
+    print(f"# step_bench: {rows} rows x {cols} columns ({args.prompt} prompt), {jax.devices()[0]}")
+    print("| path | s / step | vs reference |")
+    print("|---|---|---|")
+    base = statistics.median(times["reference"])
+    for name in paths:
+        t = statistics.median(times[name])
+        print(f"| {name} | {t:.3f} | {base / t:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
