@@ -78,8 +78,14 @@ def _questions(count: int, filler: int, seed: int = 0) -> list[dict]:
 def _raise_eos(path: Path, stop_prob: float) -> None:
     """Gives every position a steady end-of-sequence probability of about `stop_prob`.
 
-    A constant component along one hidden unit is added to every token embedding; the
-    output row of EOS reads that unit. Its weight is calibrated on random token streams.
+    The layers' output projections (attention `o_proj`, MLP `down_proj`) are zeroed, so the
+    residual stream is the current token's embedding and the next-token distribution
+    depends on that token only: the completion lengths then follow the same distribution
+    whatever the context and whichever implementation samples (a random model's own
+    streams otherwise drift far from the calibration). Every layer still runs in full, so
+    the work per token is unchanged. A constant component along one hidden unit is added
+    to every token embedding; the output row of EOS reads that unit, with its weight
+    calibrated on random tokens.
     """
     import torch
     import transformers
@@ -88,6 +94,9 @@ def _raise_eos(path: Path, stop_prob: float) -> None:
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         emb[:, 0] = 0.2
         head[EOS_ID] = 0.0
         tokens = torch.randint(

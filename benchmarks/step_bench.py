@@ -1,16 +1,18 @@
 """The train step alone: today's fast paths against the reference step, same process.
 
     python benchmarks/step_bench.py                       # the e2e_bench short batch
-    python benchmarks/step_bench.py --prompt 128 --new 64 # a longer one
+    python benchmarks/step_bench.py --prompt 128 --new 192 --mean_len 40  # e2e long
 
 The model is e2e_bench's 3.2M Llama (vocab 512, hidden 256, 4 layers, float32); the batch
 is 16 prompts x 8 samples, prompt columns shared within each group as the sampler writes
-them, completions of random lengths, M2PO on (tau 0.04), one minibatch. Paths, each jitted
+them, completions of random lengths (uniform in [new / 4, new], or geometric with mean
+`--mean_len` and one row at `new`), M2PO on (tau 0.04), one minibatch. Paths, each jitted
 once and timed alternately over `--repeats` calls (median, after a warm-up call):
 
   reference   a separate proximal pass, every row's whole sequence through the trunk
   fused       prox from the loss's own pass (gradient stopped), rows' full sequences
-  fast        fused, and each prompt once through the trunk (what the trainer runs)
+  fast        fused, each prompt once through the trunk, rows in four blocks by length
+              (what the trainer runs)
 
 Prints seconds per step and the ratio to the reference.
 """
@@ -46,7 +48,7 @@ MODEL = model_lib.ModelConfig(
 )
 
 
-def make_batch(params, groups, group, prompt, new, seed=0):
+def make_batch(params, groups, group, prompt, new, mean_len=0, seed=0):
     rng = np.random.default_rng(seed)
     rows = groups * group
     tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
@@ -54,7 +56,12 @@ def make_batch(params, groups, group, prompt, new, seed=0):
     for g in range(groups):
         tokens[g * group : (g + 1) * group, :prompt] = tokens[g * group, :prompt]
         valid[g * group : (g + 1) * group, : g % 4] = False
-    for r, n in enumerate(rng.integers(new // 4, new + 1, rows)):
+    if mean_len:  # a sampler's lengths: stops with probability 1 / mean_len per token
+        lengths = np.minimum(rng.geometric(1 / mean_len, rows), new)
+        lengths[0] = new
+    else:
+        lengths = rng.integers(new // 4, new + 1, rows)
+    for r, n in enumerate(lengths):
         valid[r, prompt + n :] = False
     tokens[~valid] = 0
     loss_mask = valid.copy()
@@ -79,6 +86,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--mean_len", type=int, default=0, help="geometric completion lengths (0: uniform)"
+    )
     args = parser.parse_args()
     c = arith.get_config("m2po").to_dict()
     c["actor"]["m2_threshold"] = 0.04
@@ -87,7 +97,7 @@ def main() -> None:
     actor = config_lib.from_configdict(c).actor
     tx, schedule = step_lib.make_optimizer(actor.optimizer, 100)
     params = model_lib.init_params(MODEL, jax.random.key(0))
-    batch = make_batch(params, args.groups, args.group, args.prompt, args.new)
+    batch = make_batch(params, args.groups, args.group, args.prompt, args.new, args.mean_len)
     paths = {
         "reference": dict(fuse_prox=False),
         "fused": dict(),

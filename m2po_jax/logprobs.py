@@ -17,6 +17,7 @@ column 0 is 0. Temperature divides the logits first, as the sampler does.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -128,6 +129,7 @@ def shared_prompt_logp(
     temperature: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
+    length_blocks: int = 8,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`sequence_logp` of completions whose `group_size` consecutive rows share a prompt.
 
@@ -139,11 +141,23 @@ def shared_prompt_logp(
     are 0 (log-probs there are never used). Values and gradients equal `sequence_logp`'s
     on the completion columns up to float reordering.
 
+    Completions end at different lengths. The rows are sorted by completion length and cut
+    into `length_blocks` blocks of equal size; each block runs over the first N/8, N/4,
+    N/2 or all N completion columns, the fewest that hold its longest completion (a
+    `lax.switch` in a `lax.scan` over the blocks: four compiled widths, one run per block;
+    each branch is rematerialised, so the backward pass keeps no activations of the
+    branches a block did not take). With lengths spread as a sampler's are, most blocks
+    skip most padding columns (fwd + bwd of 16 x 8 rows of 128 + 192 columns with
+    geometric lengths of mean 40 on this CPU: 2.0 s against 6.4 s for whole rows).
+
     Args:
-      tokens_BxT, valid_BxT: [B, P + N] rows, B a multiple of `group_size`.
+      tokens_BxT, valid_BxT: [B, P + N] rows, B a multiple of `group_size`; completions
+        right-padded (a row's real completion tokens are its first ones).
       prompt_len: P, the prompt width (>= 1).
       group_size: rows per prompt.
       temperature, chunk, with_entropy: as in `sequence_logp`.
+      length_blocks: blocks of rows by length (1: every row over all N columns); used
+        when it divides B.
     """
     b, t = tokens_BxT.shape
     if not 1 <= prompt_len < t or group_size < 1 or b % group_size:
@@ -151,33 +165,75 @@ def shared_prompt_logp(
             f"shared_prompt_logp: prompt_len={prompt_len} must be in [1, {t}) and "
             f"group_size={group_size} must divide the {b} rows"
         )
+    n = t - prompt_len
     prompt_GxP = tokens_BxT[::group_size, :prompt_len]
     prompt_valid_GxP = valid_BxT[::group_size, :prompt_len]
     cache = model_lib.init_cache(config, prompt_GxP.shape[0], t)
     hidden_GxPxE, cache = model_lib.apply(
         params, config, prompt_GxP, None, prompt_valid_GxP, cache, 0, hidden_only=True
     )
-    repeat = lambda x: jnp.repeat(x, group_size, axis=0)  # noqa: E731
-    cache = jax.tree.map(repeat, cache)
+    group_B = jnp.arange(b) // group_size
     completion_valid = valid_BxT[:, prompt_len:]
-    prompt_count_B = jnp.sum(prompt_valid_GxP, axis=-1, dtype=jnp.int32)
-    positions = repeat(prompt_count_B)[:, None] + jnp.cumsum(completion_valid, axis=-1) - 1
-    hidden_BxNxE, _ = model_lib.apply(
-        params,
-        config,
-        tokens_BxT[:, prompt_len:],
-        jnp.maximum(positions, 0),
-        completion_valid,
-        cache,
-        prompt_len,
-        hidden_only=True,
-    )
-    # The prompt's last column predicts the first completion token.
-    hidden = jnp.concatenate([repeat(hidden_GxPxE[:, -1:]), hidden_BxNxE], axis=1)
+    prompt_count_B = jnp.sum(prompt_valid_GxP, axis=-1, dtype=jnp.int32)[group_B]
+    positions = prompt_count_B[:, None] + jnp.cumsum(completion_valid, axis=-1) - 1
+    # Column 0: the prompt's last column predicts the first completion token.
+    targets = tokens_BxT[:, prompt_len - 1 :]
     head = model_lib.head_weight(params, config)
-    logp, entropy = head_logp_entropy(
-        hidden, head, tokens_BxT[:, prompt_len - 1 :], temperature, chunk, with_entropy
-    )
+    blocks = length_blocks if length_blocks > 1 and b % length_blocks == 0 else 1
+    widths = sorted({n} if blocks == 1 else {max(1, -(-n // k)) for k in (8, 4, 2, 1)})
+
+    def run(width, rows_R, group_R):
+        """[R, N + 1] log-probs (and entropies) of rows `rows_R` over `width` columns."""
+        cut = prompt_len + width
+        # Rows pick their prompt's keys and values by a one-hot matmul, not a gather: its
+        # gradient is a matmul too, where a gather's is a scatter-add (slow on CPU).
+        pick_RxG = jax.nn.one_hot(group_R, prompt_GxP.shape[0], dtype=cache.k[0].dtype)
+        pick = lambda x: jnp.einsum("rg,g...->r...", pick_RxG, x)  # noqa: E731
+        rows_cache = model_lib.KVCache(
+            k=tuple(pick(x[:, :, :cut]) for x in cache.k),
+            v=tuple(pick(x[:, :, :cut]) for x in cache.v),
+            valid_BxS=cache.valid_BxS[group_R, :cut],
+        )
+        hidden_RxWxE, _ = model_lib.apply(
+            params,
+            config,
+            tokens_BxT[rows_R, prompt_len:cut],
+            jnp.maximum(positions[rows_R, :width], 0),
+            completion_valid[rows_R, :width],
+            rows_cache,
+            prompt_len,
+            hidden_only=True,
+        )
+        hidden = jnp.concatenate([pick(hidden_GxPxE[:, -1:]), hidden_RxWxE], axis=1)
+        out = head_logp_entropy(
+            hidden,
+            head,
+            targets[rows_R, : width + 1],
+            temperature,
+            chunk,
+            with_entropy,
+        )
+        pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, n - width)))  # noqa: E731
+        return pad(out[0]), pad(out[1])
+
+    if blocks == 1:
+        logp, entropy = run(n, jnp.arange(b), group_B)
+    else:
+        length_B = jnp.sum(completion_valid, axis=-1)
+        order = jnp.argsort(-length_B, stable=True)
+        rows_KxR = order.reshape(blocks, b // blocks)
+        need_K = jnp.max(length_B[rows_KxR], axis=-1)
+        branch_K = jnp.searchsorted(jnp.asarray(widths), need_K)
+        branches = [jax.checkpoint(functools.partial(run, w)) for w in widths]
+
+        def one(_, xs):
+            branch, rows_R = xs
+            return None, jax.lax.switch(branch, branches, rows_R, group_B[rows_R])
+
+        _, (logp_KxR, entropy_KxR) = jax.lax.scan(one, None, (branch_K, rows_KxR))
+        inverse = jnp.argsort(order)
+        unsort = lambda x: None if x is None else x.reshape(b, n + 1)[inverse]  # noqa: E731
+        logp, entropy = unsort(logp_KxR), unsort(entropy_KxR)
     pad = lambda x: None if x is None else jnp.pad(x[:, 1:], ((0, 0), (prompt_len, 0)))  # noqa: E731
     return pad(logp), pad(entropy)
 

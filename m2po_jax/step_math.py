@@ -6,12 +6,13 @@ under `actor.m2po_scope`, the clip range, the behaviour correction's settings.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from m2po_jax import advantages as adv_lib
-from m2po_jax import losses, masking, scopes
+from m2po_jax import losses, masking, proximal, scopes
 from m2po_jax.config import ActorSection
-from m2po_jax.step_plan import m2po_masks
+from m2po_jax.step_plan import StepPlan, m2po_masks
 
 
 def m2po_block(
@@ -90,3 +91,31 @@ def token_advantages(actor: ActorSection, rewards_B, loss_mask, behav, ref_logp)
 def rejection(actor: ActorSection) -> losses.RejectionSampling | None:
     # The one builder config.validate runs too: what it accepts, this accepts.
     return losses.build_rejection_sampling(actor.rejection_sampling)
+
+
+def loss_pass_prox(plan: StepPlan, mb: dict, logp_now, entropy, version) -> tuple:
+    """Inside a loss pass: (the proximal log-probs, the pass's statistics).
+
+    prox is `mb["prox"]` when computed before the pass, else this pass's log-probs
+    `logp_now` (gradient stopped) or AReaL's approximation from them (`version`: the policy
+    version of the params). Statistics: the approximation's error (method "metrics"), and
+    the entropy (`entropy` not None) and behaviour-proximal gap where no earlier pass
+    reported them.
+    """
+    behav, loss_mask = mb["behav"], mb["loss_mask"]
+    if plan.prox_source == "loss":
+        prox = logp_now
+    elif plan.prox_source == "loglinear":
+        prox = proximal.loglinear_prox(behav, logp_now, mb["version"], version)
+    else:
+        prox = mb["prox"]
+    stats = {}
+    if plan.approx_metrics:
+        approx = proximal.loglinear_prox(behav, logp_now, mb["version"], version)
+        stats.update(proximal.approximation_stats(approx, prox, behav, loss_mask))
+    n_valid = jnp.maximum(jnp.sum(loss_mask), 1)
+    if entropy is not None:
+        stats["train/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * loss_mask) / n_valid
+    if "prox" not in mb:
+        stats["train/behav_prox_abs_diff"] = jnp.sum(jnp.abs(behav - prox) * loss_mask) / n_valid
+    return prox, stats

@@ -15,14 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax import batching, logprobs, losses, proximal, step_math
+from m2po_jax import batching, logprobs, losses, step_math
 from m2po_jax import model as model_lib
 from m2po_jax.config import ActorSection
-from m2po_jax.optim import (  # noqa: F401 (public here too)
-    LR_SCHEDULER_TYPES,
-    make_optimizer,
-    make_schedule,
-)
+from m2po_jax.optim import LR_SCHEDULER_TYPES, make_optimizer, make_schedule  # noqa: F401
 from m2po_jax.step_metrics import combine_stats, step_metrics  # noqa: F401 (public here too)
 from m2po_jax.step_plan import StepPlan, plan_step
 from m2po_jax.types import TrainBatch
@@ -194,23 +190,7 @@ def ppo_updates(
             *plan.loss_prompt,
         )
         logp_now = jax.lax.stop_gradient(logp)
-        stats = {}
-        if plan.prox_source == "loss":
-            prox = logp_now
-        elif plan.prox_source == "loglinear":
-            prox = proximal.loglinear_prox(mb["behav"], logp_now, mb["version"], version)
-        else:
-            prox = mb["prox"]
-        if plan.approx_metrics:
-            approx = proximal.loglinear_prox(mb["behav"], logp_now, mb["version"], version)
-            stats.update(proximal.approximation_stats(approx, prox, mb["behav"], mb["loss_mask"]))
-        n_valid = jnp.maximum(jnp.sum(mb["loss_mask"]), 1)
-        if with_entropy:
-            stats["train/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mb["loss_mask"])
-            stats["train/entropy"] /= n_valid
-        if "prox" not in mb:
-            diff = jnp.abs(mb["behav"] - prox) * mb["loss_mask"]
-            stats["train/behav_prox_abs_diff"] = jnp.sum(diff) / n_valid
+        prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, version)
         mask = mb["mask"]
         if mask_in_loss or "prox" not in mb:
             kept, m2_parts = step_math.m2po_block(
