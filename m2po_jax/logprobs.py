@@ -238,6 +238,9 @@ def shared_prompt_logp(
     return pad(logp), pad(entropy)
 
 
+MIN_BLOCKED_WIDTH = 64  # completion columns from which `policy_logp` uses length blocks
+
+
 def shares_prompts(rows: int, prompt_len: int | None, group_size: int | None) -> bool:
     """Whether `policy_logp` can run a block of `rows` rows through `shared_prompt_logp`."""
     return bool(prompt_len) and bool(group_size) and group_size > 1 and rows % group_size == 0
@@ -256,8 +259,14 @@ def policy_logp(
 ) -> tuple[jax.Array, jax.Array | None]:
     """`shared_prompt_logp` when the rows come in whole groups sharing a prompt (prompt
     columns of the result are 0), `sequence_logp` otherwise (`prompt_len` or `group_size`
-    None). Equal on the completion columns either way."""
+    None). Equal on the completion columns either way.
+
+    Length blocks run from `MIN_BLOCKED_WIDTH` completion columns on: below that a block
+    can skip few columns, and its four branches make the trunk's program four times as
+    long to compile.
+    """
     if shares_prompts(tokens_BxT.shape[0], prompt_len, group_size):
+        blocks = 8 if tokens_BxT.shape[1] - prompt_len >= MIN_BLOCKED_WIDTH else 1
         return shared_prompt_logp(
             params,
             config,
@@ -268,6 +277,7 @@ def policy_logp(
             temperature,
             chunk,
             with_entropy,
+            blocks,
         )
     return sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk, with_entropy)
 

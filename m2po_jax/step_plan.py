@@ -18,7 +18,8 @@ forward pass the loss does not need:
 
 The mask needs the proximal log-probs of the whole block it is taken on before any of
 that block's loss. So prox comes from the loss pass only where the mask is taken there:
-with M2PO off, with `m2po_scope="microbatch"`, or when the block is one micro-batch.
+with M2PO off, with `m2po_scope="microbatch"`, or when the block is one micro-batch (a
+minibatch of one micro-batch under scopes "minibatch" and "row"; the batch when it is one).
 The capped-clip rule needs its bound before the loss: always "pass".
 
 `block` is the number of consecutive rows the minibatch permutation and the micro-batch
@@ -97,7 +98,9 @@ def plan_step(
     capped = actor.m2_threshold is not None and actor.m2po_stop_rule == "capped_clip"
     # Can the mask wait for the loss pass, i.e. is its block one loss pass?
     mask_in_loss_ok = (
-        not masks or level == "microbatch" or (n_micro == 1 and (level == "minibatch" or n_mb == 1))
+        not masks
+        or level == "microbatch"
+        or (n_micro == 1 and (level == "minibatch" or n_mb == 1 or actor.m2po_scope == "row"))
     )
     method = getattr(actor, "prox_logp_method", "recompute")
     if not actor.recompute_logprob:

@@ -153,15 +153,27 @@ def test_plan_names_where_prox_and_the_mask_come_from():
     )
     # The mask needs the whole batch's prox first: the approximation cannot skip the pass.
     assert plan(prox_logp_method="loglinear", ppo_n_minibatches=2) == ("pass", "prepare")
+    # A per-row mask can wait for each minibatch's loss pass.
+    assert plan(prox_logp_method="loglinear", ppo_n_minibatches=2, m2po_scope="row") == (
+        "loglinear",
+        "loss",
+    )
     assert plan(recompute_logprob=False, use_decoupled_loss=False) == ("behav", "prepare")
     ref = step_plan.plan_step(actor(), rows, seq, fuse_prox=False)
     assert (ref.prox_source, ref.mask_at) == ("pass", "prepare")
 
 
-def test_loglinear_is_exact_on_policy():
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(ppo_n_minibatches=2, m2_threshold=None),
+        dict(ppo_n_minibatches=2, m2_threshold=0.04, m2po_scope="row"),
+    ],
+    ids=["m2po-off", "row-scope"],
+)
+def test_loglinear_is_exact_on_policy(changes):
     """On-policy rows (version == the state's): alpha = 0 and the behaviour log-probs are
     the proximal ones, so the approximation's two updates equal the recomputed ones."""
-    changes = dict(ppo_n_minibatches=2, m2_threshold=None)
     b = batch(params0(), 0)
     ref, _ = run(actor(**changes), b, 0, steps=1, group_size=GROUP)
     approx, m = run(actor(prox_logp_method="loglinear", **changes), b, 0, steps=1, group_size=GROUP)
