@@ -102,7 +102,7 @@ def plan_step(
         or level == "microbatch"
         or (n_micro == 1 and (level == "minibatch" or n_mb == 1 or actor.m2po_scope == "row"))
     )
-    method = getattr(actor, "prox_logp_method", "recompute")
+    method = actor.prox_logp_method
     if not actor.recompute_logprob:
         source = "behav"
     elif capped or not mask_in_loss_ok:

@@ -333,7 +333,6 @@ def train_step(
     plan = plan_step(
         actor, rows, seq_len, prompt_len=prompt_len, group_size=group_size, fuse_prox=fuse_prox
     )
-    prompt = (prompt_len, group_size) if plan.perm_block > 1 else (None, None)
     prep = prepare(
         state.params,
         batch,
@@ -342,7 +341,7 @@ def train_step(
         actor=actor,
         plan=plan,
         layout=layout,
-        prompt=prompt,
+        prompt=(prompt_len, group_size),  # the batch's own order: groups are whole
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         state.params,

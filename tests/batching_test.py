@@ -39,3 +39,20 @@ def test_trim_keeps_every_generated_token(seed):
 def test_trim_refuses_a_wrong_width():
     with pytest.raises(ValueError, match="expected prompt_len \\+ max_new_tokens = 5 \\+ 10"):
         batching.trim_completions({"valid_BxT": np.ones((2, 12), bool)}, 5, 10)
+
+
+def test_check_prompt_groups_names_the_group_that_differs():
+    tokens = np.repeat(np.arange(12).reshape(3, 4), 2, axis=0)  # 3 groups of 2 rows
+    tokens = np.concatenate([tokens, np.arange(6)[:, None]], axis=1)  # completions differ
+    valid = np.ones_like(tokens, bool)
+    batching.check_prompt_groups(tokens, valid, 4, 2)
+    bad = tokens.copy()
+    bad[3, 1] += 1
+    with pytest.raises(ValueError, match=r"rows 2\.\.3 .* first 4 tokens columns differ"):
+        batching.check_prompt_groups(bad, valid, 4, 2)
+    bad_valid = valid.copy()
+    bad_valid[5, 0] = False
+    with pytest.raises(ValueError, match=r"rows 4\.\.5 .* valid columns differ"):
+        batching.check_prompt_groups(tokens, bad_valid, 4, 2)
+    with pytest.raises(ValueError, match="group_size=4"):
+        batching.check_prompt_groups(tokens, valid, 4, 4)
