@@ -30,6 +30,7 @@ from m2po_jax import attention as attention_lib  # noqa: E402
 from m2po_jax import config as config_lib  # noqa: E402
 from m2po_jax import model as model_lib  # noqa: E402
 from m2po_jax import placement as placement_lib  # noqa: E402
+from m2po_jax import setup as setup_lib  # noqa: E402
 from m2po_jax import train_step as step_lib  # noqa: E402
 from m2po_jax.configs import gsm8k  # noqa: E402
 from m2po_jax.types import TrainBatch  # noqa: E402
@@ -113,8 +114,8 @@ def step_flops(mc: model_lib.ModelConfig, rows: int, seq: int) -> float:
     return rows * seq * 4 * forward
 
 
-def actor_for(s: dict, rows: int, prompt_len: int, new_tokens: int):
-    """The actor section of configs/gsm8k.py with this run's shapes and micro-batch cap."""
+def run_config_for(s: dict, rows: int, prompt_len: int, new_tokens: int):
+    """configs/gsm8k.py with this run's shapes and micro-batch cap."""
     c = gsm8k.get_config("qwen2.5-0.5b")
     config_lib.apply_dotted(
         c,
@@ -125,18 +126,22 @@ def actor_for(s: dict, rows: int, prompt_len: int, new_tokens: int):
             "actor.mb_spec.max_tokens_per_mb": s["max_tokens_per_mb"],
         },
     )
-    return config_lib.from_configdict(c).actor
+    return config_lib.from_configdict(c)
 
 
-def train_rows(mc, rows: int, prompt_len: int, seq: int, rng: np.random.Generator):
-    """Random tokens: left-padded prompts (a quarter to all of `prompt_len`), then
-    right-padded completions (a sixth to all of the rest)."""
+def train_rows(mc, rows: int, prompt_len: int, seq: int, rng: np.random.Generator, group=1):
+    """Random tokens as the sampler lays them out: groups of `group` rows share a
+    left-padded prompt (a quarter to all of `prompt_len`), then right-padded completions
+    (a sixth to all of the rest)."""
     tokens = rng.integers(0, mc.vocab_size, (rows, seq), dtype=np.int32)
     valid = np.zeros((rows, seq), bool)
     loss_mask = np.zeros((rows, seq), bool)
     new = seq - prompt_len
     for row in range(rows):
-        p = int(rng.integers(max(prompt_len // 4, 1), prompt_len + 1))
+        if row % group == 0:
+            p = int(rng.integers(max(prompt_len // 4, 1), prompt_len + 1))
+        else:
+            tokens[row, :prompt_len] = tokens[row - 1, :prompt_len]
         c = int(rng.integers(max(new // 6, 1), new + 1))
         valid[row, prompt_len - p : prompt_len + c] = True
         loss_mask[row, prompt_len : prompt_len + c] = True
@@ -149,7 +154,8 @@ def make_train_batch(params, mc, actor, rows: int, prompt_len: int, seq: int) ->
     one token in ten N(0, 1): enough for M2PO to mask some) and whose rewards are 0/1,
     half of each group right."""
     rng = np.random.default_rng(0)
-    tokens, valid, loss_mask = train_rows(mc, rows, prompt_len, seq, rng)
+    group = actor.reward_norm.group_size
+    tokens, valid, loss_mask = train_rows(mc, rows, prompt_len, seq, rng, group)
     # One forward with "xla" attention: the same program in every train worker, so the
     # persistent compilation cache (JAX_COMPILATION_CACHE_DIR) compiles it once.
     own_mc = mc.replace(attention="xla")
@@ -162,7 +168,6 @@ def make_train_batch(params, mc, actor, rows: int, prompt_len: int, seq: int) ->
     scale = np.where(rng.random((rows, seq)) < 0.1, 1.0, 0.05)
     noise = rng.normal(0.0, 1.0, (rows, seq)) * scale
     behav = np.where(loss_mask, np.asarray(own) + noise, 0.0).astype(np.float32)
-    group = actor.reward_norm.group_size
     rewards = (np.arange(rows) % group < group // 2).astype(np.float32)
     return TrainBatch(
         tokens_BxT=tokens,
@@ -192,7 +197,8 @@ def run_train(s: dict, attention: str) -> dict:
     memory against the plan and XLA's analysis."""
     rows, seq, prompt_len = s["rows"], s["seq_len"], s["prompt_len"]
     mc = model_config(s, attention)
-    actor = actor_for(s, rows, prompt_len, seq - prompt_len)
+    cfg = run_config_for(s, rows, prompt_len, seq - prompt_len)
+    actor = cfg.actor
     placement = placement_lib.Placement.from_shape(MESH_1, mc)
     tx, schedule = step_lib.make_optimizer(actor.optimizer, 10)
     start = time.perf_counter()
@@ -202,9 +208,8 @@ def run_train(s: dict, attention: str) -> dict:
     del params
     state = jax.device_put(state, placement.state_shardings(state))
     batch = jax.device_put(batch, placement.train_batch_shardings())
-    step = step_lib.make_train_step(
-        mc, actor, tx, schedule, jit_kwargs=placement.train_step_shardings(state, with_ref=False)
-    )
+    # The trainer's own builder: one trunk pass per prompt, whole groups, the state donated.
+    step = setup_lib.build_train_step(cfg, mc, tx, schedule, placement, state)
     rng = jax.random.key(1)
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -224,7 +229,7 @@ def run_train(s: dict, attention: str) -> dict:
     n_micro = batching.micro_batch_count(
         rows, seq, actor.mb_spec.n_mbs, actor.mb_spec.max_tokens_per_mb
     )
-    used = step_memory(mc, actor, placement, compiled, rows, seq, n_micro)  # before the matmul
+    used = step_memory(mc, cfg, placement, compiled, rows, seq, n_micro)  # before the matmul
     flops = step_flops(mc, rows, seq)
     median = statistics.median(times)
     device = device_info(s["peak_tflops"])
@@ -258,16 +263,18 @@ def run_train(s: dict, attention: str) -> dict:
     return result
 
 
-def step_memory(mc, actor, placement, compiled, rows: int, seq: int, n_micro: int) -> dict:
+def step_memory(mc, cfg, placement, compiled, rows: int, seq: int, n_micro: int) -> dict:
     """Section 3: the process's peak device memory (after the steps) next to the memory
-    plan's `train_step` and XLA's argument + temp + output - alias of the compiled step."""
+    plan's `train_step` (of the path the step plan picks) and XLA's argument + temp +
+    output - alias of the compiled step."""
     plan = memory.memory_plan(
         mc,
         placement.mesh,
         batch=rows,
         seq_len=seq,
         micro_batch=rows // n_micro,
-        logp_chunk=actor.logp_chunk_size,
+        logp_chunk=cfg.actor.logp_chunk_size,
+        shared_prompt=setup_lib.step_plan(cfg, placement).loss_prompt,
     )
     xla = compiled.memory_analysis()
     held = (

@@ -1,7 +1,7 @@
 """Real-size models on this machine: what fits, checked by running and by compiling.
 
   python benchmarks/scale_bench.py --part a    # Qwen3-0.6B-shaped checkpoint, 3 RL steps
-  python benchmarks/scale_bench.py --part b    # Qwen2.5-7B step, compile only, 8 devices
+  python benchmarks/scale_bench.py --part b    # 7B and 8B steps, compile only, 8 devices
   python benchmarks/scale_bench.py --part c    # the same at vocabularies 32k and 152k
   python benchmarks/scale_bench.py --plans     # memory plan of every configs/gsm8k.py preset
 
@@ -9,10 +9,12 @@
     weights written by transformers) runs three RL steps of configs/gsm8k.py on the CPU:
     2 prompts x 2 samples, 128-token prompts, 64 new tokens, float32. Prints the trainer
     process's peak RSS and the seconds per step (rollout + train, from metrics.jsonl).
-(b) Compile only, with abstract shapes and nothing allocated: the Qwen2.5-7B train step of
-    the `qwen2.5-7b` preset (512 rows of 1,536 tokens in 4 minibatches, one row per device
-    per micro-batch) on 8 fake CPU devices with fsdp=8. Prints XLA's memory analysis per
-    device next to the memory plan. Target: at most 40 GiB.
+(b) Compile only, with abstract shapes and nothing allocated: the train steps of the
+    `qwen2.5-7b` and `qwen3-8b` presets on 8 fake CPU devices (fsdp=8, one row per device
+    per micro-batch) and of `qwen2.5-0.5b` on one, built by the trainer's own builder (`setup.build_train_step`), next
+    to the plain step (every row's whole sequence). Prints XLA's memory per device, the
+    memory plan of the path that runs, and the seconds to trace and compile. Targets: the
+    trainer's step at most 1.1x the plain step's memory and 40 GiB, compiled in 60 s.
 (c) The compile of (b) at vocabularies 32,000 and 152,064: XLA's temp memory must differ by
     less than 15% (the output head works in chunks, so it no longer scales with rows x T).
 """
@@ -98,16 +100,37 @@ def part_a(steps: int = 3) -> dict:
     }
 
 
-def compile_7b(vocab_size: int | None = None) -> dict:
-    """XLA's memory analysis of the `qwen2.5-7b` preset's train step, compiled abstractly."""
+ARCH = {"qwen2.5-0.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-7b", "qwen3-8b": "qwen3-8b"}
+
+
+def _on_devices(preset: str, devices: int):
+    """The preset's run on `devices` fake devices: fsdp over all of them with the same rows
+    per device per micro-batch (the qwen3-8b preset is for 16 chips)."""
+    from m2po_jax import config as config_lib
+    from m2po_jax.configs import gsm8k
+
+    c = gsm8k.get_config(preset)
+    size = c.mesh.data * c.mesh.fsdp * c.mesh.tensor
+    if size != devices:
+        c.actor.mb_spec.max_tokens_per_mb = c.actor.mb_spec.max_tokens_per_mb * devices // size
+        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, devices, 1
+    return config_lib.from_configdict(c)
+
+
+def compile_preset(
+    preset: str, share_prompts: bool = True, vocab_size: int | None = None, devices: int = 8
+) -> dict:
+    """XLA's memory analysis and compile time of a preset's train step, built by the
+    trainer's own builder (`setup.build_train_step`) from abstract shapes."""
     from m2po_jax import architectures, batching, memory
     from m2po_jax import placement as placement_lib
+    from m2po_jax import setup as setup_lib
 
-    cfg = _gsm8k_actor("qwen2.5-7b")
+    cfg = _on_devices(preset, devices)
     changes = {} if vocab_size is None else {"vocab_size": vocab_size}
     m = cfg.model
     model_config = architectures.model_config(
-        "qwen2.5-7b",
+        ARCH[preset],
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,
@@ -123,9 +146,9 @@ def compile_7b(vocab_size: int | None = None) -> dict:
     n_micro = batching.micro_batch_count(
         rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
     )
-    t0 = time.perf_counter()
-    xla = memory.compiled_step_memory(model_config, a, placement, rows=rows, seq_len=seq_len)
-    compile_s = time.perf_counter() - t0
+    xla = memory.compiled_step_memory(cfg, model_config, placement, share_prompts=share_prompts)
+    step_plan = setup_lib.step_plan(cfg, placement)
+    shared = step_plan.loss_prompt if share_prompts else None
     plan = memory.memory_plan(
         model_config,
         placement.mesh,
@@ -133,22 +156,23 @@ def compile_7b(vocab_size: int | None = None) -> dict:
         seq_len=seq_len,
         micro_batch=rows_mb // n_micro,
         logp_chunk=a.logp_chunk_size,
-    )
-    held = (
-        xla.argument_size_in_bytes
-        + xla.temp_size_in_bytes
-        + xla.output_size_in_bytes
-        - xla.alias_size_in_bytes
+        shared_prompt=shared,
     )
     return {
+        "preset": preset,
+        "step": "trainer" if share_prompts else "plain",
+        "mesh": mesh_shape,
         "vocab_size": model_config.vocab_size,
         "rows": rows,
         "seq_len": seq_len,
         "micro_batches_per_minibatch": n_micro,
-        "compile_s": compile_s,
-        "xla_argument_gib": xla.argument_size_in_bytes / GiB,
-        "xla_temp_gib": xla.temp_size_in_bytes / GiB,
-        "xla_total_gib": held / GiB,
+        "shared_prompt": shared is not None,
+        "length_blocks": shared.length_blocks if shared else 1,
+        "lower_s": xla.lower_s,
+        "compile_s": xla.compile_s,
+        "xla_argument_gib": xla.analysis.argument_size_in_bytes / GiB,
+        "xla_temp_gib": xla.analysis.temp_size_in_bytes / GiB,
+        "xla_total_gib": xla.held_bytes / GiB,
         "plan_train_step_gib": plan.train_step / GiB,
         "plan": plan.format(),
     }
@@ -159,15 +183,16 @@ def presets_plans() -> str:
     import jax
 
     from m2po_jax import architectures, batching, memory, sharding
+    from m2po_jax import placement as placement_lib
+    from m2po_jax import setup as setup_lib
     from m2po_jax.configs import gsm8k
 
-    arch = {"qwen2.5-0.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-7b", "qwen3-8b": "qwen3-8b"}
     out = []
     for preset in gsm8k.PRESETS:
         cfg = _gsm8k_actor(preset)
         m = cfg.model
         model_config = architectures.model_config(
-            arch[preset],
+            ARCH[preset],
             dtype=m.dtype,
             param_dtype=m.param_dtype,
             remat=m.remat,
@@ -187,6 +212,7 @@ def presets_plans() -> str:
         n = batching.micro_batch_count(
             rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
         )
+        placement = placement_lib.Placement(mesh, model_config)
         plan = memory.memory_plan(
             model_config,
             mesh,
@@ -196,6 +222,7 @@ def presets_plans() -> str:
             kv_cache_batch=rows,
             kv_cache_len=seq_len,
             logp_chunk=a.logp_chunk_size,
+            shared_prompt=setup_lib.step_plan(cfg, placement).loss_prompt,
         )
         out.append(f"{preset}: {rows} rows x {seq_len} tokens, {n} micro-batches/minibatch")
         out.append(plan.format())
@@ -217,12 +244,25 @@ def main() -> None:
         print("(a) Qwen3-0.6B-shaped checkpoint, 3 RL steps on this CPU:", flush=True)
         print(json.dumps(result, indent=1), flush=True)
     if "b" in args.part:
-        result = compile_7b()
-        print("(b) Qwen2.5-7B train step, 8 devices fsdp=8, compile only:", flush=True)
-        print(json.dumps({k: v for k, v in result.items() if k != "plan"}, indent=1))
-        print(result["plan"], flush=True)
+        print("(b) train steps of the real-size presets on at most 8 fake devices, compile only:")
+        for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b"):
+            devices = 1 if preset == "qwen2.5-0.5b" else 8  # its preset is for one GPU
+            trainer = compile_preset(preset, devices=devices)
+            plain = compile_preset(preset, share_prompts=False, devices=devices)
+            for r in (trainer, plain):
+                print(json.dumps({k: v for k, v in r.items() if k != "plan"}), flush=True)
+            print(
+                f"  {preset}: trainer's step {trainer['xla_total_gib']:.2f} GiB per device "
+                f"(plan {trainer['plan_train_step_gib']:.2f}), compile "
+                f"{trainer['lower_s'] + trainer['compile_s']:.0f} s; plain step "
+                f"{plain['xla_total_gib']:.2f} GiB, compile "
+                f"{plain['lower_s'] + plain['compile_s']:.0f} s; memory ratio "
+                f"{trainer['xla_total_gib'] / plain['xla_total_gib']:.3f}",
+                flush=True,
+            )
     if "c" in args.part:
-        small, large = compile_7b(32000), compile_7b(152064)
+        small = compile_preset("qwen2.5-7b", vocab_size=32000)
+        large = compile_preset("qwen2.5-7b", vocab_size=152064)
         ratio = large["xla_temp_gib"] / small["xla_temp_gib"]
         print("(c) temp memory per device at vocab 32,000 vs 152,064:", flush=True)
         print(f"  {small['xla_temp_gib']:.2f} GiB vs {large['xla_temp_gib']:.2f} GiB: x{ratio:.3f}")

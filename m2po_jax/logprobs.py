@@ -17,6 +17,7 @@ column 0 is 0. Temperature divides the logits first, as the sampler does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -135,9 +136,12 @@ def shared_prompt_logp(
 
     The first `prompt_len` columns of rows g * group_size ... (g + 1) * group_size - 1 must
     hold the same (left-padded) prompt, as the sampler writes them. The trunk then runs
-    over each prompt once (into a key/value cache that the group's rows share, gradients
-    included) and over each row's completion columns, instead of over every row's whole
-    sequence; the head runs on the completion columns only. Prompt columns of the result
+    over each prompt once (returning its keys and values, `model.apply(return_kv=True)`)
+    and over each row's completion columns against them (`model.Prefix`: each layer
+    expands its group's prompt keys and values to the rows inside the layer, so with
+    `model.scan_layers` the step keeps one layer's copies, and gradients flow back into
+    the shared prompt), instead of over every row's whole sequence; the head runs on the
+    completion columns only. Prompt columns of the result
     are 0 (log-probs there are never used). Values and gradients equal `sequence_logp`'s
     on the completion columns up to float reordering.
 
@@ -168,10 +172,10 @@ def shared_prompt_logp(
     n = t - prompt_len
     prompt_GxP = tokens_BxT[::group_size, :prompt_len]
     prompt_valid_GxP = valid_BxT[::group_size, :prompt_len]
-    cache = model_lib.init_cache(config, prompt_GxP.shape[0], t)
-    hidden_GxPxE, cache = model_lib.apply(
-        params, config, prompt_GxP, None, prompt_valid_GxP, cache, 0, hidden_only=True
+    hidden_GxPxE, (k_LxGxKxPxD, v_LxGxKxPxD) = model_lib.apply(
+        params, config, prompt_GxP, None, prompt_valid_GxP, hidden_only=True, return_kv=True
     )
+    groups = prompt_GxP.shape[0]
     group_B = jnp.arange(b) // group_size
     completion_valid = valid_BxT[:, prompt_len:]
     prompt_count_B = jnp.sum(prompt_valid_GxP, axis=-1, dtype=jnp.int32)[group_B]
@@ -184,31 +188,27 @@ def shared_prompt_logp(
 
     def run(width, rows_R, group_R):
         """[R, N + 1] log-probs (and entropies) of rows `rows_R` over `width` columns."""
-        cut = prompt_len + width
-        # Rows pick their prompt's keys and values by a one-hot matmul, not a gather: its
-        # gradient is a matmul too, where a gather's is a scatter-add (slow on CPU).
-        pick_RxG = jax.nn.one_hot(group_R, prompt_GxP.shape[0], dtype=cache.k[0].dtype)
-        pick = lambda x: jnp.einsum("rg,g...->r...", pick_RxG, x)  # noqa: E731
-        rows_cache = model_lib.KVCache(
-            k=tuple(pick(x[:, :, :cut]) for x in cache.k),
-            v=tuple(pick(x[:, :, :cut]) for x in cache.v),
-            valid_BxS=cache.valid_BxS[group_R, :cut],
-        )
-        hidden_RxWxE, _ = model_lib.apply(
+        # Rows in the batch's own order continue their group's prompt by a repeat; rows
+        # sorted by length pick it (`Prefix`).
+        pick = None if group_R is None else jax.nn.one_hot(group_R, groups, dtype=jnp.float32)
+        prefix = model_lib.Prefix(k_LxGxKxPxD, v_LxGxKxPxD, prompt_valid_GxP, pick)
+        rows = b if rows_R is None else rows_R.shape[0]
+        take = (lambda x: x) if rows_R is None else (lambda x: x[rows_R])  # noqa: E731
+        hidden_RxWxE = model_lib.apply(
             params,
             config,
-            tokens_BxT[rows_R, prompt_len:cut],
-            jnp.maximum(positions[rows_R, :width], 0),
-            completion_valid[rows_R, :width],
-            rows_cache,
-            prompt_len,
+            take(tokens_BxT)[:, prompt_len : prompt_len + width],
+            jnp.maximum(take(positions)[:, :width], 0),
+            take(completion_valid)[:, :width],
             hidden_only=True,
+            prefix=prefix,
         )
-        hidden = jnp.concatenate([pick(hidden_GxPxE[:, -1:]), hidden_RxWxE], axis=1)
+        last_RxE = prefix.expand(hidden_GxPxE[:, -1], rows)
+        hidden = jnp.concatenate([last_RxE[:, None], hidden_RxWxE], axis=1)
         out = head_logp_entropy(
             hidden,
             head,
-            targets[rows_R, : width + 1],
+            take(targets)[:, : width + 1],
             temperature,
             chunk,
             with_entropy,
@@ -217,7 +217,7 @@ def shared_prompt_logp(
         return pad(out[0]), pad(out[1])
 
     if blocks == 1:
-        logp, entropy = run(n, jnp.arange(b), group_B)
+        logp, entropy = run(n, None, None)
     else:
         length_B = jnp.sum(completion_valid, axis=-1)
         order = jnp.argsort(-length_B, stable=True)
@@ -238,12 +238,22 @@ def shared_prompt_logp(
     return pad(logp), pad(entropy)
 
 
-MIN_BLOCKED_WIDTH = 64  # completion columns from which `policy_logp` uses length blocks
+MIN_BLOCKED_WIDTH = 64  # completion columns from which a step may use length blocks
 
 
-def shares_prompts(rows: int, prompt_len: int | None, group_size: int | None) -> bool:
+@dataclasses.dataclass(frozen=True)
+class SharedPrompt:
+    """Rows come in groups of `group_size` sharing their first `prompt_len` columns (the
+    sampler's layout), and `shared_prompt_logp` runs them in `length_blocks` blocks."""
+
+    prompt_len: int
+    group_size: int
+    length_blocks: int = 1
+
+
+def shares_prompts(rows: int, shared: SharedPrompt | None) -> bool:
     """Whether `policy_logp` can run a block of `rows` rows through `shared_prompt_logp`."""
-    return bool(prompt_len) and bool(group_size) and group_size > 1 and rows % group_size == 0
+    return shared is not None and shared.group_size > 1 and rows % shared.group_size == 0
 
 
 def policy_logp(
@@ -254,30 +264,24 @@ def policy_logp(
     temperature: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
-    prompt_len: int | None = None,
-    group_size: int | None = None,
+    shared: SharedPrompt | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`shared_prompt_logp` when the rows come in whole groups sharing a prompt (prompt
-    columns of the result are 0), `sequence_logp` otherwise (`prompt_len` or `group_size`
-    None). Equal on the completion columns either way.
-
-    Length blocks run from `MIN_BLOCKED_WIDTH` completion columns on: below that a block
-    can skip few columns, and its four branches make the trunk's program four times as
-    long to compile.
+    columns of the result are 0), `sequence_logp` otherwise (`shared` None). Equal on the
+    completion columns either way.
     """
-    if shares_prompts(tokens_BxT.shape[0], prompt_len, group_size):
-        blocks = 8 if tokens_BxT.shape[1] - prompt_len >= MIN_BLOCKED_WIDTH else 1
+    if shares_prompts(tokens_BxT.shape[0], shared):
         return shared_prompt_logp(
             params,
             config,
             tokens_BxT,
             valid_BxT,
-            prompt_len,
-            group_size,
+            shared.prompt_len,
+            shared.group_size,
             temperature,
             chunk,
             with_entropy,
-            blocks,
+            shared.length_blocks,
         )
     return sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk, with_entropy)
 
@@ -291,22 +295,21 @@ def micro_batched_logp(
     chunk: int = DEFAULT_CHUNK,
     n_micro: int = 1,
     layout=None,
-    prompt_len: int | None = None,
-    group_size: int | None = None,
+    shared: SharedPrompt | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`policy_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`).
 
-    With `prompt_len` and `group_size` (rows in groups of `group_size` sharing a prompt,
-    as the sampler writes them) each part holds whole groups and runs every prompt once.
-    `layout` (`placement.Layout`) keeps each part's rows sharded like the batch's.
+    With `shared` (rows in groups sharing a prompt, as the sampler writes them) each part
+    holds whole groups and runs every prompt once. `layout` (`placement.Layout`) keeps
+    each part's rows sharded like the batch's.
     """
     rows = tokens_BxT.shape[0]
-    block = group_size if shares_prompts(rows // n_micro, prompt_len, group_size) else 1
-    shared = (prompt_len, group_size) if block > 1 else (None, None)
+    block = shared.group_size if shares_prompts(rows // n_micro, shared) else 1
+    shared = shared if block > 1 else None
 
     def one(xs):
         tokens, valid = xs
-        return policy_logp(params, config, tokens, valid, temperature, chunk, True, *shared)
+        return policy_logp(params, config, tokens, valid, temperature, chunk, True, shared)
 
     if n_micro == 1:
         return jax.lax.stop_gradient(one((tokens_BxT, valid_BxT)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,7 @@ def memory_plan(
     logp_chunk: int = logprobs.DEFAULT_CHUNK,
     param_dtype_bytes: int | None = None,
     compute_dtype_bytes: int | None = None,
+    shared_prompt: logprobs.SharedPrompt | None = None,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -108,6 +110,12 @@ def memory_plan(
       fsdp and K over tensor (0 when `kv_cache_batch` is 0).
     `total` adds everything, an upper bound for a trainer that samples and trains on the
     same devices; `train_step` leaves the KV cache out.
+
+    `shared_prompt` (the step plan's `loss_prompt`): the trunk runs each group's prompt
+    once (G = micro_batch / group_size prompts, split over the batch shards when they
+    divide, else on every device) and then each row's completion columns against it, in
+    `length_blocks` blocks of rows one after the other; activations count both passes,
+    the prompts' keys and values (and their gradients) and the blocks' head buffers.
     """
     c = model_config
     if batch < 1 or seq_len < 1:
@@ -148,20 +156,42 @@ def memory_plan(
     )
     dense_attention = attention_kind(c) in _DENSE_ATTENTION
     per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
-    scores = b * h * t * t if dense_attention else 0
-    layer = (b * t * per_token + scores) * cbytes
     policy = c.remat_policy if remat else "everything_saveable"
-    if policy == "everything_saveable":
-        activations = c.num_layers * layer
-    else:
+
+    def trunk(rows: int, queries: int, keys: int) -> int:
+        """Bytes one trunk pass over `rows` rows keeps for the backward pass."""
+        scores = rows * h * queries * keys if dense_attention else 0
+        layer = (rows * queries * per_token + scores) * cbytes
+        if policy == "everything_saveable":
+            return c.num_layers * layer
         # Each layer's input and what the policy saves, plus one layer recomputed and its
         # gradients in the backward pass.
-        saved = b * t * _SAVED_PER_TOKEN[policy](e, h, k, d, f) * cbytes
+        saved = rows * queries * _SAVED_PER_TOKEN[policy](e, h, k, d, f) * cbytes
         if policy == "dots_saveable":
             saved += scores * cbytes  # the attention matmuls are dots too
-        activations = c.num_layers * (b * t * e * cbytes + saved) + 2 * layer
-    # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows.
-    columns = max(1, min(logp_chunk // micro_batch, t - 1))
+        return c.num_layers * (rows * queries * e * cbytes + saved) + 2 * layer
+
+    if shared_prompt is None:
+        activations = trunk(b, t, t)
+    else:
+        p = shared_prompt.prompt_len
+        groups = micro_batch // shared_prompt.group_size
+        g = groups // shards if groups % shards == 0 else groups
+        prompt_kv = 2 * 2 * c.num_layers * g * k * p * d * cbytes  # k, v and their gradients
+        activations = trunk(g, p, p) + prompt_kv
+        blocks = shared_prompt.length_blocks
+        if blocks == 1:
+            activations += trunk(b, t - p, t)
+        else:
+            # The blocks run one after another, yet XLA keeps about half of what whole rows
+            # would (tests/memory_test.py); and the branches' head buffers.
+            activations += trunk(max(b // 2, 1), t - p, t) + _branch_head_bytes(
+                c, mesh, micro_batch, t - p, blocks, logp_chunk
+            )
+    # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows (the
+    # shared-prompt pass runs the head on completion columns only).
+    scored = t - 1 if shared_prompt is None else t - shared_prompt.prompt_len
+    columns = max(1, min(logp_chunk // micro_batch, scored))
     logits = 3 * b * columns * split(c.vocab_size) * 4
 
     kv_b = _per_device(kv_cache_batch, shards)
@@ -176,6 +206,60 @@ def memory_plan(
         mesh_shape=tuple(mesh.shape.items()),
         micro_batch=micro_batch,
     )
+
+
+# Vocabulary-wide buffers one length-block branch of `logprobs.shared_prompt_logp` keeps
+# (its head chunk's logits, softmax, gradients and copies), measured against XLA at
+# Qwen2.5-0.5B's vocabulary: the four branches cost ~12 GiB there whatever the rows.
+_BRANCH_HEAD_BUFFERS = 5
+
+
+def _branch_head_bytes(c, mesh: Mesh, rows: int, width: int, blocks: int, logp_chunk: int) -> int:
+    """Vocabulary-wide buffers the four length-block branches of a micro-batch of `rows`
+    rows and `width` completion columns keep, per device."""
+    tensor = mesh.shape.get("tensor", 1)
+    vocab = c.vocab_size // tensor if c.vocab_size % tensor == 0 else c.vocab_size
+    block_tokens = min(logp_chunk, rows // blocks * (width + 1))
+    tokens = _per_device(block_tokens, sharding.batch_shards(mesh))
+    return 4 * _BRANCH_HEAD_BUFFERS * tokens * vocab * 4
+
+
+def length_blocks_pay(
+    model_config: model_lib.ModelConfig,
+    mesh: Mesh,
+    *,
+    rows: int,
+    seq_len: int,
+    prompt_len: int,
+    blocks: int,
+    logp_chunk: int = logprobs.DEFAULT_CHUNK,
+) -> bool:
+    """Whether running a micro-batch of `rows` rows in `blocks` blocks by completion length
+    holds less than running whole rows: the blocks skip about half the completion pass's
+    activations, and each of their four compiled widths keeps its own vocabulary-wide head
+    buffers (XLA does not share them between the branches). Small vocabularies: they pay;
+    Qwen-sized ones (152k) with a few rows per device: they do not."""
+    whole = memory_plan(model_config, mesh, batch=rows, seq_len=seq_len, micro_batch=rows)
+    width = seq_len - prompt_len
+    head = _branch_head_bytes(model_config, mesh, rows, width, blocks, logp_chunk)
+    return whole.activations // 2 > head
+
+
+def blocks_pay_fn(model_config: model_lib.ModelConfig, mesh: Mesh, logp_chunk: int):
+    """`length_blocks_pay` bound to a model and mesh, as `step_plan.plan_step` takes it."""
+
+    def pays(rows: int, seq_len: int, prompt_len: int, blocks: int) -> bool:
+        return length_blocks_pay(
+            model_config,
+            mesh,
+            rows=rows,
+            seq_len=seq_len,
+            prompt_len=prompt_len,
+            blocks=blocks,
+            logp_chunk=logp_chunk,
+        )
+
+    return pays
 
 
 def attention_kind(config: model_lib.ModelConfig) -> str:
@@ -269,21 +353,49 @@ def check_fits(
     return limit
 
 
-def compiled_step_memory(
-    model_config: model_lib.ModelConfig, actor, placement, *, rows: int, seq_len: int
-):
-    """XLA's memory analysis of the jitted train step, compiled from abstract shapes.
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """XLA's memory analysis of a compiled train step and the time it took to build."""
 
-    Nothing is allocated: params, optimizer state and the batch are `ShapeDtypeStruct`s laid
-    out by `placement`. Returns `compiled.memory_analysis()` (bytes per device).
+    analysis: Any  # `compiled.memory_analysis()`: bytes per device
+    lower_s: float  # tracing and lowering
+    compile_s: float  # XLA's compilation
+
+    @property
+    def held_bytes(self) -> int:
+        """Arguments + temporaries + outputs, less the donated buffers the outputs reuse."""
+        x = self.analysis
+        return (
+            x.argument_size_in_bytes
+            + x.temp_size_in_bytes
+            + x.output_size_in_bytes
+            - x.alias_size_in_bytes
+        )
+
+
+def compiled_step_memory(
+    cfg, model_config: model_lib.ModelConfig, placement, *, share_prompts: bool = True
+) -> CompiledStep:
+    """XLA's memory analysis of the run's jitted train step, compiled from abstract shapes.
+
+    The step is built by `setup.build_train_step`, the trainer's own builder, for the
+    run's largest batch (`rollout.batch_size x gconfig.n_samples` rows of
+    `task.max_prompt_len + gconfig.max_new_tokens` tokens). Nothing is allocated: params,
+    optimizer state and the batch are `ShapeDtypeStruct`s laid out by `placement`.
+    `share_prompts=False` compiles the plain step instead (the baseline).
     """
+    import time
+
+    from m2po_jax import setup as setup_lib
     from m2po_jax import train_step as step_lib
     from m2po_jax.types import TrainBatch
 
-    tx, schedule = step_lib.make_optimizer(actor.optimizer, 1)
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+    tx, schedule = step_lib.make_optimizer(cfg.actor.optimizer, 1)
     params = jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
     state = jax.eval_shape(lambda p: step_lib.init_train_state(p, tx), params)
-    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)
+    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     batch = TrainBatch(
         tokens_BxT=shape(jnp.int32, rows, seq_len),
         valid_BxT=shape(jnp.bool_, rows, seq_len),
@@ -293,12 +405,16 @@ def compiled_step_memory(
         version_B=shape(jnp.int32, rows),
     )
     rng = jax.eval_shape(lambda: jax.random.key(0))
-    step = step_lib.make_train_step(
-        model_config,
-        actor,
-        tx,
-        schedule,
-        jit_kwargs=placement.train_step_shardings(state, with_ref=False),
-        layout=placement.layout,
+    ref = params if cfg.actor.kl_ctl > 0 else None
+    step = setup_lib.build_train_step(
+        cfg, model_config, tx, schedule, placement, state, share_prompts=share_prompts
     )
-    return step.lower(state, batch, rng, None).compile().memory_analysis()
+    start = time.perf_counter()
+    lowered = step.lower(state, batch, rng, ref)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return CompiledStep(
+        analysis=compiled.memory_analysis(),
+        lower_s=lowered_at - start,
+        compile_s=time.perf_counter() - lowered_at,
+    )

@@ -51,6 +51,43 @@ class KVCache:
     valid_BxS: jax.Array
 
 
+@flax.struct.dataclass
+class Prefix:
+    """Keys and values of G prefixes (prompts) that the R rows of a call continue.
+
+    `k`, `v`: [L, G, K, P, D], layer by layer, as `apply(..., return_kv=True)` returns
+    them for the prefix tokens; `valid_GxP` marks their real tokens. Row r continues
+    prefix `argmax(pick_RxG[r])`, or, with `pick_RxG` None, prefix r // (R / G): the
+    rows come in G consecutive groups. The rows' queries sit at columns P, P + 1, ...
+    after the prefix; each layer expands its prefix to the rows inside the (scanned,
+    rematerialised) layer, so the rows' copies never outlive one layer.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid_GxP: jax.Array
+    pick_RxG: jax.Array | None = None
+
+    def expand(self, x_GxN: jax.Array, rows: int) -> jax.Array:
+        """[G, ...] -> [R, ...]: each row's prefix."""
+        if self.pick_RxG is None:
+            return jnp.repeat(x_GxN, rows // x_GxN.shape[0], axis=0)
+        if x_GxN.dtype == jnp.bool_:  # masks carry no gradient
+            return x_GxN[jnp.argmax(self.pick_RxG, axis=1)]
+        # A one-hot matmul, not a gather: its gradient is a matmul too, where a gather's is
+        # a scatter-add (slow on XLA:CPU).
+        return jnp.einsum("rg,g...->r...", self.pick_RxG.astype(x_GxN.dtype), x_GxN)
+
+    def layer_cache(self, k_GxKxPxD, v_GxKxPxD, rows: int, width: int):
+        """One layer's [R, K, P + width, D] buffers: the prefix, then room for the rows."""
+
+        def one(x):
+            x = self.expand(x, rows)
+            return jnp.pad(x, ((0, 0), (0, 0), (0, width), (0, 0)))
+
+        return one(k_GxKxPxD), one(v_GxKxPxD)
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache of `max_len` columns."""
     dtype = as_dtype(config.dtype if dtype is None else dtype)
@@ -129,7 +166,7 @@ class Attention(nn.Module):
         # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
         key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
-        new_kv = None
+        new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
         if cache_kv is not None:
             cache_k, cache_v = cache_kv
             key = jax.lax.dynamic_update_slice_in_dim(
@@ -180,29 +217,48 @@ class DecoderLayer(nn.Module):
         return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
 
 
-def _scan_layers(c: ModelConfig, impl: str, params, x_BxTxE, cos_sin, mask):
+def _scan_layers(
+    c: ModelConfig,
+    impl: str,
+    params,
+    x_BxTxE,
+    cos_sin,
+    mask,
+    prefix: Prefix | None = None,
+    return_kv: bool = False,
+):
     """The decoder layers as one `lax.scan` over their stacked params.
 
     Same values as the layer loop. Each iteration gathers one layer's (fsdp-sharded)
     weights and, in the backward pass, reduces that layer's weight gradients before the
     next one starts, so no scheduler can keep every layer's gathered weights or full-size
     gradients alive at once; the program also compiles one layer instead of all of them.
+    With a `prefix` each iteration also takes that layer's prefix keys and values; with
+    `return_kv` it returns this call's keys and values, stacked [L, B, K, T, D].
     """
     stacked = jax.tree.map(
         lambda *ws: jnp.stack(ws), *[params[f"layers_{i}"] for i in range(c.num_layers)]
     )
     layer = DecoderLayer(c, impl)
+    rows, width = x_BxTxE.shape[:2]
 
-    def one(layer_params, x):
-        return layer.apply({"params": layer_params}, x, cos_sin, mask, None, 0)[0]
+    def one(layer_params, x, prefix_kv):
+        cache_kv, index = None, 0
+        if prefix is not None:
+            cache_kv, index = prefix.layer_cache(*prefix_kv, rows, width), prefix.k.shape[3]
+        y, kv = layer.apply({"params": layer_params}, x, cos_sin, mask, cache_kv, index)
+        if prefix is not None:  # the rows' own columns of the buffers
+            kv = tuple(z[:, :, index:] for z in kv)
+        return y, kv if return_kv else None
 
     if c.remat:
         one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
 
-    def body(x, layer_params):
-        return one(layer_params, x), None
+    def body(x, xs):
+        return one(*xs[:1], x, xs[1])
 
-    return jax.lax.scan(body, x_BxTxE, stacked)[0]
+    prefix_kv = None if prefix is None else (prefix.k, prefix.v)
+    return jax.lax.scan(body, x_BxTxE, (stacked, prefix_kv))
 
 
 class CausalLM(nn.Module):
@@ -227,6 +283,8 @@ class CausalLM(nn.Module):
         cache_index: jax.Array | int = 0,
         last_only: bool = False,
         hidden_only: bool = False,
+        prefix: Prefix | None = None,
+        return_kv: bool = False,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -245,13 +303,19 @@ class CausalLM(nn.Module):
         )
         x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
 
-        if cache is None:
+        if cache is not None and prefix is not None:
+            raise ValueError("CausalLM: give a cache or a prefix, not both")
+        if prefix is not None:
+            cache_index = prefix.k.shape[3]
+            key_valid_BxS = jnp.concatenate([prefix.expand(prefix.valid_GxP, b), valid_BxT], 1)
+        elif cache is None:
             key_valid_BxS = valid_BxT
         else:
             key_valid_BxS = jax.lax.dynamic_update_slice_in_dim(
                 cache.valid_BxS, valid_BxT, cache_index, 1
             )
-        impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cache is not None)
+        cached = cache is not None or prefix is not None
+        impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cached)
         # Computed once here and shared by every layer.
         mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, cache_index)
         cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
@@ -263,21 +327,32 @@ class CausalLM(nn.Module):
             )
         new_k, new_v = [], []
         if c.scan_layers and cache is None and not self.is_initializing():
-            x = _scan_layers(c, impl, self.variables["params"], x, cos_sin, mask)
+            x, kv = _scan_layers(
+                c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv
+            )
+            if return_kv:
+                new_k, new_v = kv
         else:
             for i in range(c.num_layers):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+                if prefix is not None:
+                    cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
                 layer = layer_cls(c, impl, name=f"layers_{i}")
                 x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
-                if kv is not None:
-                    new_k.append(kv[0])
-                    new_v.append(kv[1])
+                if prefix is not None:
+                    kv = tuple(z[:, :, cache_index:] for z in kv)
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+            if return_kv:
+                new_k, new_v = jnp.stack(new_k), jnp.stack(new_v)
         if last_only:
             x = x[:, -1:]
         x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+        if return_kv:  # [L, B, K, T, D] each: a `Prefix` for rows that continue these
+            return x, (new_k, new_v)
         if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)
             return x if cache is None else (x, new_cache)
         if c.tie_word_embeddings:
@@ -346,8 +421,17 @@ def apply(
     cache_index=0,
     last_only: bool = False,
     hidden_only: bool = False,
+    prefix: Prefix | None = None,
+    return_kv: bool = False,
 ):
-    """`CausalLM(config).apply` on bare params."""
+    """`CausalLM(config).apply` on bare params.
+
+    `prefix`: the rows continue prefixes whose keys and values are given (`Prefix`; no
+    cache then). `return_kv` (with `hidden_only`, no cache): also this call's keys and
+    values, ([L, B, K, T, D], [L, B, K, T, D]), i.e. (hidden, (k, v)).
+    """
+    if return_kv and (not hidden_only or cache is not None):
+        raise ValueError("apply: return_kv needs hidden_only=True and no cache")
     return CausalLM(config).apply(
         {"params": params},
         tokens_BxT,
@@ -357,6 +441,8 @@ def apply(
         cache_index,
         last_only=last_only,
         hidden_only=hidden_only,
+        prefix=prefix,
+        return_kv=return_kv,
     )
 
 

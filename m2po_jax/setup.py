@@ -18,6 +18,7 @@ from m2po_jax import batching, memory, sampling, sharding
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import prompts as prompts_lib
+from m2po_jax import step_plan as step_plan_lib
 from m2po_jax import tokenizer as tokenizer_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax.config import Config
@@ -191,6 +192,7 @@ def check_memory(
         kv_cache_batch=rows,
         kv_cache_len=seq_len,
         logp_chunk=cfg.actor.logp_chunk_size,
+        shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
     )
     plan = memory.memory_plan(model_config, placement.mesh, **kwargs)
     if jax.process_index() == 0:
@@ -201,6 +203,55 @@ def check_memory(
         fixes = memory.remedies(model_config, placement.mesh, limit, **kwargs)
         memory.check_fits(plan, limit, fixes)
     return plan
+
+
+def build_train_step(
+    cfg: Config,
+    model_config: model_lib.ModelConfig,
+    tx,
+    schedule,
+    placement: placement_lib.Placement,
+    state,
+    *,
+    share_prompts: bool = True,
+):
+    """The run's jitted train step, built as the trainer builds it.
+
+    State donated and laid out by `placement`; rollout rows come as `gconfig.n_samples`
+    completions of each prompt, so the step runs each prompt through the trunk once and
+    keeps groups whole in minibatches and micro-batches (`step_plan.plan_step` decides per
+    shape what of that runs). `state` may be abstract (`jax.eval_shape`). The memory
+    check against XLA (`memory.compiled_step_memory`), `benchmarks/scale_bench.py` and
+    `benchmarks/device_check.sh` compile through this function, so what they measure is
+    the trainer's step. `share_prompts=False` builds the plain step (every row's whole
+    sequence), the benchmarks' baseline.
+    """
+    a = cfg.actor
+    prompt = dict(prompt_len=cfg.task.max_prompt_len, group_size=cfg.gconfig.n_samples)
+    return step_lib.make_train_step(
+        model_config,
+        a,
+        tx,
+        schedule,
+        jit_kwargs=placement.train_step_shardings(state, with_ref=a.kl_ctl > 0),
+        layout=placement.layout,
+        **(prompt if share_prompts else {}),
+    )
+
+
+def step_plan(cfg: Config, placement: placement_lib.Placement, seq_len: int | None = None):
+    """The `step_plan.StepPlan` of the run's train step on its largest batch shape."""
+    rows, _, _, full = _train_shapes(cfg)
+    a = cfg.actor
+    return step_plan_lib.plan_step(
+        a,
+        rows,
+        full if seq_len is None else seq_len,
+        prompt_len=cfg.task.max_prompt_len,
+        group_size=cfg.gconfig.n_samples,
+        batch_shards=placement.batch_shards,
+        blocks_pay=memory.blocks_pay_fn(placement.model_config, placement.mesh, a.logp_chunk_size),
+    )
 
 
 def sampling_config(cfg: Config, tokenizer) -> sampling.SamplingConfig:

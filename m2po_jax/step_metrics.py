@@ -36,7 +36,9 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
     `plan` is the step's `step_plan.StepPlan`: "train/prox_pass" says whether a separate
     forward pass computed the proximal log-probs (1) or the loss pass did (0), and
     "train/prox_loglinear" whether they are AReaL's approximation (1). Entropy and the
-    behaviour-proximal gap come from that pass, whichever it was.
+    behaviour-proximal gap come from that pass, whichever it was. "train/shared_prompt"
+    is 1 when the loss pass runs each prompt once for its group, "train/length_blocks"
+    the blocks of rows by completion length it runs in (1: whole rows).
     """
     loss_mask, n_valid = prep.loss_mask_BxT, jnp.maximum(jnp.sum(prep.loss_mask_BxT), 1)
     grad_norm_BxM = mb_stats.pop("grad_norm")
@@ -56,6 +58,8 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
             "train/param_norm": optax.tree.norm(params),
             "train/prox_pass": jnp.int32(plan.prox_pass),
             "train/prox_loglinear": jnp.int32(plan.prox_source == "loglinear"),
+            "train/shared_prompt": jnp.int32(plan.loss_prompt is not None),
+            "train/length_blocks": jnp.int32(plan.length_blocks),
         }
     )
     if prep.entropy_BxT is not None:

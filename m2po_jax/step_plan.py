@@ -44,8 +44,10 @@ class StepPlan:
     mask_at: str  # "none" | "prepare" | "minibatch" | "loss"
     perm_block: int  # rows the minibatch permutation keeps together
     micro_block: int  # rows the micro-batch split keeps together
-    loss_prompt: tuple  # (prompt_len, group_size) for the loss pass, or (None, None)
+    loss_prompt: logprobs.SharedPrompt | None  # how the loss pass shares prompts, or None
     approx_metrics: bool  # report the loglinear approximation's error (method "metrics")
+    length_blocks: int = 1  # blocks of rows by completion length in shared-prompt passes
+    batch_prompt: logprobs.SharedPrompt | None = None  # passes over the batch's own order
 
     @property
     def prox_pass(self) -> bool:
@@ -82,13 +84,19 @@ def plan_step(
     prompt_len: int | None = None,
     group_size: int | None = None,
     fuse_prox: bool = True,
+    batch_shards: int = 1,
+    blocks_pay=None,
 ) -> StepPlan:
     """The plan for a batch of `rows` x `seq_len` (see the module doc).
 
     `prompt_len` / `group_size`: the batch's rows come in groups of `group_size` sharing
     their first `prompt_len` columns (the sampler's layout); None: no such promise.
     `fuse_prox=False` keeps the separate proximal pass wherever the method recomputes
-    (the reference the fused paths are tested against).
+    (the reference the fused paths are tested against). `batch_shards`: the devices the
+    rows are split over (data x fsdp); length blocks run only where every block splits
+    evenly over them (see `length_blocks`). `blocks_pay(rows, seq_len, prompt_len,
+    blocks) -> bool` (`memory.length_blocks_pay` bound to the model and mesh): whether
+    blocks of a micro-batch hold less than whole rows; None: they are taken to.
     """
     n_mb = actor.ppo_n_minibatches
     mb = actor.mb_spec
@@ -125,10 +133,17 @@ def plan_step(
     perm_block = group_size if groups and rows % (n_mb * group_size) == 0 else 1
     micro_rows = rows // n_mb
     micro_block = perm_block if micro_rows % (n_micro * perm_block) == 0 else 1
+    prompt = None
+    if prompt_len and group_size:
+        rows_micro = micro_rows // n_micro
+        blocks = length_blocks(rows_micro, seq_len - prompt_len, batch_shards)
+        if blocks > 1 and blocks_pay is not None:
+            blocks = blocks if blocks_pay(rows_micro, seq_len, prompt_len, blocks) else 1
+        prompt = logprobs.SharedPrompt(prompt_len, group_size, blocks)
     shared = (
         perm_block > 1
         and (n_micro == 1 or micro_block > 1)
-        and logprobs.shares_prompts(micro_rows // n_micro, prompt_len, group_size)
+        and logprobs.shares_prompts(micro_rows // n_micro, prompt)
     )
     return StepPlan(
         n_minibatches=n_mb,
@@ -137,6 +152,28 @@ def plan_step(
         mask_at=mask_at,
         perm_block=perm_block,
         micro_block=micro_block,
-        loss_prompt=(prompt_len, group_size) if shared else (None, None),
+        loss_prompt=prompt if shared else None,
         approx_metrics=method == "metrics" and source != "behav",
+        length_blocks=prompt.length_blocks if shared else 1,
+        batch_prompt=prompt,
     )
+
+
+LENGTH_BLOCKS = 8
+
+
+def length_blocks(rows: int, width: int, batch_shards: int = 1) -> int:
+    """Blocks of rows by completion length for a pass over `rows` rows of `width`
+    completion columns: `LENGTH_BLOCKS`, or 1 (whole rows).
+
+    Blocks from `logprobs.MIN_BLOCKED_WIDTH` columns on (below that a block skips few
+    columns, and its four branches make the trunk's program four times as long to
+    compile), and only where each block's rows split evenly over the `batch_shards`
+    devices. A block of fewer rows than devices cannot be split over them: every device
+    would run the whole block (the Qwen2.5-7B preset, one row per device per
+    micro-batch, needed 54 GiB of temporaries per device with blocks against 18 without).
+    `plan_step` also asks whether they pay in memory (`memory.length_blocks_pay`).
+    """
+    if width < logprobs.MIN_BLOCKED_WIDTH or rows % (LENGTH_BLOCKS * batch_shards):
+        return 1
+    return LENGTH_BLOCKS

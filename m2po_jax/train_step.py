@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax import batching, logprobs, losses, step_math
+from m2po_jax import batching, logprobs, losses, memory, sharding, step_math
 from m2po_jax import model as model_lib
 from m2po_jax.config import ActorSection
 from m2po_jax.optim import LR_SCHEDULER_TYPES, make_optimizer, make_schedule  # noqa: F401
@@ -65,14 +65,14 @@ def prepare(
     actor: ActorSection,
     plan: StepPlan,
     layout=None,
-    prompt: tuple = (None, None),
+    shared: logprobs.SharedPrompt | None = None,
 ) -> Prepared:
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
     The proximal log-probs are recomputed without gradient only where `plan` says so
     ("pass"), minibatches x micro-batches parts at a time, so no pass is larger than a
-    training micro-batch. `prompt` = (prompt_len, group_size) when rows come in groups
-    sharing a prompt (each prompt then runs once). `layout` (`placement.Layout`) keeps
+    training micro-batch. `shared`: rows come in groups sharing a prompt (each prompt
+    then runs once). `layout` (`placement.Layout`) keeps
     regrouped rows on their devices and gives the mesh of the "shard" M2PO scope.
     """
     temperature, chunk = actor.temperature, actor.logp_chunk_size
@@ -83,14 +83,14 @@ def prepare(
     prox, entropy = None, None
     if plan.prox_source == "pass":
         prox, entropy = logprobs.micro_batched_logp(
-            params, model_config, tokens, valid, temperature, chunk, n_parts, layout, *prompt
+            params, model_config, tokens, valid, temperature, chunk, n_parts, layout, shared
         )
     elif plan.prox_source == "behav":
         prox = behav
     ref_logp = None
     if ref_params is not None and actor.kl_ctl > 0:
         ref_logp, _ = logprobs.micro_batched_logp(
-            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout, *prompt
+            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout, shared
         )
     advantages = step_math.token_advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
     mask, m2_parts = loss_mask, {}
@@ -187,7 +187,7 @@ def ppo_updates(
             temperature,
             chunk,
             with_entropy,
-            *plan.loss_prompt,
+            plan.loss_prompt,
         )
         logp_now = jax.lax.stop_gradient(logp)
         prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, version)
@@ -243,7 +243,7 @@ def ppo_updates(
                     chunk,
                     n_micro,
                     layout,
-                    *plan.loss_prompt,
+                    plan.loss_prompt,
                 )
             mb["mask"], m2_parts = step_math.m2po_block(
                 actor,
@@ -330,8 +330,16 @@ def train_step(
     the mesh of the "shard" M2PO scope (without it that scope is one shard: "global").
     """
     rows, seq_len = batch.tokens_BxT.shape
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1]) if layout is None else layout.mesh
     plan = plan_step(
-        actor, rows, seq_len, prompt_len=prompt_len, group_size=group_size, fuse_prox=fuse_prox
+        actor,
+        rows,
+        seq_len,
+        prompt_len=prompt_len,
+        group_size=group_size,
+        fuse_prox=fuse_prox,
+        batch_shards=sharding.batch_shards(mesh),
+        blocks_pay=memory.blocks_pay_fn(model_config, mesh, actor.logp_chunk_size),
     )
     prep = prepare(
         state.params,
@@ -341,7 +349,8 @@ def train_step(
         actor=actor,
         plan=plan,
         layout=layout,
-        prompt=(prompt_len, group_size),  # the batch's own order: groups are whole
+        # The batch's own order: groups are whole.
+        shared=plan.batch_prompt,
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         state.params,

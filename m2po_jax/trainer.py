@@ -89,19 +89,9 @@ class Trainer:
         self._stop_requested = False
 
     def _jitted_step(self) -> StepFn:
-        """The jitted train step, with the state donated and laid out by the placement."""
-        a = self.cfg.actor
-        return step_lib.make_train_step(
-            self.model_config,
-            a,
-            self.tx,
-            self.schedule,
-            jit_kwargs=self.placement.train_step_shardings(self.state, with_ref=a.kl_ctl > 0),
-            layout=self.placement.layout,
-            # Rollout rows come as n_samples completions of each prompt: one trunk pass per
-            # prompt, minibatches and micro-batches of whole groups.
-            prompt_len=self.cfg.task.max_prompt_len,
-            group_size=self.cfg.gconfig.n_samples,
+        """The jitted train step (`setup.build_train_step`: what the benchmarks compile)."""
+        return setup_lib.build_train_step(
+            self.cfg, self.model_config, self.tx, self.schedule, self.placement, self.state
         )
 
     # ---- evaluation and warm-up ---------------------------------------------------------

@@ -122,10 +122,19 @@ def _grouped(groups=3, group_size=4, prompt=6, new=5, seed=3):
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), jnp.asarray(scored)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+# Layers as a Python loop, or one rematerialised `lax.scan` (the real-size presets'
+# setting, where each layer takes its prompt keys and values as scan inputs).
+VARIANTS = {
+    "tied": dict(tie_word_embeddings=True),
+    "untied": dict(tie_word_embeddings=False),
+    "scan-remat": dict(tie_word_embeddings=False, scan_layers=True, remat=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("chunk", [5, 1024])
-def test_shared_prompt_logp_equals_whole_sequences(tied, chunk):
-    config = CONFIG.replace(tie_word_embeddings=tied)
+def test_shared_prompt_logp_equals_whole_sequences(variant, chunk):
+    config = CONFIG.replace(**VARIANTS[variant])
     params = model_lib.init_params(config, jax.random.key(4))
     tokens, valid, scored = _grouped()
     ref_logp, ref_ent = _full(params, config, tokens, valid, 0.8)
@@ -147,21 +156,22 @@ def test_shared_prompt_logp_equals_whole_sequences(tied, chunk):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("blocks", [1, 4])
-def test_length_blocks_run_each_block_over_the_fewest_columns(blocks):
+@pytest.mark.parametrize("blocks,scan", [(1, False), (4, False), (4, True)])
+def test_length_blocks_run_each_block_over_the_fewest_columns(blocks, scan):
     """Rows of very different lengths: the sorted blocks of four rows take the N/4, N/2
     and N branches (longest 3, 6 and 12), values and gradients still equal whole rows."""
-    params = model_lib.init_params(CONFIG, jax.random.key(5))
+    config = CONFIG.replace(scan_layers=scan, remat=scan)
+    params = model_lib.init_params(config, jax.random.key(5))
     tokens, valid, scored = _grouped(groups=4, group_size=4, new=12, seed=7)
     lengths = np.array([1, 2, 3, 1, 5, 6, 4, 12, 2, 3, 1, 2, 6, 5, 4, 3])
     cols = np.arange(12)[None, :] < lengths[:, None]
     valid = valid.at[:, 6:].set(jnp.asarray(cols))
     scored = valid.at[:, :6].set(False)
     tokens = jnp.where(valid, tokens, 0)
-    ref_logp, ref_ent = _full(params, CONFIG, tokens, valid, 1.0)
+    ref_logp, ref_ent = _full(params, config, tokens, valid, 1.0)
 
     def shared(p):
-        return logprobs.shared_prompt_logp(p, CONFIG, tokens, valid, 6, 4, length_blocks=blocks)
+        return logprobs.shared_prompt_logp(p, config, tokens, valid, 6, 4, length_blocks=blocks)
 
     logp, ent = shared(params)
     np.testing.assert_allclose(
@@ -169,7 +179,7 @@ def test_length_blocks_run_each_block_over_the_fewest_columns(blocks):
     )
     np.testing.assert_allclose(jnp.where(scored, ent, 0), jnp.where(scored, ref_ent, 0), atol=1e-5)
     weights = jnp.where(scored, jnp.arange(1.0, tokens.shape[1] + 1), 0.0)
-    grads = jax.grad(lambda p: jnp.sum(_full(p, CONFIG, tokens, valid, 1.0)[0] * weights))(params)
+    grads = jax.grad(lambda p: jnp.sum(_full(p, config, tokens, valid, 1.0)[0] * weights))(params)
     mine = jax.grad(lambda p: jnp.sum(shared(p)[0] * weights))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(mine), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)

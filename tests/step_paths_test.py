@@ -119,7 +119,8 @@ def test_fast_path_equals_the_reference_step(changes, stale):
     fast, fast_m = run(a, b, stale, prompt_len=PROMPT, group_size=GROUP)
     assert_close_params(fast, ref)
     plan = step_plan.plan_step(a, ROWS, PROMPT + NEW, prompt_len=PROMPT, group_size=GROUP)
-    assert plan.loss_prompt == (PROMPT, GROUP)
+    assert (plan.loss_prompt.prompt_len, plan.loss_prompt.group_size) == (PROMPT, GROUP)
+    assert int(fast_m[0]["train/shared_prompt"]) == 1
     assert int(ref_m[0]["train/prox_pass"]) == 1
     assert int(fast_m[0]["train/prox_pass"]) == int(plan.prox_pass)
     expect_pass = n_mb > 1 or changes == dict(n_mbs=2, m2_threshold=0.04)
@@ -161,6 +162,23 @@ def test_plan_names_where_prox_and_the_mask_come_from():
     assert plan(recompute_logprob=False, use_decoupled_loss=False) == ("behav", "prepare")
     ref = step_plan.plan_step(actor(), rows, seq, fuse_prox=False)
     assert (ref.prox_source, ref.mask_at) == ("pass", "prepare")
+
+
+def test_length_blocks_only_where_every_block_splits_over_the_devices():
+    """Blocks of rows by length run where each block holds whole rows on every device;
+    a block of fewer rows than devices would run whole on each of them (the real-size
+    presets: one row per device per micro-batch)."""
+    assert step_plan.length_blocks(64, 1024, batch_shards=8) == 8
+    assert step_plan.length_blocks(8, 1024, batch_shards=8) == 1
+    assert step_plan.length_blocks(8, 1024, batch_shards=1) == 8
+    assert step_plan.length_blocks(16, 1024, batch_shards=4) == 1  # 2 rows per block
+    assert step_plan.length_blocks(64, logprobs.MIN_BLOCKED_WIDTH - 1) == 1
+    # The plan of a 7B-preset-like minibatch: 128 rows in 16 micro-batches of one group.
+    a = actor(n_mbs=16)
+    wide = step_plan.plan_step(a, 128, 512 + 1024, prompt_len=512, group_size=8, batch_shards=8)
+    assert wide.loss_prompt == logprobs.SharedPrompt(512, 8, 1) and wide.length_blocks == 1
+    one = step_plan.plan_step(a, 128, 512 + 1024, prompt_len=512, group_size=8)
+    assert one.length_blocks == 8 and one.loss_prompt.length_blocks == 8
 
 
 @pytest.mark.parametrize(
