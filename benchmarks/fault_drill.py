@@ -219,6 +219,9 @@ def _corrupt(workdir: Path, how: str) -> None:
     target.write_bytes(bytes(data))
 
 
+_SIGNALS = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
 def _fault_time(err: str) -> float:
     marks = [x for x in err.splitlines() if x.startswith("fault_drill: fault at ")]
     return float(marks[0].rsplit(" ", 1)[1]) if marks else float("nan")
@@ -262,7 +265,7 @@ def _case(name: str, workdir: Path, reference: Path) -> str:
             outcome = "second SIGTERM ended it at once; resumed"
         elif kill:
             outcome = "resumed"
-        elif rc != 0 or "interrupted at step" not in out:
+        elif rc != 128 + _SIGNALS[faults[name].split(":")[-1]] or "interrupted at step" not in out:
             return f"FAILED: exit {rc}, expected a clean stop: {err.strip()[-300:]}"
         else:
             outcome = "stopped with a checkpoint; resumed"

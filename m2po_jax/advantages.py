@@ -122,6 +122,15 @@ def _normalize(
         scale = jnp.broadcast_to(std, cg.shape).reshape(shape) + eps
 
     out = (x_BxN - mean) * m / scale
+    if mean_level is not None and not (mean_level == "group" and group_size == 1):
+        # Equal values centre to exactly 0, as in AReaL: a float32
+        # mean of values inexact in binary, e.g. 0.7, misses them by an ulp, which a tiny
+        # std would then blow up (0.0059 for eight rewards of 0.7).
+        xg, mg = _grouped(x_BxN, mean_level, group_size), _grouped(m, mean_level, group_size)
+        high = jnp.max(jnp.where(mg > 0, xg, -jnp.inf), -1, keepdims=True)
+        low = jnp.min(jnp.where(mg > 0, xg, jnp.inf), -1, keepdims=True)
+        flat = jnp.broadcast_to(high == low, xg.shape).reshape(shape)
+        out = jnp.where(flat, 0.0, out)
     return jnp.where(m.sum() == 0, x_BxN, out)
 
 

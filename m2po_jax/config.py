@@ -194,7 +194,8 @@ def validate(cfg: Config) -> Config:
     a, g, r = cfg.actor, cfg.gconfig, cfg.rollout
     _check_range("total_steps", cfg.total_steps, 0)
     _check_range("max_nonfinite_steps", cfg.max_nonfinite_steps, 1)
-    _check_range("actor.m2_threshold", a.m2_threshold, 0.0)
+    # 0 would keep one token per set and stop learning; None turns M2PO off.
+    _check_range("actor.m2_threshold", a.m2_threshold, 0.0, low_open=True)
     cfg = _check_m2po(cfg)  # may resolve the deprecated mesh.m2po_per_shard
     a = cfg.actor
     _check_range("actor.eps_clip", a.eps_clip, 0.0, 1.0, high_open=True)

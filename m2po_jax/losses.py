@@ -11,8 +11,8 @@ Deliberate differences from AReaL, all documented where they apply:
   rho = exp(prox - behav) (AReaL then drops rho). With the decoupled loss off,
   prox := behav so rho = 1 either way.
 - the behaviour correction's own differences: m2po_jax/rejection.py.
-- GSPO's per-sequence mean advantage is masked (AReaL's packed 1-D path; its padded
-  2-D path sums the advantages of all positions).
+- GSPO's per-sequence mean advantage is taken over the masked tokens, as AReaL's.
+- The ratio clip passes the gradient at its bounds, as `torch.clamp` does (`_clamp`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,13 @@ def _check_options(eps_clip, eps_clip_higher, c_clip, sapo_taus, rejection_sampl
             raise ValueError(f"{name} must be > 0, got {tau}")
 
 
+def _clamp(x, low, high):
+    """`torch.clamp`: the gradient passes wherever low <= x <= high, bounds included
+    (`jnp.clip` halves it at each bound it touches: at r = 1 with a zero clip range the PPO
+    loss's gradient was 0.625 of AReaL's)."""
+    return jnp.where((x >= low) & (x <= high), x, jnp.clip(x, low, high))
+
+
 def _clipped_objective(r, adv, eps_clip, eps_clip_higher, c_clip):
     """PPO's per-token loss and its clip flags (low, high, dual), before the weight rho.
 
@@ -92,7 +99,7 @@ def _clipped_objective(r, adv, eps_clip, eps_clip_higher, c_clip):
     per_token = unclipped
     if eps_clip is not None:
         eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-        clipped = -adv * jnp.clip(r, 1.0 - eps_clip, 1.0 + eps_high)
+        clipped = -adv * _clamp(r, 1.0 - eps_clip, 1.0 + eps_high)
         per_token = jnp.maximum(unclipped, clipped)
         clip_active = unclipped < clipped
         clip_low = clip_active & (adv < 0)  # the r < 1 - eps_clip side binds for A < 0

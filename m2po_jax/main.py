@@ -7,7 +7,10 @@
 
 Errors a user can fix (config, data, model, workdir, checkpoints, a full disk) print one
 line, `m2po-train: <what>: <file or field>: <problem>`, and exit with status 2;
-`--verbose` adds the traceback.
+`--verbose` adds the traceback. A run stopped by SIGTERM or Ctrl-C checkpoints, then exits
+with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a
+process a signal ended, so a preemption wrapper tells it from a finished run (exit 0);
+running the same command again resumes it.
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ def main(argv) -> None:
     if result.eval_accuracy:
         steps = ", ".join(f"{s}: {a:.3f}" for s, a in result.eval_accuracy)
         print(f"m2po-train: held-out accuracy by step: {steps}")
+    if result.interrupted:
+        sys.stdout.flush()
+        sys.exit(128 + (result.signal or 15))
 
 
 def _train(cfg):

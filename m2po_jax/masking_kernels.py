@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 _INF_BITS = 0x7F800000  # float32 +inf as int32
 _INACTIVE = 0x7FFFFFFF  # larger than every non-negative float32 pattern: sorts after +inf
@@ -178,18 +178,22 @@ def kept(key: jax.Array, tau: jax.Array, method: str, stop_rule: str, scope: str
 # ----------------------------------------------------------------------------- sharding
 
 
-def explicit_sharding(x: jax.Array) -> PartitionSpec | None:
-    """The PartitionSpec of x when its type carries a sharding (mesh axes of type Explicit)."""
-    spec = jax.typeof(x).sharding.spec
-    return spec if any(axis is not None for axis in spec) else None
+def explicit_sharding(x: jax.Array) -> NamedSharding | None:
+    """x's sharding when its type carries one (mesh axes of type Explicit), else None."""
+    sharding = jax.typeof(x).sharding
+    if not isinstance(sharding, NamedSharding) or all(a is None for a in sharding.spec):
+        return None
+    return sharding
 
 
 def gathered(x: jax.Array | None) -> jax.Array | None:
     """x unsharded: the mask is one global ordering, and an explicitly sharded type would
-    make sort and reshape refuse it. (Under Auto axes the partitioner does this itself.)"""
-    if x is None or explicit_sharding(x) is None:
+    make sort and reshape refuse it. (Under Auto axes the partitioner does this itself.)
+    The target names x's own mesh, so no `jax.set_mesh` context is needed."""
+    sharding = None if x is None else explicit_sharding(x)
+    if sharding is None:
         return x
-    return jax.sharding.reshard(x, PartitionSpec())
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 # ----------------------------------------------------------------------------- clip bound

@@ -52,6 +52,7 @@ class RunResult:
     final_step: int
     eval_accuracy: list[tuple[int, float]]
     interrupted: bool = False
+    signal: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
 
 
 class Trainer:
@@ -87,6 +88,7 @@ class Trainer:
         self.sft_log: list[dict] = []
         self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
         self._stop_requested = False
+        self._stop_signal = None
 
     def _jitted_step(self) -> StepFn:
         """The jitted train step (`setup.build_train_step`: what the benchmarks compile)."""
@@ -191,7 +193,8 @@ class Trainer:
                     plots.plot_metrics(self.workdir / metrics_lib.METRICS_FILE, self.workdir)
                 except OSError as e:
                     raise WriterError(describe_os_error(e, self.workdir)) from e
-        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted)
+        signum = self._stop_signal if interrupted else None
+        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted, signum)
 
     def _begin(self) -> None:
         """A new run: the warm-up, the KL reference policy, and k batches in the queue."""
@@ -355,6 +358,7 @@ class Trainer:
                 os.kill(os.getpid(), signum)
                 return
             self._stop_requested = True
+            self._stop_signal = signum
             logging.warning(
                 "signal %d: stopping after this step (send it again to stop now)", signum
             )

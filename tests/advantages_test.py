@@ -7,6 +7,7 @@ import math
 import chex
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 from m2po_jax.advantages import (
@@ -425,3 +426,19 @@ class GrpoTokenAdvantagesTest(chex.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+@pytest.mark.parametrize("leave1out", [False, True])
+def test_equal_values_normalise_to_exactly_zero(leave1out):
+    """Values inexact in binary: a float32 mean misses them by an ulp, and dividing by a
+    tiny std made it 0.0059 (rewards of 0.7) and 0.0667 (tokens of 2.912561)."""
+    rewards = jnp.array([0.7] * 8 + [0.0, 1.0] * 4, jnp.float32)
+    out = normalize_rewards(rewards, 8, mean_leave1out=leave1out)
+    assert np.all(np.asarray(out[:8]) == 0.0)
+    assert np.all(np.abs(np.asarray(out[8:])) > 0.5)  # the other group still normalises
+    adv = jnp.full((4, 6), 2.912561, jnp.float32).at[2:].set(jnp.arange(12.0).reshape(2, 6))
+    mask = jnp.ones((4, 6), bool).at[0, 4:].set(False)
+    out = normalize_advantages(
+        adv, mask, mean_level="group", std_level="group", group_size=2, mean_leave1out=leave1out
+    )
+    assert np.all(np.asarray(out[:2]) == 0.0) and np.abs(np.asarray(out[2:])).max() > 0.5

@@ -62,7 +62,13 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         (
             "actor.m2_threshold",
             -0.01,
-            r"actor.m2_threshold=-0.01 is out of range; allowed \[0.0, inf\)",
+            r"actor.m2_threshold=-0.01 is out of range; allowed \(0.0, inf\)",
+        ),
+        # tau = 0 keeps one token per set: nothing learns. None turns M2PO off.
+        (
+            "actor.m2_threshold",
+            0.0,
+            r"actor.m2_threshold=0.0 is out of range; allowed \(0.0, inf\)",
         ),
         ("actor.eps_clip", 1.0, r"actor.eps_clip=1.0 is out of range; allowed \[0.0, 1.0\)"),
         ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\)"),

@@ -3,6 +3,7 @@
 import builtins
 import errno
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -124,6 +125,15 @@ def test_a_kill_loses_no_tensorboard_events(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     events = tensorboard.read_scalars(tmp_path / "tensorboard")
     assert events["reward/mean"] == {r["step"]: float(np.float32(r["reward/mean"])) for r in rows}
+
+
+def test_sigterm_exits_143_after_its_checkpoint_and_the_same_command_resumes(tmp_path):
+    stopped = _child(tmp_path, fault="signal:2:TERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-500:]
+    assert "m2po-train: interrupted at step" in stopped.stdout
+    resumed = _child(tmp_path)
+    assert resumed.returncode == 0 and "m2po-train: finished at step" in resumed.stdout
+    assert [r["step"] for r in read(tmp_path)] == [0, 1, 2, 3]
 
 
 def test_a_second_trainer_is_refused_while_the_first_runs_on(tmp_path):

@@ -582,6 +582,32 @@ class GradientTest(parameterized.TestCase):
             want[0, t] = -adv[0, t] * r[0, t] * rho[0, t] / n
         np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
 
+    @parameterized.parameters(
+        dict(adv=1.0, eps_clip=0.0, eps_clip_higher=None),
+        dict(adv=-1.0, eps_clip=0.0, eps_clip_higher=None),
+        dict(adv=1.0, eps_clip=0.2, eps_clip_higher=0.0),
+        dict(adv=-1.0, eps_clip=0.2, eps_clip_higher=0.0),
+    )
+    def test_gradient_at_r_equal_one_on_a_clip_bound_is_areals(
+        self, adv, eps_clip, eps_clip_higher
+    ):
+        """logp = prox = behav = 0, so r = 1 sits on a bound of the clip range (with one
+        minibatch the step takes prox from the loss pass: r = 1 on every token). By hand,
+        with torch's subgradients (clamp passes the gradient at its bounds, max splits it
+        at a tie): loss -A, d loss / d logp = 0.5 (-A) + 0.5 (-A * 1) = -A. jnp.clip's
+        halving at each bound gave -0.625 A."""
+        zeros = jnp.zeros((1, 1), jnp.float32)
+        mask = jnp.ones((1, 1), bool)
+
+        def loss(lp):
+            return policy_loss(
+                lp, zeros, zeros, jnp.full((1, 1), adv), mask, eps_clip=eps_clip,
+                eps_clip_higher=eps_clip_higher, rejection_sampling=None,
+            )[0]  # fmt: skip
+
+        self.assertAlmostEqual(float(loss(zeros)), -adv, places=6)
+        self.assertAlmostEqual(float(jax.grad(loss)(zeros)[0, 0]), -adv, places=6)
+
     def test_no_ratio_clip_gradient_is_minus_a_r_rho_on_every_kept_token(self):
         # The paper's M2PO loss: -A * r * rho on the kept tokens, no clip anywhere. With
         # eps_clip=0 the clip range is [1, 1 + 0] and the gradient vanishes wherever it binds.

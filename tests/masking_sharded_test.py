@@ -58,13 +58,21 @@ def check_sharded():
                 args = [jax.device_put(a, sharding) for a in (behav, prox, loss_mask)]
                 assert len(args[0].sharding.device_set) == NUM_DEVICES
                 with jax.set_mesh(mesh):
-                    mask, stats = fn(*args, tau)
-                msg = f"{method} {scope} {spec} {axis_type}"
-                np.testing.assert_array_equal(mask, expected, err_msg=msg)
-                if axis_type == AxisType.Explicit:  # the mask comes back sharded like the input
-                    assert mask.sharding.is_equivalent_to(sharding, mask.ndim), (mask.sharding, msg)
-                for key, value in expected_stats.items():
-                    np.testing.assert_allclose(stats[key], value, rtol=1e-6, err_msg=key)
+                    under_mesh = fn(*args, tau)
+                # Plain JAX: no mesh context, jitted and eager (the library in other code).
+                jitted = fn(*args, tau)
+                eager = m2po_mask_with_stats(*args, tau, method=method, scope=scope)
+                for how, (mask, stats) in (
+                    ("set_mesh", under_mesh),
+                    ("jit", jitted),
+                    ("eager", eager),
+                ):
+                    msg = f"{method} {scope} {spec} {axis_type} {how}"
+                    np.testing.assert_array_equal(mask, expected, err_msg=msg)
+                    if axis_type == AxisType.Explicit:  # comes back sharded like the input
+                        assert mask.sharding.is_equivalent_to(sharding, mask.ndim), msg
+                    for key, value in expected_stats.items():
+                        np.testing.assert_allclose(stats[key], value, rtol=1e-6, err_msg=key)
 
         # Per-shard scope: inside shard_map each device masks its own block of rows.
         rows = behav.shape[0] // NUM_DEVICES
