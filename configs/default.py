@@ -15,7 +15,11 @@ from ml_collections.config_dict import placeholder
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg  # presets live in configs/arith.py
+    if arg:  # a preset here would be ignored silently
+        raise ValueError(
+            f"configs/default.py: no presets (got {arg!r}); the arithmetic presets are in "
+            f"configs/arith.py, e.g. --config=configs/arith.py:{arg}"
+        )
     c = ml_collections.ConfigDict()
     c.seed = 0  # base PRNG seed; every step derives its keys with fold_in(seed, step)
     c.total_steps = 200  # RL updates (policy versions) to run
@@ -86,7 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)
-    c.actor.m2_threshold = 0.04  # M2PO second-moment bound tau; None disables M2PO
+    c.actor.m2_threshold = 0.04  # M2PO second-moment bound tau (> 0); None disables M2PO
     c.actor.m2po_method = "sort"  # sort | bisect (sort-free, exact up to ties)
     c.actor.m2po_second_moment = (
         "behav_prox"  # behav_prox (AReaL) | current_behav (paper) | prox_current (authors' code)

@@ -15,6 +15,7 @@ running the same command again resumes it.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import traceback
@@ -34,7 +35,10 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """Defines the flags (at run time: config_flags reads `--config.*` overrides eagerly)."""
     config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Config file (configs/<file>.py[:preset]).", lock_config=True
+        "config",
+        DEFAULT_CONFIG,
+        "Config file FILE.py[:PRESET,...], or a shipped one by name (arith:m2po, gsm8k).",
+        lock_config=True,
     )
     flags.DEFINE_string(
         "workdir", "runs/default", "Output directory (resumes if it holds checkpoints)."
@@ -50,6 +54,12 @@ def define_flags() -> None:
         lower_bound=0,
     )
     flags.DEFINE_bool("verbose", False, "On an error, print the traceback too.")
+    flags.DEFINE_bool(
+        "allow_config_change",
+        False,
+        "Resume even where training settings differ from the ones the workdir's checkpoints "
+        "were trained with (<workdir>/config.json).",
+    )
     flags.DEFINE_string(
         "compile_cache",
         None,
@@ -91,6 +101,9 @@ def parse_flags(argv: list[str]) -> list[str]:
             _none_keys.append(match.group(1))
         else:
             kept.append(arg)
+    for arg in kept:
+        if arg.startswith("--config="):
+            _check_config_file(arg.removeprefix("--config="))
     try:
         return flags.FLAGS(kept)
     except flags.Error as e:
@@ -151,7 +164,7 @@ def _train(cfg):
     from m2po_jax import errors, trainer
 
     try:
-        run = trainer.Trainer(cfg, FLAGS.workdir)
+        run = trainer.Trainer(cfg, FLAGS.workdir, allow_config_change=FLAGS.allow_config_change)
     except errors.M2poError:
         raise
     except (ValueError, OSError) as e:
@@ -159,6 +172,59 @@ def _train(cfg):
         # or field; errors once training runs are the project's own types only.
         _report(e, "setup error")
     return run.run(restore_step=FLAGS.restore_step)
+
+
+# Top-level sections of the config: AReaL's command lines set `actor.m2_threshold=...`.
+_SECTIONS = (
+    "actor", "checkpoint", "eval", "gconfig", "logging", "mesh", "model", "rollout", "sft",
+    "task",
+)  # fmt: skip
+
+
+def _spelled_our_way(arg: str) -> str:
+    """AReaL's `--actor.m2_threshold=0.05` -> `--config.actor.m2_threshold=0.05`; a shipped
+    config by name (`--config=gsm8k:qwen2.5-7b`, `--config=arith.py:m2po`) -> its file."""
+    name = arg[2:].split("=", 1)[0]
+    if arg.startswith("--") and name.split(".", 1)[0] in _SECTIONS and "." in name:
+        return "--config." + arg[2:]
+    if arg.startswith("--config="):
+        value = arg.removeprefix("--config=")
+        path, colon, preset = value.partition(":")
+        packaged = Path(m2po_jax.configs.__file__).parent / (
+            path if path.endswith(".py") else f"{path}.py"
+        )
+        if "/" not in path and not Path(path).is_file() and packaged.is_file():
+            return f"--config={packaged}{colon}{preset}"
+    return arg
+
+
+def _check_config_file(value: str) -> None:
+    """Loads `--config`'s file and preset once before config_flags does, so that a file
+    that is missing, does not parse, has no `get_config` or refuses the preset stops in one
+    line naming it (config_flags would print its traceback)."""
+    path, _, preset = value.partition(":")
+
+    def fail(message: str) -> None:
+        # A file's own message may name it already (`configs/arith.py: unknown preset`).
+        message = re.sub(rf"^(\S*/)?{re.escape(Path(path).name)}: ", "", message)
+        _fail(f"{path}: {message}")
+
+    if not Path(path).is_file():
+        fail("no such config file (a Python file with get_config(), e.g. configs/arith.py:m2po)")
+    try:
+        spec = importlib.util.spec_from_file_location("m2po_config_check", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        fail(f"line {e.lineno}: syntax error: {e.msg}")
+    except Exception as e:  # noqa: BLE001 (the user's file: any error is theirs)
+        fail(f"{type(e).__name__}: {_clean(e)}")
+    if not callable(getattr(module, "get_config", None)):
+        fail("defines no get_config() function")
+    try:
+        module.get_config(*([preset] if preset else []))
+    except Exception as e:  # noqa: BLE001 (e.g. an unknown preset)
+        fail(_clean(e))
 
 
 def _clean(error: BaseException) -> str:
@@ -170,12 +236,59 @@ def _clean(error: BaseException) -> str:
 
 
 def run() -> None:
+    # Before the flags are defined: config_flags reads the `--config.*` overrides from argv.
+    sys.argv = sys.argv[:1] + [_spelled_our_way(arg) for arg in sys.argv[1:]]
     try:
         define_flags()
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         # config_flags reports an unknown override key as an AttributeError with a suggestion.
         _fail(_clean(e))
+    if any(arg in ("--help", "-h", "-?", "--helpshort") for arg in sys.argv[1:]):
+        print(usage())
+        sys.exit(0)
     app.run(main, flags_parser=parse_flags)
+
+
+_OWN_FLAGS = (
+    "config", "workdir", "overrides", "restore_step", "allow_config_change", "compile_cache",
+    "verbose",
+)  # fmt: skip
+
+
+def usage() -> str:
+    """`m2po-train --help`: the flags, the override syntax and examples (absl's `--helpfull`
+    lists its own sixty flags too)."""
+    lines = [
+        "usage: m2po-train [--config=FILE[:PRESET,...]] [--workdir=DIR] "
+        "[--config.SECTION.FIELD=VALUE ...]",
+        "",
+        "Trains a language model with M2PO on stale rollouts (default: the built-in",
+        "arithmetic task, output in runs/default).",
+        "",
+        "flags:",
+    ]
+    for name in _OWN_FLAGS:
+        flag = FLAGS[name]
+        default = "" if flag.default in (None, "") else f" (default: {flag.default})"
+        if name == "config":
+            default = " (default: the built-in default config)"
+        lines.append(f"  --{name}: {flag.help}{default}")
+    lines += [
+        "",
+        "Any config field: --config.SECTION.FIELD=VALUE (AReaL's --SECTION.FIELD=VALUE too);",
+        "=None sets a field to None. Every field is commented in configs/default.py.",
+        f"Sections: {', '.join(_SECTIONS)}.",
+        "",
+        "examples:",
+        "  m2po-train --config=arith:stale_grpo --workdir=/tmp/stale_grpo",
+        "  m2po-train --config=gsm8k:qwen2.5-7b --workdir=/tmp/qwen7b \\",
+        "      --config.model.path=/models/Qwen2.5-7B-Instruct \\",
+        "      --config.task.train_path=/data/gsm8k/train.jsonl --actor.m2_threshold=0.04",
+        "",
+        "Exit status: 0 finished; 2 a config, data, model, workdir or disk error (one line);",
+        "128 + N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C).",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

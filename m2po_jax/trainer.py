@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from m2po_jax import batching, plots, sft
+from m2po_jax import batching, plots, run_record, sft
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import evaluate as evaluate_lib
 from m2po_jax import metrics as metrics_lib
@@ -61,14 +61,24 @@ class Trainer:
     Args:
       cfg: the run's config.
       workdir: where metrics, checkpoints and plots go (created if needed).
+      allow_config_change: resume even where settings that change training differ from
+        the ones the workdir's checkpoints were trained with (`run_record`).
       train_step: the RL step, `(state, batch, rng, ref_params) -> (state, metrics)` like
         `train_step.make_train_step`'s; None builds that jitted step for this run. The
         step in use is `self.train_step`: wrapping it observes or alters each update
         (the tests and `benchmarks/fault_drill.py` inject faults that way).
     """
 
-    def __init__(self, cfg: Config, workdir: str | Path, *, train_step: StepFn | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        workdir: str | Path,
+        *,
+        train_step: StepFn | None = None,
+        allow_config_change: bool = False,
+    ):
         self.cfg = cfg
+        self.allow_config_change = allow_config_change
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.rng = jax.random.key(cfg.seed)
@@ -165,6 +175,15 @@ class Trainer:
         accuracies: list[tuple[int, float]] = []
         wandb = {"project": cfg.logging.wandb_project} if cfg.logging.wandb_project else None
         with workdir_lib.hold(self.workdir, enabled=primary):
+            changed = run_record.check_and_record(
+                self.workdir,
+                run_record.describe(cfg, self.model_config),
+                resuming=bool(self.checkpointer.all_steps()),
+                allow_change=self.allow_config_change,
+                write=primary,
+            )
+            if changed and primary:
+                logging.warning("resuming with changed settings: %s", ", ".join(changed))
             resumed = self.try_resume(restore_step)
             start = int(self.state.step)
             with contextlib.ExitStack() as stack:

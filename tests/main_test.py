@@ -145,3 +145,76 @@ def test_rejection_sampling_errors_stop_before_any_work(args, message, tmp_path)
     workdir = tmp_path / "run"
     _one_line(_cli(*TINY, *args, f"--workdir={workdir}"), "config error", message)
     assert not workdir.exists()  # refused before the workdir (or anything else) was made
+
+
+def test_config_file_errors_are_one_line_naming_the_file(tmp_path):
+    """A missing file, a syntax error, no get_config, an unknown preset, a preset on the
+    default config: one line, exit 2, the file named (config_flags printed tracebacks)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config(:\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    cases = [
+        ("configs/nonexistent.py", "configs/nonexistent.py: no such config file"),
+        (str(bad), f"{bad}: line 1: syntax error"),
+        (str(empty), f"{empty}: defines no get_config() function"),
+        ("configs/arith.py:nope", "configs/arith.py: unknown preset 'nope'"),
+        ("configs/default.py:tiny", "configs/default.py: no presets (got 'tiny')"),
+    ]
+    for config, needle in cases:
+        result = _cli(f"--config={config}", f"--workdir={tmp_path / 'w'}")
+        _one_line(result, "config error", needle)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_areal_spelling_and_shipped_configs_by_name(tmp_path):
+    # AReaL's command lines write `actor.m2_threshold=...`: taken as --config.actor....
+    _one_line(
+        _cli(*TINY, "--actor.m2_threshold=-1", f"--workdir={tmp_path}"),
+        "config error",
+        "actor.m2_threshold=-1.0 is out of range",
+    )
+    # A shipped config by name, from any directory (here: the preset is checked in it).
+    result = subprocess.run(
+        [sys.executable, "-m", "m2po_jax.main", "--config=arith:nope", f"--workdir={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _one_line(result, "config error", "arith.py: unknown preset 'nope'; choose from")
+
+
+def test_help_shows_the_flags_the_override_syntax_and_examples():
+    result = _cli("--help")
+    assert result.returncode == 0, result.stderr
+    for needle in (
+        "--config:",
+        "--workdir:",
+        "--overrides:",
+        "--restore_step:",
+        "--config.SECTION.FIELD=VALUE",
+        "examples:",
+        "m2po-train --config=arith",
+    ):
+        assert needle in result.stdout, needle
+    assert "--stderrthreshold" not in result.stdout  # not absl's sixty
+
+
+def test_a_resume_with_another_model_or_changed_settings_is_refused_in_one_line(tmp_path):
+    run = [*TINY, "--config.total_steps=1", f"--workdir={tmp_path}"]
+    first = _cli(*run)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "config.json").is_file()
+    _one_line(
+        _cli(*run, "--config.model.num_layers=3"),
+        "workdir error",
+        f"{tmp_path / 'config.json'}: the checkpoints' model differs from this run's",
+    )
+    _one_line(
+        _cli(*run, "--config.actor.eps_clip=0.3"),
+        "workdir error",
+        "actor.eps_clip=0.2 -> 0.3; pass --allow_config_change",
+    )
+    again = _cli(*run, "--config.actor.eps_clip=0.3", "--allow_config_change")
+    assert again.returncode == 0, again.stderr[-2000:]
