@@ -37,7 +37,10 @@ def read_json(path: str | os.PathLike) -> Any:
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as e:  # a truncated or hand-edited file: name it
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
 
 
 def did_you_mean(key: str, valid: Iterable[str]) -> str:

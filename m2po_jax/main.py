@@ -137,6 +137,7 @@ def main(argv) -> None:
     logging.info("workdir %s", FLAGS.workdir)
     import jax
 
+    fresh = not Path(FLAGS.workdir).exists()
     try:
         # Taken before the trainer is built, so a second run is refused at once; the
         # trainer's own hold nests inside this one.
@@ -146,6 +147,10 @@ def main(argv) -> None:
         _report(e, e.what)
     except MemoryError as e:
         _report(e, "memory error")
+    except SystemExit:
+        if fresh:  # a run that failed before writing anything leaves no empty workdir
+            _remove_if_empty(Path(FLAGS.workdir))
+        raise
     status = "interrupted" if result.interrupted else "finished"
     print(
         f"m2po-train: {status} at step {result.final_step}; metrics in "
@@ -157,6 +162,16 @@ def main(argv) -> None:
     if result.interrupted:
         sys.stdout.flush()
         sys.exit(128 + (result.signal or 15))
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Removes `directory` if it holds nothing but the workdir lock."""
+    try:
+        if {p.name for p in directory.iterdir()} <= {".lock"}:
+            (directory / ".lock").unlink(missing_ok=True)
+            directory.rmdir()
+    except OSError:
+        pass
 
 
 def _train(cfg):
@@ -229,8 +244,9 @@ def _check_config_file(value: str) -> None:
 
 def _clean(error: BaseException) -> str:
     text = str(error)
-    if not isinstance(error, M2poError):  # KeyError and config_flags quote their messages
-        text = text.strip("'\"")
+    # KeyError and config_flags quote their whole message: drop that pair of quotes only.
+    if not isinstance(error, M2poError) and len(text) > 1 and text[0] == text[-1] in "'\"":
+        text = text[1:-1]
     text = text.replace("\\n", " ").replace("\n", " ")
     return text.replace("\\'", "'")
 

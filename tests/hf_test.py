@@ -436,3 +436,11 @@ def test_model_tokenizer_is_lazy_and_copied_on_save(checkpoints, tokenizer_dir, 
     hf.save_pretrained(model, tmp_path / "saved")
     assert (tmp_path / "saved" / "tokenizer.json").exists()
     assert hf.load_pretrained(tmp_path / "saved").tokenizer.eos_id == 3
+
+
+def test_a_truncated_config_json_is_named(tmp_path):
+    from m2po_jax import checks
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 6')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: not valid JSON"):
+        checks.read_json(tmp_path / "config.json")

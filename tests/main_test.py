@@ -218,3 +218,9 @@ def test_a_resume_with_another_model_or_changed_settings_is_refused_in_one_line(
     )
     again = _cli(*run, "--config.actor.eps_clip=0.3", "--allow_config_change")
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_a_failed_setup_leaves_no_empty_workdir(tmp_path):
+    workdir = tmp_path / "new"
+    _one_line(_cli("--config=gsm8k", f"--workdir={workdir}"), "setup error", "needs a tokenizer")
+    assert not workdir.exists()
