@@ -255,7 +255,8 @@ def _scan_layers(
         one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
 
     def body(x, xs):
-        return one(*xs[:1], x, xs[1])
+        layer_params, prefix_kv = xs
+        return one(layer_params, x, prefix_kv)
 
     prefix_kv = None if prefix is None else (prefix.k, prefix.v)
     return jax.lax.scan(body, x_BxTxE, (stacked, prefix_kv))

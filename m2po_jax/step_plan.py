@@ -46,8 +46,12 @@ class StepPlan:
     micro_block: int  # rows the micro-batch split keeps together
     loss_prompt: logprobs.SharedPrompt | None  # how the loss pass shares prompts, or None
     approx_metrics: bool  # report the loglinear approximation's error (method "metrics")
-    length_blocks: int = 1  # blocks of rows by completion length in shared-prompt passes
     batch_prompt: logprobs.SharedPrompt | None = None  # passes over the batch's own order
+
+    @property
+    def length_blocks(self) -> int:
+        """Blocks of rows by completion length in the loss pass (1: whole rows)."""
+        return self.loss_prompt.length_blocks if self.loss_prompt is not None else 1
 
     @property
     def prox_pass(self) -> bool:
@@ -154,7 +158,6 @@ def plan_step(
         micro_block=micro_block,
         loss_prompt=prompt if shared else None,
         approx_metrics=method == "metrics" and source != "behav",
-        length_blocks=prompt.length_blocks if shared else 1,
         batch_prompt=prompt,
     )
 
