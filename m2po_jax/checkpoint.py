@@ -16,19 +16,23 @@ deleted to be rewritten.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
-import shutil
+import re
 import time
 import zlib
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils.epath import Path
 
+from m2po_jax import paths
 from m2po_jax.errors import CheckpointError, WriterError, describe_os_error
 
 MANIFEST = "m2po_manifest.json"
@@ -42,7 +46,7 @@ def _abstract(tree):
 
 def _crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -50,21 +54,18 @@ def _crc32(path: Path) -> int:
 
 def _files(step_dir: Path) -> list[Path]:
     """Every file under `step_dir` but the manifest, sorted."""
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    found = [root / name for root, _, names in step_dir.walk() for name in names]
+    return sorted(p for p in found if p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}"))
 
 
 def write_manifest(step_dir: Path) -> None:
     """Hashes every file of a committed step into `step_dir/MANIFEST` (atomically)."""
     entries = {
-        str(p.relative_to(step_dir)): {"size": p.stat().st_size, "crc32": _crc32(p)}
+        str(p.relative_to(step_dir)): {"size": p.stat().length, "crc32": _crc32(p)}
         for p in _files(step_dir)
     }
-    tmp = step_dir / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"version": 1, "files": entries}, f, indent=0, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / MANIFEST)
+    text = json.dumps({"version": 1, "files": entries}, indent=0, sort_keys=True)
+    paths.write_atomic(step_dir / MANIFEST, text)
 
 
 def verify_step_dir(step_dir: Path) -> str | None:
@@ -85,8 +86,8 @@ def verify_step_dir(step_dir: Path) -> str | None:
     for name, size, crc in entries:
         path = step_dir / name
         try:
-            if path.stat().st_size != size:
-                return f"{name}: size {path.stat().st_size} bytes, expected {size} (damaged)"
+            if path.stat().length != size:
+                return f"{name}: size {path.stat().length} bytes, expected {size} (damaged)"
             if _crc32(path) != crc:
                 return f"{name}: checksum mismatch (damaged)"
         except FileNotFoundError:
@@ -94,6 +95,33 @@ def verify_step_dir(step_dir: Path) -> str | None:
         except OSError as e:
             return f"{name}: unreadable ({e.strerror})"
     return None
+
+
+_DISK_FULL = re.compile(r"No space left on device|os_error_code='28'|ENOSPC")
+
+
+class _DropOrbaxErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+@contextlib.contextmanager
+def _orbax_errors_raised_not_logged() -> Iterator[None]:
+    """Orbax logs a failed save's traceback from each of its threads (about 200 lines for a
+    full disk) before it raises the same error; the raised one is reported, in one line."""
+    drop = _DropOrbaxErrors()
+    loggers = [logging.getLogger("absl"), logging.getLogger()]
+    for logger in loggers:
+        logger.addFilter(drop)
+        for handler in logger.handlers:
+            handler.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+            for handler in logger.handlers:
+                handler.removeFilter(drop)
 
 
 def _is_primary() -> bool:
@@ -109,15 +137,32 @@ class Checkpointer:
     """A `CheckpointManager` under `workdir/checkpoints`, keeping the last `keep` verified."""
 
     def __init__(self, workdir: str | Path, *, keep: int = 2):
-        self.workdir = Path(workdir).absolute()
+        self.workdir = paths.workdir(workdir)
         self.directory = self.workdir / "checkpoints"
         self.keep = keep
+        if _is_primary():
+            self._check_writable()
         try:
             # Rotation is ours (`_rotate`): orbax's max_to_keep would delete the previous step
             # before the new one is hashed.
             self._manager = ocp.CheckpointManager(
                 self.directory, options=ocp.CheckpointManagerOptions(create=True)
             )
+        except OSError as e:
+            raise WriterError(describe_os_error(e, self.directory)) from e
+
+    def _check_writable(self) -> None:
+        """Refuses at start, not at the first save after training, a checkpoint directory
+        that is a file or cannot be written (read-only, full)."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise WriterError(
+                f"{self.directory}: exists and is not a directory; move it aside to checkpoint here"
+            )
+        probe = self.directory / ".m2po_write_probe"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"0" * 4096)
+            probe.unlink()
         except OSError as e:
             raise WriterError(describe_os_error(e, self.directory)) from e
 
@@ -159,12 +204,21 @@ class Checkpointer:
         if ref_params is not None:
             items["ref_params"] = ocp.args.StandardSave(ref_params)
         try:
-            self._manager.save(step, args=ocp.args.Composite(**items))
-            self._manager.wait_until_finished()
+            with _orbax_errors_raised_not_logged():
+                self._manager.save(step, args=ocp.args.Composite(**items))
+                self._manager.wait_until_finished()
             if _is_primary():
                 write_manifest(self.step_dir(step))
         except OSError as e:
             raise WriterError(describe_os_error(e, self.step_dir(step))) from e
+        except Exception as e:  # tensorstore reports a full disk as ValueError(RESOURCE_EXHAUSTED)
+            if _DISK_FULL.search(str(e)):
+                raise WriterError(
+                    describe_os_error(
+                        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), self.step_dir(step)
+                    )
+                ) from e
+            raise
         _sync(f"m2po_manifest_{step}")
         self._rotate()
 
@@ -184,7 +238,7 @@ class Checkpointer:
         target = self.workdir / ASIDE_DIR / f"{step}-{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
         if _is_primary():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.step_dir(step)), str(target))
+            self.step_dir(step).rename(target)
         _sync(f"m2po_aside_{step}")
         self._manager.reload()
         return target

@@ -115,6 +115,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv) -> None:
     del argv
     from m2po_jax import config as config_lib
+    from m2po_jax import overrides as overrides_lib
 
     if not FLAGS["verbosity"].present:
         # orbax logs every file it writes at INFO; the progress bar says what matters.
@@ -122,14 +123,27 @@ def main(argv) -> None:
 
     try:
         config = FLAGS.config
-        config_lib.apply_dotted(config, dict.fromkeys(_none_keys))
         if FLAGS.overrides:
-            config_lib.apply_overrides(config, config_lib.load_overrides(FLAGS.overrides))
+            ignored = overrides_lib.overlay_file(config, FLAGS.overrides)
+            if ignored:
+                print(
+                    f"m2po-train: {FLAGS.overrides}: AReaL keys not used here (launcher, "
+                    f"servers, services): {', '.join(ignored)}",
+                    file=sys.stderr,
+                )
+            # The command line wins over the file.
+            config.update_from_flattened_dict(config_flags.get_override_values(FLAGS["config"]))
+        config_lib.apply_dotted(config, dict.fromkeys(_none_keys))
         cfg = config_lib.from_configdict(config)
     except (config_lib.ConfigError, ValueError, TypeError) as e:
         _report(e, "config error")
 
-    from m2po_jax import compile_cache, distributed, errors, workdir
+    from m2po_jax import compile_cache, distributed, errors, paths, workdir
+
+    try:  # a URL without its backend, or an unknown scheme: refused before any work
+        directory = paths.workdir(FLAGS.workdir)
+    except errors.M2poError as e:
+        _report(e, e.what)
 
     compile_cache.enable(FLAGS.compile_cache)
     # Multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a TPU pod.
@@ -137,7 +151,7 @@ def main(argv) -> None:
     logging.info("workdir %s", FLAGS.workdir)
     import jax
 
-    fresh = not Path(FLAGS.workdir).exists()
+    fresh = not directory.exists()
     try:
         # Taken before the trainer is built, so a second run is refused at once; the
         # trainer's own hold nests inside this one.
@@ -149,12 +163,12 @@ def main(argv) -> None:
         _report(e, "memory error")
     except SystemExit:
         if fresh:  # a run that failed before writing anything leaves no empty workdir
-            _remove_if_empty(Path(FLAGS.workdir))
+            _remove_if_empty(directory)
         raise
     status = "interrupted" if result.interrupted else "finished"
     print(
         f"m2po-train: {status} at step {result.final_step}; metrics in "
-        f"{Path(result.workdir) / 'metrics.jsonl'}"
+        f"{result.workdir / 'metrics.jsonl'}"
     )
     if result.eval_accuracy:
         steps = ", ".join(f"{s}: {a:.3f}" for s, a in result.eval_accuracy)
@@ -164,7 +178,7 @@ def main(argv) -> None:
         sys.exit(128 + (result.signal or 15))
 
 
-def _remove_if_empty(directory: Path) -> None:
+def _remove_if_empty(directory) -> None:
     """Removes `directory` if it holds nothing but the workdir lock."""
     try:
         if {p.name for p in directory.iterdir()} <= {".lock"}:

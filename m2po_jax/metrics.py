@@ -8,15 +8,18 @@ non-finite values are written as null and their names listed under "nonfinite".
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from m2po_jax import paths
 from m2po_jax.checks import is_number
 from m2po_jax.errors import WriterError, describe_os_error
 
@@ -49,7 +52,7 @@ def _finite_or_none(value: Any) -> tuple[Any, bool]:
 def _read_lines(path: str) -> list[tuple[int, str, dict | None]]:
     """(line number, line, parsed object or None if it is not JSON) for non-empty lines."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with io.StringIO(paths.as_path(path).read_text(encoding="utf-8")) as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 try:
@@ -67,7 +70,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     skipped; any other bad line raises ValueError naming the line.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not paths.as_path(path).is_file():
         raise FileNotFoundError(f"metrics file not found: {path!r}")
     lines = _read_lines(path)
     records = []
@@ -125,7 +128,8 @@ class MetricsWriter:
                 f"wandb: expected a dict of wandb.init kwargs or None, got {type(wandb).__name__}"
             )
         self.is_primary = is_primary
-        self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+        directory = paths.as_path(workdir)
+        self.path = os.fspath(directory / METRICS_FILE)
         self._file = None
         self._tb = None
         self._wandb_run = None
@@ -140,12 +144,12 @@ class MetricsWriter:
                     "wandb logging was requested but the wandb package is not installed: "
                     "pip install wandb (or m2po-jax[wandb]), or set wandb=None"
                 ) from e
-        tb_dir = os.path.join(os.fspath(workdir), TENSORBOARD_DIR)
+        tb_dir = directory / TENSORBOARD_DIR
         with _io_errors(self.path):
-            os.makedirs(workdir, exist_ok=True)
-            if resume_step is not None and os.path.exists(self.path):
+            directory.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and paths.as_path(self.path).exists():
                 self._truncate(resume_step)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (see close())
+            self._file = paths.AppendLog(self.path)
         if tensorboard:
             from m2po_jax.tensorboard import EventFile
 
@@ -162,12 +166,7 @@ class MetricsWriter:
                 _log.warning("%s:%d: dropping an unreadable metrics line", self.path, number)
             elif record["step"] < resume_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        paths.write_atomic(self.path, "".join(kept))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Appends one record for `step`; array values become lists (JSONL only)."""
@@ -197,7 +196,6 @@ class MetricsWriter:
             ) from e
         with _io_errors(self.path):
             self._file.write(line + "\n")
-            self._file.flush()
         scalars = {k: float(v) for k, v in values.items() if is_number(v)}
         if self._tb is not None:
             with _io_errors(self._tb.path):
@@ -209,8 +207,7 @@ class MetricsWriter:
         """Writes everything to disk (fsync): the trainer calls it before each checkpoint."""
         if self._file is not None:
             with _io_errors(self.path):
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                self._file.sync()
         if self._tb is not None:
             with _io_errors(self._tb.path):
                 self._tb.sync()
@@ -239,6 +236,15 @@ class MetricsWriter:
             return
         with contextlib.suppress(OSError):
             self.close()  # after an error: close what is open, keep the first error
+
+
+def say(message: str) -> None:
+    """Routine progress for the person watching (a memory plan, warm-up, a resume): plain
+    lines on stderr, above the progress bar, not log warnings. Call it on process 0."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+    _log.info(message)
 
 
 class ProgressBar:

@@ -6,12 +6,16 @@ Unknown keys are refused with the closest valid key; values must have the field'
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import ml_collections
 
 from m2po_jax.checks import did_you_mean
 from m2po_jax.errors import ConfigError
+
+_FLOAT = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*|\s*[-+]?(inf|nan)\s*", re.I)
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: str = "") -> None:
@@ -29,6 +33,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: 
                 raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
             apply_overrides(current, value, full + ".")
         else:
+            value = _yaml_float(config, key, value)
             try:
                 with config.unlocked():
                     config[key] = value
@@ -39,6 +44,44 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: 
                 if current is None:
                     kind = config.get_ref(key).get_type().__name__
                 raise ConfigError(f"{full}: expected a {kind}, got {value!r}") from None
+
+
+def _field_type(config: ml_collections.ConfigDict, key: str) -> type:
+    current = config[key]
+    return type(current) if current is not None else config.get_ref(key).get_type()
+
+
+def _yaml_float(config: ml_collections.ConfigDict, key: str, value: Any) -> Any:
+    """`1e-8` for a float field: PyYAML reads exponents without a dot as strings."""
+    if isinstance(value, str) and _field_type(config, key) is float and _FLOAT.fullmatch(value):
+        return float(value)
+    return value
+
+
+def dotted_keys(config: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
+    """Every leaf key of `config`, dotted ("actor.optimizer.lr")."""
+    keys = set()
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            keys |= dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def overlay_file(config: ml_collections.ConfigDict, path: str) -> list[str]:
+    """Applies an overrides file: this config's nested keys, or an AReaL experiment file
+    (`m2po_jax.areal`); `${a.b}` interpolations are resolved in both. Returns the AReaL
+    launcher keys that were ignored."""
+    from m2po_jax import areal
+
+    data = areal.resolve(load_overrides(path), path)
+    if not areal.is_areal_file(data):
+        apply_overrides(config, data)
+        return []
+    dotted, ignored = areal.translate(data, dotted_keys(config), path)
+    apply_dotted(config, dotted)
+    return ignored
 
 
 def apply_dotted(config: ml_collections.ConfigDict, values: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from m2po_jax import paths
 from m2po_jax.checks import is_number
 from m2po_jax.metrics import read_metrics
 
@@ -24,8 +26,15 @@ PANELS = (
     ("eval_accuracy", "eval accuracy", ("eval/accuracy",), False),
     ("masked_fraction", "M2PO masked fraction", ("m2po/masked_fraction",), False),
     ("m2", "second moment", ("m2po/m2_before", "m2po/m2_after"), True),
+    ("loss", "loss", ("loss",), False),
+    ("grad_norm", "gradient norm", ("grad_norm",), True),
+    ("clip_fraction", "PPO clip fraction", ("actor/clip_fraction",), False),
+    ("entropy", "policy entropy", ("train/entropy",), False),
     ("staleness", "staleness (versions)", ("staleness/mean", "staleness/max"), False),
 )
+# A log axis spans at most this many decades below its largest value (a step-0 m2 of
+# 1e-13, an exact on-policy step, would otherwise flatten everything else).
+LOG_DECADES = 4
 
 
 def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -38,57 +47,75 @@ def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray,
     return np.asarray(steps, np.int64), np.asarray(values, np.float64)
 
 
-def _draw_panel(ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y) -> bool:
-    """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them."""
-    drawn = False
+def _draw_panel(
+    ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y, tau=None
+) -> bool:
+    """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them. `tau`
+    (M2PO's threshold) is drawn on the second-moment panel and named on the masked one."""
+    drawn, top = False, 0.0
     for key in keys:
         steps, values = _series(records, key)
         if steps.size == 0:
             continue
         if log_y:
             values = np.where(values > 0, values, np.nan)  # log scale: drop zeros
+            if np.isfinite(values).any():
+                top = max(top, float(np.nanmax(values)))
         marker = "o" if steps.size < 30 else None
         ax.plot(steps, values, label=key, marker=marker, markersize=3)
         drawn = True
     if drawn:
+        m2_panel = any(k.startswith("m2po/m2") for k in keys)
+        if tau is not None and m2_panel:
+            ax.axhline(tau, color="k", ls="--", lw=1, label=f"tau = {tau:g}")
+            top = max(top, tau)
+        if tau is not None and "m2po/masked_fraction" in keys:
+            title = f"{title} (tau = {tau:g})"
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if log_y:
             ax.set_yscale("log")
-        if len(keys) > 1:
+            if top > 0:
+                low = [line.get_ydata() for line in ax.get_lines()]
+                floor = min((np.nanmin(v) for v in low if np.isfinite(v).any()), default=top)
+                ax.set_ylim(bottom=max(floor, top * 10.0**-LOG_DECADES) / 1.5)
+        if len(keys) > 1 or (tau is not None and m2_panel):
             ax.legend(fontsize="small")
     return drawn
 
 
-def plot_metrics(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+def plot_metrics(
+    metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, tau: float | None = None
+) -> list[str]:
     """PNG plots of a run: one file per panel of `PANELS` with data, plus summary.png.
 
-    Panels whose keys never appear are skipped. Returns the written paths (empty if
-    no panel has data).
+    Panels whose keys never appear are skipped; `tau` (the run's `actor.m2_threshold`) is
+    drawn on the second-moment panel. Returns the written paths (empty if no panel has data).
     """
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     records = read_metrics(metrics_path)
-    os.makedirs(out_dir, exist_ok=True)
-    paths, available = [], []
+    out_dir = paths.as_path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, available = [], []
     for stem, title, keys, log_y in PANELS:
         fig = Figure(figsize=(6, 4), layout="constrained")
-        if _draw_panel(fig.add_subplot(), records, title, keys, log_y):
-            path = os.path.join(os.fspath(out_dir), f"{stem}.png")
-            fig.savefig(path, dpi=100)
-            paths.append(path)
+        if _draw_panel(fig.add_subplot(), records, title, keys, log_y, tau):
+            path = os.fspath(out_dir / f"{stem}.png")
+            _save(fig, path)
+            written.append(path)
             available.append((title, keys, log_y))
     if available:
         cols = min(3, len(available))
         rows = math.ceil(len(available) / cols)
         fig = Figure(figsize=(5 * cols, 3.5 * rows), layout="constrained")
         for i, (title, keys, log_y) in enumerate(available):
-            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y)
-        path = os.path.join(os.fspath(out_dir), "summary.png")
-        fig.savefig(path, dpi=100)
-        paths.append(path)
-    return paths
+            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y, tau)
+        path = os.fspath(out_dir / "summary.png")
+        _save(fig, path)
+        written.append(path)
+    return written
 
 
 def plot_comparison(
@@ -131,6 +158,13 @@ def plot_comparison(
             ax.set_yscale("log")
         ax.legend(fontsize="small")
     out_path = os.fspath(out_path)
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    fig.savefig(out_path, dpi=100)
+    paths.as_path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, out_path)
     return out_path
+
+
+def _save(fig, path: str) -> None:
+    """A PNG written whole (`paths.write_atomic`): local or object store."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    paths.write_atomic(path, buffer.getvalue())

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import jax
 
 from m2po_jax import model as model_lib
+from m2po_jax import paths
 from m2po_jax.errors import WorkdirError
 
 CONFIG_FILE = "config.json"
@@ -51,11 +51,16 @@ def describe(cfg, model_config: model_lib.ModelConfig) -> dict:
 
 
 def check_and_record(
-    workdir: Path, record: dict, *, resuming: bool, allow_change: bool, write: bool = True
+    workdir: str | os.PathLike,
+    record: dict,
+    *,
+    resuming: bool,
+    allow_change: bool,
+    write: bool = True,
 ) -> list[str]:
     """Refuses a resume whose model or training settings differ from the recorded ones;
     writes `record` (atomically). Returns the changed settings that were allowed."""
-    path = Path(workdir) / CONFIG_FILE
+    path = paths.as_path(workdir) / CONFIG_FILE
     allowed = []
     if resuming and path.exists():
         try:
@@ -86,9 +91,7 @@ def check_and_record(
             )
         allowed = changed
     if write:
-        tmp = path.with_name(f".{CONFIG_FILE}.tmp")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        paths.write_atomic(path, json.dumps(record, indent=1, sort_keys=True))
     return allowed
 
 

@@ -7,14 +7,16 @@ trainer, the evaluation (`evaluate.py`) and the warm-up (`sft.py`) read the resu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
-from absl import logging
 
 from m2po_jax import batching, memory, sampling, sharding
+from m2po_jax import metrics as metrics_lib
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import prompts as prompts_lib
@@ -97,20 +99,21 @@ def build_task(
             "task.train_path: required for task.name='gsm8k' (a local JSONL or .parquet file)"
         )
     prompts = prompts or build_prompts(cfg, tokenizer)
-    return make_task(
-        "gsm8k",
-        path=t.train_path,
-        tokenizer=tokenizer,
-        eval_path=t.eval_path or None,
-        num_eval=t.eval_size,
-        seed=t.seed,
-        reward_fn=reward_fn,
-        question_key=t.question_key,
-        answer_key=t.answer_key,
-        prompt_encode=prompts.encode,
-        max_prompt_len=t.max_prompt_len,
-        long_prompts=t.long_prompts,
-    )
+    with _named_as_in_the_config({"num_eval": "task.eval_size"}):
+        return make_task(
+            "gsm8k",
+            path=t.train_path,
+            tokenizer=tokenizer,
+            eval_path=t.eval_path or None,
+            num_eval=t.eval_size,
+            seed=t.seed,
+            reward_fn=reward_fn,
+            question_key=t.question_key,
+            answer_key=t.answer_key,
+            prompt_encode=prompts.encode,
+            max_prompt_len=t.max_prompt_len,
+            long_prompts=t.long_prompts,
+        )
 
 
 def build_model(cfg: Config, vocab_size: int):
@@ -128,7 +131,31 @@ def build_model(cfg: Config, vocab_size: int):
             scan_layers=m.scan_layers,
         )
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
-    model_config = model_lib.ModelConfig(
+    fields = [f.name for f in dataclasses.fields(model_lib.ModelConfig)]
+    with _named_as_in_the_config({name: f"model.{name}" for name in fields}):
+        model_config = _new_architecture(m, vocab_size)
+    if model_config.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({vocab_size})"
+        )
+    return model_config, None
+
+
+@contextlib.contextmanager
+def _named_as_in_the_config(names: dict[str, str]):
+    """A library error about `num_heads` names the config's `model.num_heads`."""
+    try:
+        yield
+    except ValueError as e:
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")\b")
+        if e.args and isinstance(e.args[0], str):  # keeps the error's type (DataError, ...)
+            e.args = (pattern.sub(lambda m: names[m.group(1)], e.args[0]), *e.args[1:])
+        raise
+
+
+def _new_architecture(m, vocab_size: int) -> model_lib.ModelConfig:
+    return model_lib.ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
@@ -148,12 +175,6 @@ def build_model(cfg: Config, vocab_size: int):
         attention=m.attention,
         scan_layers=m.scan_layers,
     )
-    if model_config.vocab_size < vocab_size:
-        raise ValueError(
-            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({vocab_size})"
-        )
-    return model_config, None
 
 
 def _train_shapes(cfg: Config) -> tuple[int, int, int, int]:
@@ -196,7 +217,7 @@ def check_memory(
     )
     plan = memory.memory_plan(model_config, placement.mesh, **kwargs)
     if jax.process_index() == 0:
-        logging.warning("memory plan per device:\n%s", plan.format())
+        metrics_lib.say(f"memory plan per device:\n{plan.format()}")
     limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
     limit = limit or memory.device_memory_limit()
     if limit is not None and plan.total > limit:

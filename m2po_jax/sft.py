@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 
 from m2po_jax import logprobs
+from m2po_jax import metrics as metrics_lib
 from m2po_jax.setup import RunSetup
 
 
@@ -92,9 +92,10 @@ def supervised_warmup(run: RunSetup, params, evaluate: Callable[[Any], float]) -
         done = i + 1
         if done % s.eval_every == 0 or done == s.max_steps:
             accuracy = evaluate(params)
-            logging.warning(
-                "warm-up step %d: loss %.3f, held-out accuracy %.3f", done, float(loss), accuracy
-            )
+            if jax.process_index() == 0:
+                metrics_lib.say(
+                    f"warm-up step {done}: loss {float(loss):.3f}, held-out accuracy {accuracy:.3f}"
+                )
             log.append({"sft_step": done, "sft/loss": float(loss), "sft/accuracy": accuracy})
             if accuracy >= s.stop_at_accuracy:
                 break

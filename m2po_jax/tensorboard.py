@@ -21,6 +21,8 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
+from m2po_jax import paths
+
 _counter = itertools.count()
 
 
@@ -39,20 +41,20 @@ class EventFile:
     """A new `events.out.tfevents.*` file in `logdir`; `purge_step` starts a resumed run."""
 
     def __init__(self, logdir: str | os.PathLike, *, purge_step: int | None = None):
-        os.makedirs(logdir, exist_ok=True)
+        directory = paths.as_path(logdir)
+        directory.mkdir(parents=True, exist_ok=True)
         # A nanosecond time sorts the files of successive runs by name (as TensorBoard reads
         # them); pid and a counter keep two writers from sharing (truncating) one file.
         name = (
             f"events.out.tfevents.{time.time_ns():020d}.{socket.gethostname()}."
             f"{os.getpid()}.{next(_counter)}"
         )
-        self.path = os.path.join(os.fspath(logdir), name)
-        self._file = open(self.path, "xb")  # noqa: SIM115 (closed in close())
+        self.path = os.fspath(directory / name)
+        self._file = paths.AppendLog(self.path, binary=True, exclusive=True)
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:
             start = SessionLog(status=SessionLog.START)
             self._write(Event(wall_time=time.time(), step=purge_step, session_log=start))
-        self._file.flush()
 
     def _write(self, event: Event) -> None:
         self._file.write(_frame(event.SerializeToString()))
@@ -61,23 +63,16 @@ class EventFile:
         """One event holding every scalar of `step`, flushed to the OS."""
         values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
         self._write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
-        self._file.flush()
 
     def sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._file.sync()
 
     def close(self) -> None:
-        if not self._file.closed:
-            try:
-                self.sync()
-            finally:
-                self._file.close()
+        self._file.close()
 
 
 def _records(path: str):
-    with open(path, "rb") as f:
-        data = f.read()
+    data = paths.as_path(path).read_bytes()
     offset = 0
     while offset + 12 <= len(data):
         (length,) = struct.unpack_from("<Q", data, offset)
@@ -91,9 +86,10 @@ def _records(path: str):
 def read_scalars(logdir: str | os.PathLike) -> dict[str, dict[int, float]]:
     """tag -> {step: value} as TensorBoard shows it (files in name order, purges applied)."""
     scalars: dict[str, dict[int, float]] = {}
-    names = sorted(n for n in os.listdir(logdir) if n.startswith("events.out"))
+    directory = paths.as_path(logdir)
+    names = sorted(p.name for p in directory.iterdir() if p.name.startswith("events.out"))
     for name in names:
-        for raw in _records(os.path.join(os.fspath(logdir), name)):
+        for raw in _records(directory / name):
             event = Event.FromString(raw)
             if event.HasField("session_log") and event.session_log.status == SessionLog.START:
                 for series in scalars.values():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from m2po_jax import batching, plots, run_record, sft
+from m2po_jax import batching, paths, plots, run_record, sft
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import evaluate as evaluate_lib
 from m2po_jax import metrics as metrics_lib
@@ -29,7 +29,7 @@ from m2po_jax import setup as setup_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax import workdir as workdir_lib
 from m2po_jax.config import Config
-from m2po_jax.errors import M2poError, WriterError, describe_os_error
+from m2po_jax.errors import M2poError, WorkdirError, WriterError, describe_os_error
 from m2po_jax.setup import build_model, build_prompts, build_task  # noqa: F401 (public here too)
 from m2po_jax.types import TrainBatch
 
@@ -79,8 +79,11 @@ class Trainer:
     ):
         self.cfg = cfg
         self.allow_config_change = allow_config_change
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = paths.workdir(workdir)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WorkdirError(describe_os_error(e, self.workdir)) from e
         self.rng = jax.random.key(cfg.seed)
         s = self.setup = setup_lib.build(cfg)
         self.task, self.tokenizer, self.prompts = s.task, s.tokenizer, s.prompts
@@ -150,7 +153,8 @@ class Trainer:
         restored = self.checkpointer.restore(
             step, state_like=self.state, ref_like=self.state.params if need_ref else None
         )
-        logging.warning("resuming from checkpoint %s", self.checkpointer.step_dir(step))
+        if jax.process_index() == 0:
+            metrics_lib.say(f"resuming from checkpoint {self.checkpointer.step_dir(step)}")
         self.state = restored["state"]
         self.rng = restored["rng"]
         self.queue = rollout_lib.StaleQueue(
@@ -209,7 +213,11 @@ class Trainer:
                 interrupted = self._loop(writer, progress, start, end, accuracies)
             if cfg.logging.plots and primary:
                 try:
-                    plots.plot_metrics(self.workdir / metrics_lib.METRICS_FILE, self.workdir)
+                    plots.plot_metrics(
+                        self.workdir / metrics_lib.METRICS_FILE,
+                        self.workdir,
+                        tau=self.cfg.actor.m2_threshold,
+                    )
                 except OSError as e:
                     raise WriterError(describe_os_error(e, self.workdir)) from e
         signum = self._stop_signal if interrupted else None

@@ -4,17 +4,22 @@ The kernel releases the lock when the process dies (even by SIGKILL), so a stale
 file never blocks a rerun. The file records the holder's pid and host for the refusal.
 A process may take the same workdir's lock again (nested holds); it is released when
 the outermost hold ends.
+
+An object-store workdir (`gs://...`) has no file locks: it is held without one, after a
+one-line warning, so one trainer per workdir is then the user's to keep.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from m2po_jax import paths
 from m2po_jax.errors import WorkdirError
 
 LOCK_FILE = ".lock"
@@ -34,6 +39,13 @@ def _holder(file) -> str:
 
 def acquire(workdir: str | os.PathLike) -> str:
     """Takes the workdir's lock (or nests a hold this process has); returns its key."""
+    if not paths.is_local(workdir):
+        key = os.fspath(paths.workdir(workdir))
+        if key not in _held:
+            logging.warning("%s: object stores have no locks; run one trainer per workdir", key)
+            _held[key] = [None, 0]
+        _held[key][1] += 1
+        return key
     directory = Path(workdir)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,8 @@ def release(key: str) -> None:
     if entry[1] == 0:
         del _held[key]
         # Closing the file releases the flock; the file itself stays (harmless when unlocked).
-        entry[0].close()
+        if entry[0] is not None:
+            entry[0].close()
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import pytest
 
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import workdir as workdir_lib
-from m2po_jax.errors import CheckpointError, WorkdirError
+from m2po_jax.errors import CheckpointError, WorkdirError, WriterError
 
 
 def _state(value):
@@ -33,7 +34,7 @@ def _restored_step(ckpt, step):
 
 
 def _largest_array_file(step_dir):
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    files = [p for p in (Path(step_dir) / "state").rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
 
 
@@ -198,3 +199,37 @@ def test_workdir_lock_refuses_a_second_holder_naming_pid_and_host(tmp_path):
         with workdir_lib.hold(tmp_path):  # nested holds in one process
             pass
         assert (tmp_path / workdir_lib.LOCK_FILE).read_text().startswith(f"{os.getpid()} ")
+
+
+def test_a_file_where_checkpoints_go_is_refused_at_start(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a directory")
+    with pytest.raises(WriterError, match=r"checkpoints: exists and is not a directory"):
+        ckpt_lib.Checkpointer(tmp_path)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB tmpfs (needs root, as on the CI machine; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True)  # fmt: skip
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk, capfd):
+    ckpt = ckpt_lib.Checkpointer(small_disk, keep=2)
+    _save(ckpt, 1)  # 16 KiB of weights: fits
+    capfd.readouterr()
+    noise = jax.random.normal(jax.random.key(0), (256, 256))  # 256 KiB that do not compress
+    big = {"w": noise, "step": jnp.int32(2)}
+    with pytest.raises(WriterError, match=r"checkpoints/2: No space left on device \(ENOSPC\)"):
+        ckpt.save(2, state=big, rng=jax.random.key(2), queue=[], meta={})
+    out, err = capfd.readouterr()
+    assert len((out + err).strip().splitlines()) <= 3, (out + err)[:3000]
+    assert ckpt.verify(1) is None and _restored_step(ckpt, 1) == 1

@@ -350,3 +350,20 @@ def test_cli_parses_derived_fields_and_none_clip():
     bad = _cli("--config.actor.temperature=0.7", "--workdir=/nonexistent/never-made")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "actor.temperature=0.7 differs from gconfig.temperature=1.0" in bad.stderr
+
+
+def test_setup_errors_name_the_config_fields(tokenizer_dir, tmp_path):
+    from m2po_jax import setup
+    from m2po_jax.tokenizer import load_tokenizer
+
+    cfg = arith.get_config("m2po,tiny")
+    cfg.model.num_heads = 3
+    with pytest.raises(ValueError, match=r"^model.hidden_size \(32\) must be a multiple of model"
+                                         r".num_heads \(3\) unless model.head_dim is given$"):  # fmt: skip
+        setup.build_model(config_lib.from_configdict(cfg), 16)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "the cat ?", "answer": "#### 12"}\n' * 3)
+    cfg = gsm8k.get_config()
+    cfg.task.train_path, cfg.task.eval_size = str(data), 5
+    with pytest.raises(ValueError, match=r"^task.eval_size=5: .* has only 3 records"):
+        setup.build_task(config_lib.from_configdict(cfg), load_tokenizer(tokenizer_dir))

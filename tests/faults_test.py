@@ -98,7 +98,7 @@ def test_a_full_disk_ends_the_run_with_the_checkpoint_intact(tmp_path, monkeypat
     t0 = time.perf_counter()
     with pytest.raises(WriterError, match=rf"{target}.*: No space left on device \(ENOSPC\)"):
         trainer.run()
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - t0 < 300  # ends (a hang never would), even on a loaded machine
     monkeypatch.undo()
     assert trainer.checkpointer.all_steps() == [2]
     assert trainer.checkpointer.verify(2) is None

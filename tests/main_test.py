@@ -224,3 +224,23 @@ def test_a_failed_setup_leaves_no_empty_workdir(tmp_path):
     workdir = tmp_path / "new"
     _one_line(_cli("--config=gsm8k", f"--workdir={workdir}"), "setup error", "needs a tokenizer")
     assert not workdir.exists()
+
+
+def test_a_workdir_url_without_its_backend_is_refused_before_any_work():
+    _one_line(
+        _cli(*TINY, "--workdir=gs://bucket/run"),
+        "workdir error",
+        "gs://bucket/run: no filesystem backend for gs:// is installed",
+    )
+    assert not (REPO / "gs:").exists()
+
+
+def test_an_areal_experiment_file_runs_with_its_launcher_keys_listed_and_flags_winning():
+    example = REPO / "tests" / "data" / "areal_gsm8k_m2po.yaml"
+    result = _cli("--config=gsm8k", f"--overrides={example}", "--config.model.path=/no/model")
+    notes = [x for x in result.stderr.splitlines() if "AReaL keys not used here" in x]
+    assert len(notes) == 1 and "cluster, allocation_mode" in notes[0] and "sglang, vllm" in notes[0]
+    # Past the file to the model: the command line's model.path won over actor.path.
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [x for x in result.stderr.splitlines() if x.startswith("m2po-train: setup error")]
+    assert errors == ["m2po-train: setup error: /no/model: checkpoint directory does not exist"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from m2po_jax import metrics as M
-from m2po_jax import plots
+from m2po_jax import paths, plots
 from m2po_jax.errors import WriterError
 
 
@@ -97,8 +97,8 @@ def test_a_failing_close_keeps_the_first_error_and_is_reported_alone(tmp_path, m
             raise OSError(28, "No space left on device")
 
     real_open = open
-    monkeypatch.setattr(
-        M, "open", lambda *a, **k: ClosesOnAFullDisk(real_open(*a, **k)), raising=False
+    monkeypatch.setattr(  # the writer's file opens in the path layer
+        paths, "open", lambda *a, **k: ClosesOnAFullDisk(real_open(*a, **k)), raising=False
     )
     with pytest.raises(RuntimeError, match="the step failed"):
         with M.MetricsWriter(tmp_path / "a", tensorboard=False):
@@ -190,7 +190,13 @@ def _synthetic_run(path, steps=40, collapse=False):
                 "m2po/m2_after": 0.03,
                 "staleness/mean": 3.5,
                 "staleness/max": 4,
+                "loss": -0.1 * rng.random(),
+                "grad_norm": 1.0 + rng.random(),
+                "actor/clip_fraction": 0.02,
+                "train/entropy": 1.5 - step / steps,
             }
+            if step == 0:
+                record["m2po/m2_before"] = 1e-13  # on-policy at step 0: round-off only
             if step % 10 == 0:
                 record["eval/accuracy"] = step / steps
             f.write(json.dumps(record) + "\n")
@@ -212,11 +218,29 @@ def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
         "eval_accuracy.png",
         "masked_fraction.png",
         "m2.png",
+        "loss.png",
+        "grad_norm.png",
+        "clip_fraction.png",
+        "entropy.png",
         "staleness.png",
         "summary.png",
     ]
     for p in paths:
         _assert_png(p)
+
+
+def test_the_second_moment_panel_draws_tau_and_ignores_a_step0_round_off(tmp_path):
+    from matplotlib.figure import Figure
+
+    records = M.read_metrics(_synthetic_run(tmp_path / "metrics.jsonl"))
+    ax = Figure().add_subplot()
+    assert plots._draw_panel(ax, records, "m2", ("m2po/m2_before", "m2po/m2_after"), True, 0.04)
+    taus = [line for line in ax.get_lines() if line.get_label() == "tau = 0.04"]
+    assert len(taus) == 1 and set(taus[0].get_ydata()) == {0.04}
+    assert ax.get_ylim()[0] > 1e-6  # the 1e-13 at step 0 does not set the axis
+    ax = Figure().add_subplot()
+    plots._draw_panel(ax, records, "M2PO masked", ("m2po/masked_fraction",), False, 0.04)
+    assert ax.get_title() == "M2PO masked (tau = 0.04)"
 
 
 def test_plot_metrics_skips_missing_keys(tmp_path):

@@ -43,7 +43,7 @@ def strip_times(records):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight")
-    trainer = trainer_lib.Trainer(tiny_config(), workdir)
+    trainer = trainer_lib.Trainer(tiny_config(**{"logging.plots": True}), workdir)
     result = trainer.run()
     return workdir, trainer, result
 
@@ -63,6 +63,8 @@ def test_end_to_end_writes_contract_metrics_and_checkpoints(straight_run):
     assert result.final_step == 4
     assert trainer.checkpointer.latest_step() == 4
     assert (workdir / "tensorboard").is_dir()
+    for panel in ("summary", "m2", "loss", "grad_norm", "entropy"):  # the run's own plots
+        assert (workdir / f"{panel}.png").read_bytes()[:4] == b"\x89PNG", panel
 
 
 def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_path):
