@@ -56,3 +56,31 @@ def test_check_prompt_groups_names_the_group_that_differs():
         batching.check_prompt_groups(tokens, bad_valid, 4, 2)
     with pytest.raises(ValueError, match="group_size=4"):
         batching.check_prompt_groups(tokens, valid, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "longest, width",
+    [(15, 16), (16, 16), (17, 24), (24, 24), (25, 32), (32, 32), (33, 48), (48, 48), (49, 64)],
+)
+def test_trim_at_a_bucket_edge_keeps_the_last_column(longest, width):
+    """A longest completion ending exactly on a bucket's last column keeps that column
+    (and that bucket); one token more selects the next bucket."""
+    rows, prompt, new = 3, 4, 64
+    valid = np.zeros((rows, prompt + new), bool)
+    valid[:, 1:prompt] = True
+    valid[0, prompt : prompt + longest] = True  # the longest row
+    valid[1, prompt : prompt + 3] = True
+    tokens = np.where(valid, np.arange(prompt + new)[None, :] + 1, 0).astype(np.int32)
+    mask = valid.copy()
+    mask[:, :prompt] = False
+    arrays = {"tokens_BxT": tokens, "valid_BxT": valid, "loss_mask_BxT": mask}
+    out, got_width = batching.trim_completions(arrays, prompt, new)
+    assert got_width == width
+    end = prompt + width
+    for name, x in arrays.items():
+        assert out[name].shape == (rows, end), name
+        np.testing.assert_array_equal(out[name], x[:, :end], err_msg=name)
+    last = prompt + longest - 1  # the final generated token's column
+    assert out["valid_BxT"][0, last] and out["tokens_BxT"][0, last] == last + 1
+    assert out["loss_mask_BxT"].sum() == mask.sum()  # no completion token dropped
+    assert not valid[:, end:].any()  # everything cut was padding

@@ -25,19 +25,86 @@ def build(**changes):
     return config_lib.from_configdict(c)
 
 
+def _flat(section, prefix=""):
+    """A config's fields as {"actor.eps_clip": value, ...}."""
+    out = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value, f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = value
+    return out
+
+
+# What each arith preset changes from configs/default.py (the docstring of configs/arith.py):
+# exactly these fields, to these values.
+TINY = {
+    "total_steps": 4,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.num_layers": 1,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 1,
+    "sft.max_steps": 4,
+    "sft.batch_size": 16,
+    "sft.eval_every": 2,
+    "gconfig.n_samples": 4,
+    "actor.reward_norm.group_size": 4,  # derived from gconfig.n_samples
+    "rollout.batch_size": 4,
+    "rollout.max_head_offpolicyness": 2,  # min(k, 2)
+    "actor.ppo_n_minibatches": 2,
+    "eval.every": 2,
+    "eval.num_examples": 16,
+    "eval.batch_size": 16,
+    "checkpoint.every": 2,
+    "logging.progress": False,
+    "logging.plots": False,
+}
+PRESET_CHANGES = {
+    "m2po": {},  # the default: stale-4 rollouts, M2PO at tau = 0.04
+    "grpo": {"actor.m2_threshold": None, "rollout.max_head_offpolicyness": 0},
+    "stale_grpo": {"actor.m2_threshold": None},
+    "paper": {
+        "actor.m2po_second_moment": "current_behav",
+        "actor.m2po_stop_rule": "le",
+        "actor.eps_clip": None,
+        "actor.loss_denominator": "valid",
+    },
+    "paper_final": {
+        "actor.m2po_second_moment": "current_behav",
+        "actor.m2po_stop_rule": "le",
+        "actor.m2po_candidates": "harmful",
+        "actor.eps_clip": None,
+        "actor.use_decoupled_loss": False,
+        "actor.loss_denominator": "valid",
+        "actor.rejection_sampling.enabled": False,
+    },
+    "authors": {"actor.m2po_candidates": "harmful", "actor.m2po_stop_rule": "capped_clip"},
+    "tiny": TINY,
+    "stale_grpo,tiny": {**TINY, "actor.m2_threshold": None},
+}
+
+
 def test_default_and_presets_build():
     cfg = build()
     assert cfg.actor.m2_threshold == 0.04
     assert cfg.rollout.max_head_offpolicyness == 4
     assert cfg.actor.rejection_sampling.upper == 5.0
-    for preset in ("m2po", "grpo", "stale_grpo", "paper", "authors", "tiny", "stale_grpo,tiny"):
-        config_lib.from_configdict(arith.get_config(preset))
-    grpo = config_lib.from_configdict(arith.get_config("grpo"))
-    assert grpo.actor.m2_threshold is None and grpo.rollout.max_head_offpolicyness == 0
+    assert (cfg.actor.eps_clip, cfg.actor.m2po_stop_rule, cfg.actor.loss_denominator) == (
+        0.2,
+        "lt",
+        "kept",
+    )
+    base = _flat(cfg)
+    assert sorted(PRESET_CHANGES) == sorted([*arith.PRESETS, "stale_grpo,tiny"])
+    for preset, changes in PRESET_CHANGES.items():
+        got = _flat(config_lib.from_configdict(arith.get_config(preset)))
+        changed = {k: v for k, v in got.items() if v != base[k]}
+        assert changed == changes, preset
+    assert arith.get_config(None).to_dict() == arith.get_config("m2po").to_dict()
     g = config_lib.from_configdict(gsm8k.get_config())
     assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
-    paper = config_lib.from_configdict(arith.get_config("paper"))
-    assert paper.actor.eps_clip is None and paper.actor.eps_clip_higher is None
     assert (g.task.long_prompts, cfg.task.long_prompts) == ("filter", "left")
     assert (cfg.task.chat_template, cfg.task.enable_thinking) == ("auto", None)
     assert (cfg.task.question_key, cfg.task.answer_key) == ("question", "answer")

@@ -6,11 +6,22 @@ workers included) sees the same count; single-device code runs on device 0.
 
 import json
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache for the whole session, shared by the xdist workers and
+# the subprocesses tests start (m2po-train reads M2PO_COMPILE_CACHE): the many tiny runs
+# compile the same programs, and a cache hit is the same executable (suite time). A fresh
+# directory per session, so no result depends on an earlier run.
+_session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+_cache = os.path.join(tempfile.gettempdir(), f"m2po_tests_xla_cache_{_session}")
+os.environ.setdefault("M2PO_COMPILE_CACHE", _cache)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["M2PO_COMPILE_CACHE"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +40,12 @@ def tokenizer_dir(tmp_path_factory):
     )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
     return path
+
+
+def pytest_sessionfinish(session):
+    """The session's compilation cache goes with it (the controller removes it, after the
+    workers are done)."""
+    if not hasattr(session.config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(_cache, ignore_errors=True)

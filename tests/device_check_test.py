@@ -37,7 +37,17 @@ def test_tiny_run_measures_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--tiny", "--out", str(out)],
+        # Two of the tiny preset's three attention paths: the sections share their code,
+        # and jax's own dot_product_attention path is left to the GPU run (suite time).
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "device_check.py"),
+            "--tiny",
+            "--attention",
+            "xla,chunked",
+            "--out",
+            str(out),
+        ],  # fmt: skip
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -51,13 +61,12 @@ def test_tiny_run_measures_every_section(tmp_path):
         "train/xla",
         "sampler",
         "rl_step",
-        "train/dot_product",
         "train/chunked",
     ]
     for name, entry in sections.items():
         assert entry["status"] == "ok", (name, entry.get("error"))
         assert f"== {name} ==" in proc.stdout
-    for name in ("train/xla", "train/dot_product", "train/chunked"):
+    for name in ("train/xla", "train/chunked"):
         result = sections[name]["result"]
         assert result["attention_resolved"] == name.split("/")[1]
         _positive(name, result, TRAIN_KEYS)

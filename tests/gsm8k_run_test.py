@@ -2,14 +2,17 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from m2po_jax import config as config_lib
 from m2po_jax import hf, sft
 from m2po_jax import metrics as metrics_lib
+from m2po_jax import prompts as prompts_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import gsm8k
+from m2po_jax.tasks import gsm8k as gsm8k_task
 
 WORDS = "what is plus minus the answer apples have has how many".split()
 
@@ -86,19 +89,81 @@ def small_gsm8k(checkpoint, **changes):
     return config_lib.from_configdict(c)
 
 
+def completion_length_reward(completion: str, answer: str) -> float:
+    """A training reward that differs between samples of one prompt (the tiny random policy
+    never solves a problem: with the task's verifier every advantage would be 0)."""
+    return len(completion) / 10.0
+
+
+def _greedy_by_torch(checkpoint, prompts, tokenizer, new_tokens, eos_id=3):
+    """Greedy completions (decoded, without the stop token) by the transformers model."""
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    texts = []
+    for prompt in prompts:
+        ids = torch.tensor([prompts_lib.PromptEncoder(tokenizer).encode(prompt)])
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                do_sample=False, eos_token_id=eos_id, pad_token_id=0,
+            )  # fmt: skip
+        completion = out[0, ids.shape[1] :].tolist()
+        completion = completion[: completion.index(eos_id)] if eos_id in completion else completion
+        texts.append(tokenizer.decode(completion))
+    return texts
+
+
 def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
-    trainer = trainer_lib.Trainer(small_gsm8k(checkpoint), tmp_path)
+    # The held-out split (the last task.eval_size records) gets answers that the initial
+    # policy's greedy completions, decoded by transformers, get right for some examples.
+    lines = (checkpoint / "train.jsonl").read_text().splitlines()
+    examples = [json.loads(line) for line in lines]
+    eval_records = examples[-8:]
+    tokenizer = hf.load_tokenizer(checkpoint)
+    prompts = [
+        gsm8k_task.DEFAULT_PROMPT_TEMPLATE.format(question=r["question"]) for r in eval_records
+    ]
+    texts = _greedy_by_torch(checkpoint, prompts, tokenizer, new_tokens=4)
+    right = 0
+    for i, (record, text) in enumerate(zip(eval_records, texts, strict=True)):
+        number = gsm8k_task.extract_last_number(text)
+        if number is not None and i % 2 == 0:
+            record["answer"] = f"#### {gsm8k_task.format_number(number)}"
+            right += 1
+        else:
+            record["answer"] = "#### 123456"  # no completion of 4 tokens says it
+    assert right >= 2, texts
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in examples))
+
+    reward_fn = f"{__name__}:completion_length_reward"
+    cfg = small_gsm8k(checkpoint, train_path=str(data), reward_fn=reward_fn)
+    trainer = trainer_lib.Trainer(cfg, tmp_path / "run")
     # The policy starts from the checkpoint's weights.
     loaded = hf.load_params(checkpoint, trainer.model_config)
     np.testing.assert_array_equal(
         np.asarray(trainer.state.params["embedding"]), np.asarray(loaded["embedding"])
     )
     result = trainer.run()
-    records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")
+    records = metrics_lib.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1] and result.final_step == 2
-    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in records)
+    # Step 0 evaluates the initial policy: the fraction transformers' greedy decoding gets.
+    assert records[0]["eval/accuracy"] == right / 8
+    assert result.eval_accuracy == [(s, r["eval/accuracy"]) for s, r in enumerate(records)]
     assert records[1]["staleness/mean"] == 1.0
-    assert np.isfinite(records[1]["loss"])
+    for r in records:
+        assert r["reward/std"] > 0 and r["train/adv_abs_mean"] > 0
+        assert np.isfinite(r["loss"]) and r["loss"] != 0.0 and r["grad_norm"] > 0
+    # Two AdamW updates at lr 1e-6 (constant): each moves a param by about lr at most.
+    lr = cfg.actor.optimizer.lr
+    assert records[1]["train/lr"] == pytest.approx(lr)
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(loaded), strict=True)
+    )
+    assert 0.9 * lr < moved < 2.2 * lr
 
 
 def test_gsm8k_errors_name_the_missing_file(checkpoint, tmp_path):

@@ -37,8 +37,10 @@ def test_values_equal_full_logits(tied, chunk, temperature):
     config = CONFIG.replace(tie_word_embeddings=tied)
     params = model_lib.init_params(config, jax.random.key(1))
     tokens, valid = _inputs()
-    logp, ent = logprobs.sequence_logp(params, config, tokens, valid, temperature, chunk)
-    ref_logp, ref_ent = _full(params, config, tokens, valid, temperature)
+    logp, ent = jax.jit(
+        lambda p: logprobs.sequence_logp(p, config, tokens, valid, temperature, chunk)
+    )(params)
+    ref_logp, ref_ent = jax.jit(lambda p: _full(p, config, tokens, valid, temperature))(params)
     np.testing.assert_allclose(logp, ref_logp, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ent, ref_ent, atol=1e-5, rtol=1e-5)
     assert logp.shape == tokens.shape and float(jnp.abs(logp[:, 0]).max()) == 0.0
@@ -137,8 +139,12 @@ def test_shared_prompt_logp_equals_whole_sequences(variant, chunk):
     config = CONFIG.replace(**VARIANTS[variant])
     params = model_lib.init_params(config, jax.random.key(4))
     tokens, valid, scored = _grouped()
-    ref_logp, ref_ent = _full(params, config, tokens, valid, 0.8)
-    logp, ent = logprobs.shared_prompt_logp(params, config, tokens, valid, 6, 4, 0.8, chunk)
+    ref_logp, ref_ent = jax.jit(lambda p: _full(p, config, tokens, valid, 0.8))(params)
+    # Jitted: one compile instead of thousands of eagerly dispatched ops (suite time).
+    share = jax.jit(
+        lambda p: logprobs.shared_prompt_logp(p, config, tokens, valid, 6, 4, 0.8, chunk)
+    )
+    logp, ent = share(params)
     np.testing.assert_allclose(
         jnp.where(scored, logp, 0), jnp.where(scored, ref_logp, 0), atol=1e-5
     )
@@ -148,10 +154,10 @@ def test_shared_prompt_logp_equals_whole_sequences(variant, chunk):
     # Gradients flow through the shared prompt keys/values as through each row's own.
     weights = jnp.where(scored, jnp.arange(1.0, tokens.shape[1] + 1), 0.0)
     loss = lambda fn: lambda p: jnp.sum(fn(p)[0] * weights)  # noqa: E731
-    grads = jax.grad(loss(lambda p: logprobs.sequence_logp(p, config, tokens, valid, 0.8)))(params)
-    shared = jax.grad(
-        loss(lambda p: logprobs.shared_prompt_logp(p, config, tokens, valid, 6, 4, 0.8, chunk))
+    grads = jax.jit(
+        jax.grad(loss(lambda p: logprobs.sequence_logp(p, config, tokens, valid, 0.8)))
     )(params)
+    shared = jax.jit(jax.grad(loss(share)))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(shared), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
@@ -168,8 +174,9 @@ def test_length_blocks_run_each_block_over_the_fewest_columns(blocks, scan):
     valid = valid.at[:, 6:].set(jnp.asarray(cols))
     scored = valid.at[:, :6].set(False)
     tokens = jnp.where(valid, tokens, 0)
-    ref_logp, ref_ent = _full(params, config, tokens, valid, 1.0)
+    ref_logp, ref_ent = jax.jit(lambda p: _full(p, config, tokens, valid, 1.0))(params)
 
+    @jax.jit
     def shared(p):
         return logprobs.shared_prompt_logp(p, config, tokens, valid, 6, 4, length_blocks=blocks)
 
@@ -179,8 +186,10 @@ def test_length_blocks_run_each_block_over_the_fewest_columns(blocks, scan):
     )
     np.testing.assert_allclose(jnp.where(scored, ent, 0), jnp.where(scored, ref_ent, 0), atol=1e-5)
     weights = jnp.where(scored, jnp.arange(1.0, tokens.shape[1] + 1), 0.0)
-    grads = jax.grad(lambda p: jnp.sum(_full(p, config, tokens, valid, 1.0)[0] * weights))(params)
-    mine = jax.grad(lambda p: jnp.sum(shared(p)[0] * weights))(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(_full(p, config, tokens, valid, 1.0)[0] * weights)))(
+        params
+    )
+    mine = jax.jit(jax.grad(lambda p: jnp.sum(shared(p)[0] * weights)))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(mine), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 

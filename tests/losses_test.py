@@ -506,6 +506,28 @@ class HandComputedTest(parameterized.TestCase):
         self.assertAlmostEqual(float(kept), -1.0, places=6)
         self.assertAlmostEqual(float(paper), -0.5, places=6)
 
+    def test_kept_denominator_ignores_the_valid_mask_it_is_given(self):
+        """As the train step calls it (the mask before M2PO always passed): "kept" divides
+        by the tokens M2PO kept, "valid" by the valid ones; tokens the behaviour correction
+        rejects stay in either count."""
+        zeros = np.zeros((1, 6), np.float32)
+        adv = np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], np.float32)
+        behav = zeros.copy()
+        behav[0, 2] = -2.0  # rho = e^2 > 5: rejected by the default correction
+        valid = np.array([[True, True, True, True, True, False]])  # 5 valid tokens
+        kept = np.array([[True, True, True, False, False, False]])  # M2PO kept 3 of them
+        args = (zeros, zeros, behav, adv, kept)
+        loss, stats = policy_loss(*args, denominator="kept", valid_mask_BxT=valid)
+        # r = 1, rho = 1 on tokens 0 and 1; token 2 rejected: -(1 + 2) / 3 kept tokens.
+        self.assertAlmostEqual(float(loss), -1.0, places=6)
+        self.assertEqual(float(stats["actor/rejected_tokens"]), 1.0)
+        self.assertEqual(float(stats["actor/kept_tokens"]), 2.0)
+        paper, _ = policy_loss(*args, denominator="valid", valid_mask_BxT=valid)
+        self.assertAlmostEqual(float(paper), -3.0 / 5.0, places=6)
+        # An explicit count (a micro-batch's share of its minibatch) replaces either.
+        share, _ = policy_loss(*args, denominator="kept", valid_mask_BxT=valid, count=6)
+        self.assertAlmostEqual(float(share), -0.5, places=6)
+
     @parameterized.parameters("token", "sequence")
     def test_empty_mask_is_zero_without_nan(self, level):
         logp = np.full((2, 3), -np.inf, np.float32)

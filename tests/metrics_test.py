@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from m2po_jax import metrics as M
-from m2po_jax import paths, plots
+from m2po_jax import paths, plots, tensorboard
 from m2po_jax.errors import WriterError
 
 
@@ -108,15 +108,33 @@ def test_a_failing_close_keeps_the_first_error_and_is_reported_alone(tmp_path, m
             writer.write(0, {"reward/mean": 1.0})
 
 
-def test_tensorboard_event_file_created(tmp_path):
+def test_tensorboard_scalars_read_back(tmp_path):
     with M.MetricsWriter(tmp_path) as writer:
         for step in range(3):
-            writer.write(step, {"reward/mean": 0.1 * step, "note": "text", "hist": [1, 2]})
+            writer.write(
+                step,
+                {
+                    "reward/mean": 0.1 * step,
+                    "count": np.int32(step),
+                    "note": "text",
+                    "hist": [1, 2],
+                },
+            )
     tb_dir = tmp_path / M.TENSORBOARD_DIR
     events = [f for f in os.listdir(tb_dir) if f.startswith("events.out.tfevents")]
     assert len(events) == 1
-    assert os.path.getsize(tb_dir / events[0]) > 100
-    assert b"reward/mean" in (tb_dir / events[0]).read_bytes()
+    scalars = tensorboard.read_scalars(tb_dir)
+    # Numbers only (text and lists stay in metrics.jsonl), at their steps, as float32.
+    assert sorted(scalars) == ["count", "reward/mean"]
+    assert scalars["count"] == {0: 0.0, 1: 1.0, 2: 2.0}
+    assert list(scalars["reward/mean"]) == [0, 1, 2]
+    np.testing.assert_allclose(list(scalars["reward/mean"].values()), [0.0, 0.1, 0.2], rtol=1e-6)
+    # A resumed run's file drops the older file's steps at and after the resume step.
+    with M.MetricsWriter(tmp_path, resume_step=1) as writer:
+        writer.write(1, {"reward/mean": 0.75})
+    scalars = tensorboard.read_scalars(tb_dir)
+    assert scalars["reward/mean"] == {0: 0.0, 1: 0.75}
+    assert scalars["count"] == {0: 0.0}
 
 
 def test_wandb_logs_scalars_and_missing_package_is_clear(tmp_path, monkeypatch):
@@ -203,10 +221,17 @@ def _synthetic_run(path, steps=40, collapse=False):
     return path
 
 
-def _assert_png(path):
+def _assert_png(path, size=None):
+    """A PNG of `size` (width, height) pixels with something drawn on it."""
+    from matplotlib import image
+
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert os.path.getsize(path) > 5000
+    pixels = image.imread(path)
+    if size is not None:
+        assert pixels.shape[:2] == (size[1], size[0]), path
+    drawn = (pixels[..., :3] < 0.9).any(axis=-1).mean()
+    assert 0.01 < drawn < 0.5, path  # lines, labels and ticks on white: not a blank canvas
 
 
 def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
@@ -225,8 +250,27 @@ def test_plot_metrics_writes_every_panel_and_summary(tmp_path):
         "staleness.png",
         "summary.png",
     ]
-    for p in paths:
-        _assert_png(p)
+    for p in paths[:-1]:
+        _assert_png(p, size=(600, 400))  # 6 x 4 inches at 100 dpi
+    _assert_png(paths[-1], size=(1500, 1050))  # 9 panels: 3 x 3 of 5 x 3.5 inches
+
+
+def test_a_panel_draws_the_records_values(tmp_path):
+    from matplotlib.figure import Figure
+
+    records = M.read_metrics(_synthetic_run(tmp_path / "metrics.jsonl", steps=12))
+    ax = Figure().add_subplot()
+    assert plots._draw_panel(ax, records, "reward", ("reward/mean", "eval/accuracy"), False)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["eval/accuracy", "reward/mean"]
+    np.testing.assert_array_equal(lines["reward/mean"].get_xdata(), np.arange(12))
+    np.testing.assert_array_equal(
+        lines["reward/mean"].get_ydata(), [r["reward/mean"] for r in records]
+    )
+    # eval/accuracy only at the steps that have it (0 and 10).
+    np.testing.assert_array_equal(lines["eval/accuracy"].get_xdata(), [0, 10])
+    np.testing.assert_array_equal(lines["eval/accuracy"].get_ydata(), [0.0, 10 / 12])
+    assert not plots._draw_panel(Figure().add_subplot(), records, "x", ("missing/key",), False)
 
 
 def test_the_second_moment_panel_draws_tau_and_ignores_a_step0_round_off(tmp_path):

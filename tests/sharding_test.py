@@ -11,8 +11,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from m2po_jax import hf, masking, sharding
 from m2po_jax import model as model_lib
-from m2po_jax import sharding
 
 CFG = model_lib.ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
@@ -274,13 +274,6 @@ def numpy_m2po_mask(behav, prox, mask, tau):
     return out
 
 
-def masking_or_skip():
-    masking = pytest.importorskip("m2po_jax.masking", reason="m2po_jax.masking.m2po_mask missing")
-    if not hasattr(masking, "m2po_mask"):
-        pytest.skip("m2po_jax.masking.m2po_mask missing")
-    return masking
-
-
 @pytest.fixture(scope="module")
 def logp_batch():
     rng = np.random.default_rng(1)
@@ -295,7 +288,6 @@ def logp_batch():
 
 @pytest.mark.parametrize("method", ["sort", "bisect"])
 def test_m2po_mask_per_shard_matches_blockwise_reference(logp_batch, method):
-    masking_or_skip()
     behav, prox, mask = logp_batch
     tau = 0.04
     mesh = mesh_of("d2f2t2")  # 4 batch shards of 2 rows, replicated over tensor
@@ -316,7 +308,6 @@ def test_m2po_mask_per_shard_matches_blockwise_reference(logp_batch, method):
 
 
 def test_m2po_global_mask_on_sharded_input(logp_batch):
-    masking = masking_or_skip()
     behav, prox, mask = logp_batch
     mesh = mesh_of("d2f2t2")
     bshard = sharding.batch_sharding(mesh)
@@ -328,7 +319,6 @@ def test_m2po_global_mask_on_sharded_input(logp_batch):
 def test_m2po_mask_per_shard_errors_and_none(logp_batch):
     behav, prox, mask = logp_batch
     mesh = mesh_of("d2f2t2")
-    masking_or_skip()
     np.testing.assert_array_equal(
         np.asarray(sharding.m2po_mask_per_shard(behav, prox, mask, None, mesh)), mask
     )
@@ -346,9 +336,6 @@ def test_m2po_mask_per_shard_errors_and_none(logp_batch):
 
 
 def test_load_pretrained_sharded(tmp_path, ref_params, batch):
-    hf = pytest.importorskip("m2po_jax.hf", reason="m2po_jax.hf missing")
-    if not hasattr(hf, "iter_hf_params") or not hasattr(hf, "save_pretrained"):
-        pytest.skip("m2po_jax.hf.iter_hf_params / save_pretrained missing")
     hf.save_pretrained(ref_params, tmp_path, config=CFG)
     mesh = mesh_of("d2f2t2")
     params = sharding.load_pretrained_sharded(tmp_path, CFG, mesh, sharding.TRAIN_RULES)

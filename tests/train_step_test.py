@@ -8,12 +8,14 @@ import numpy as np
 import optax
 import pytest
 
+from m2po_jax import advantages as adv_lib
 from m2po_jax import config as config_lib
 from m2po_jax import logprobs, losses, masking, step_math
 from m2po_jax import model as model_lib
 from m2po_jax import placement as placement_lib
 from m2po_jax import train_step as step_lib
 from m2po_jax.configs import arith
+from m2po_jax.step_plan import plan_step
 from m2po_jax.types import TrainBatch
 
 MODEL = model_lib.ModelConfig(
@@ -26,19 +28,23 @@ MODEL = model_lib.ModelConfig(
 )
 
 
-def actor(preset="m2po", **changes):
+def actor(preset="m2po", reward_norm=None, **changes):
     c = arith.get_config(preset).to_dict()
-    c["actor"].update(ppo_n_minibatches=2, **changes)
+    c["actor"].update({"ppo_n_minibatches": 2, **changes})
+    c["actor"]["reward_norm"].update(reward_norm or {})
     c["actor"]["optimizer"]["lr"] = 1e-3
     return config_lib.from_configdict(c).actor
 
 
-def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0):
+def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0, lengths=None):
+    """`lengths`: each row's completion length (default `new`); padding after it."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
-    valid = np.ones_like(tokens, bool)
-    loss_mask = np.zeros_like(valid)
-    loss_mask[:, prompt:] = True
+    lengths = np.full(rows, new) if lengths is None else np.asarray(lengths)
+    valid = np.arange(prompt + new)[None, :] < prompt + lengths[:, None]
+    tokens = np.where(valid, tokens, 0)
+    loss_mask = valid.copy()
+    loss_mask[:, :prompt] = False
     prox, _ = logprobs.sequence_logp(params, MODEL, tokens, valid, 1.0)
     behav = np.asarray(prox) * loss_mask
     if off_policy:
@@ -79,6 +85,77 @@ def test_non_finite_step_leaves_params_unchanged_and_is_counted():
         for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True)
     ]
     assert max(moved) > 1e-4
+
+
+@jax.custom_vjp
+def _nan_gradient(x):
+    """The identity, whose gradient is NaN."""
+    return x
+
+
+_nan_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
+
+
+def _copy(tree):
+    return jax.tree.map(np.array, tree)
+
+
+def _assert_trees_equal(x, y, atol=0.0):
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=atol)
+
+
+def test_finite_loss_with_a_non_finite_gradient_is_skipped(monkeypatch):
+    # The real step, whose policy loss keeps its value but has a NaN gradient.
+    policy_loss = losses.policy_loss
+
+    def nan_gradient_loss(*args, **kwargs):
+        loss, stats = policy_loss(*args, **kwargs)
+        return _nan_gradient(loss), stats
+
+    monkeypatch.setattr(losses, "policy_loss", nan_gradient_loss)
+    # One minibatch: its loss is finite whatever the guard did with its update.
+    params, state, step = setup(actor(ppo_n_minibatches=1))
+    before = _copy(state)
+    state, metrics = step(state, batch(params), jax.random.key(0), None)
+    assert np.isfinite(float(metrics["actor/loss"]))  # the loss is finite ...
+    assert not np.isfinite(float(metrics["grad_norm"]))  # ... its gradient is not
+    assert int(metrics["train/nonfinite"]) == 1
+    assert int(state.nonfinite_steps) == 1 and int(state.step) == 1
+    _assert_trees_equal(state.params, before.params)
+    _assert_trees_equal(state.opt_state, before.opt_state)
+
+
+def test_a_non_finite_minibatch_is_skipped_and_the_others_apply():
+    """ppo_updates: a non-finite minibatch leaves params and optimizer state untouched,
+    the step's other minibatches still apply. Reference: the step of one minibatch on
+    the finite minibatch's rows alone (advantages and M2PO mask are per row here)."""
+    per_row = {"reward_norm": {"mean_level": None, "std_level": None}, "m2po_scope": "row"}
+    a = actor(**per_row)
+    params, _, step = setup(a)
+    _, ref_state, ref_step = setup(actor(ppo_n_minibatches=1, **per_row))
+    initial = _copy(ref_state)
+    b = batch(params, seed=4)
+    b = b.replace(rewards_B=jnp.asarray([1.0, -0.5, 2.0, -1.0, 0.5, -2.0, 1.5, -1.5]))
+    rows = b.tokens_BxT.shape[0]
+    key = jax.random.key(2)
+    perm = np.asarray(jax.random.permutation(key, rows)).reshape(2, rows // 2)
+    for bad, good in ((0, 1), (1, 0)):
+        poisoned = b.replace(rewards_B=b.rewards_B.at[perm[bad][0]].set(jnp.nan))
+        state, metrics = step(jax.tree.map(jnp.asarray, initial), poisoned, key, None)
+        assert int(metrics["train/nonfinite"]) == 1 and int(state.nonfinite_steps) == 1
+        alone = jax.tree.map(lambda x, rows=perm[good]: x[rows], b)  # the finite minibatch
+        ref, ref_metrics = ref_step(jax.tree.map(jnp.asarray, initial), alone, key, None)
+        assert int(ref_metrics["train/nonfinite"]) == 0
+        _assert_trees_equal(state.params, ref.params, atol=1e-5)
+        _assert_trees_equal(state.opt_state, ref.opt_state, atol=1e-5)
+        moved = [
+            np.abs(np.asarray(x) - y).max()
+            for x, y in zip(
+                jax.tree.leaves(state.params), jax.tree.leaves(initial.params), strict=True
+            )
+        ]
+        assert max(moved) > 1e-4  # the finite minibatch did train
 
 
 def test_m2po_masks_off_policy_tokens_and_reports_the_second_moment():
@@ -206,11 +283,12 @@ def test_microbatch_scope_with_one_micro_batch_is_the_minibatch_scope():
 
 def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
     """Reference: one unsplit loss over each minibatch in which micro-batch i (rows i, i+n,
-    ...) has its own M2PO mask and denominator, weighted by its share of valid tokens."""
+    ...) has its own M2PO mask and denominator, weighted by its share of valid tokens.
+    Completions of unequal lengths make those shares unequal (1 / n_micro would not do)."""
     n_micro = 2
     a = _mb_actor(m2po_scope="microbatch", n_mbs=n_micro)
     params, state, step = setup(a)
-    b = batch(params, seed=7)
+    b = batch(params, seed=7, lengths=[4, 4, 3, 4, 1, 2, 2, 1])
     new_state, metrics = step(state, b, jax.random.key(3), None)
 
     tx, _ = step_lib.make_optimizer(a.optimizer, 10)
@@ -222,6 +300,8 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
     masked = 0
     for mb_rows in perm.reshape(2, rows // 2):
         parts = [mb_rows[i::n_micro] for i in range(n_micro)]
+        shares = [int(jnp.sum(b.loss_mask_BxT[part])) for part in parts]
+        assert shares[0] != shares[1]  # micro-batches weigh differently
         masks = []
         for part in parts:
             masks.append(
@@ -341,3 +421,73 @@ def test_every_path_reports_one_statistics_schema(preset, changes):
         np.testing.assert_allclose(metrics["m2po/boundary"], m2[finite].max(), rtol=1e-5)
     else:
         assert int(metrics["m2po/masked_tokens"]) >= 1  # the non-finite token at least
+
+
+# ----------------------------------------------------------------------------- KL penalty
+
+
+def test_kl_penalty_reaches_the_step_advantages():
+    """actor.kl_ctl > 0 with reference params: the step's advantages are
+    grpo_token_advantages with the KL of the behaviour log-probs to the reference's."""
+    a = actor(kl_ctl=0.5)
+    params, state, step = setup(a)
+    ref_params = model_lib.init_params(MODEL, jax.random.key(1))
+    b = batch(params, seed=5)
+    _, metrics = step(state, b, jax.random.key(0), ref_params)
+    assert int(metrics["train/nonfinite"]) == 0
+
+    logits = model_lib.apply(ref_params, MODEL, b.tokens_BxT, valid_BxT=b.valid_BxT)
+    ref_logp = model_lib.token_logp(logits, b.tokens_BxT, a.temperature)
+    mask = b.loss_mask_BxT
+    rn = a.reward_norm
+
+    def advantages(kl_ctl):
+        return adv_lib.grpo_token_advantages(
+            b.rewards_B,
+            mask,
+            group_size=rn.group_size,
+            mean_level=rn.mean_level,
+            std_level=rn.std_level,
+            mean_leave1out=rn.mean_leave1out,
+            std_unbiased=rn.std_unbiased,
+            eps=rn.eps,
+            kl_ctl=kl_ctl,
+            logp_BxT=b.behav_logp_BxT,
+            ref_logp_BxT=ref_logp,
+            kl_estimator=a.kl_estimator,
+        )
+
+    def abs_mean(adv):
+        return float(jnp.sum(jnp.abs(adv) * mask) / jnp.sum(mask))
+
+    with_kl, without_kl = advantages(a.kl_ctl), advantages(0.0)
+    assert abs(abs_mean(with_kl) - abs_mean(without_kl)) > 0.02
+    np.testing.assert_allclose(metrics["train/adv_abs_mean"], abs_mean(with_kl), rtol=1e-5)
+    # Token by token, from the step's own `prepare` under the step's plan.
+    plan = plan_step(a, *b.tokens_BxT.shape)
+    prepare = functools.partial(step_lib.prepare, model_config=MODEL, actor=a, plan=plan)
+    prep = jax.jit(prepare)(params, b, ref_params)
+    np.testing.assert_allclose(prep.advantages_BxT, with_kl, atol=1e-5)
+    assert float(jnp.max(jnp.abs(with_kl - without_kl))) > 0.1
+
+
+def test_the_kept_denominator_divides_by_the_tokens_m2po_keeps():
+    """One minibatch in two micro-batches (the global mask is taken before the loss, whose
+    denominator the step then counts), the same first step: the per-token losses summed are
+    the same for both denominators, so loss * denominator agrees (kept = valid - masked)."""
+    losses_times_count = []
+    for denominator in ("kept", "valid"):
+        a = actor(
+            ppo_n_minibatches=1,
+            loss_denominator=denominator,
+            mb_spec={"n_mbs": 2, "max_tokens_per_mb": 0},
+        )
+        params, state, step = setup(a)
+        b = batch(params)
+        _, metrics = step(state, b, jax.random.key(0), None)
+        valid = int(np.asarray(b.loss_mask_BxT).sum())
+        masked = int(metrics["m2po/masked_tokens"])
+        assert 0 < masked < valid
+        count = valid - masked if denominator == "kept" else valid
+        losses_times_count.append(float(metrics["loss"]) * count)
+    np.testing.assert_allclose(*losses_times_count, rtol=1e-5)

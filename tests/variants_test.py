@@ -61,27 +61,76 @@ def test_mask_and_loss_match_the_numpy_rule(seed):
     )
     np.testing.assert_array_equal(mask, ref_mask)
 
-    # The train step's dispatch with the preset's actor section (prox is unused: the
-    # ratio is against the behaviour policy).
+    # The rule has power on this data: all-token candidates or AReaL's behav-prox moment
+    # give other masks.
+    for other in ("paper", "areal"):
+        other_mask, _ = masking.m2po_mask_with_stats(
+            behav, behav + 0.3, valid, TAU, logp=logp, advantages=adv, **variants.MASK[other]
+        )
+        assert (np.asarray(other_mask) != ref_mask).any(), other
+
+    # The train step's dispatch with the preset's actor section. prox differs from behav
+    # and must not matter: the ratio is against the behaviour policy.
     actor = from_configdict(arith.get_config("paper_final")).actor
+    prox = behav + np.random.default_rng(seed).normal(0, 0.3, behav.shape).astype(np.float32)
     step_mask, _ = step_math.m2po_block(
-        actor, jnp.asarray(behav), jnp.asarray(behav), jnp.asarray(valid), jnp.asarray(adv),
+        actor, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
         logp=jnp.asarray(logp), threshold=jnp.float32(TAU),
     )  # fmt: skip
     np.testing.assert_array_equal(step_mask, ref_mask)
+    loss, _ = _preset_loss(actor, logp, prox, behav, adv, ref_mask, valid)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
 
-    loss, _ = losses.policy_loss(
+
+def _preset_loss(actor, logp, prox, behav, adv, mask, valid):
+    """`losses.policy_loss` with the settings the train step takes from `actor`."""
+    return losses.policy_loss(
         logp,
-        behav,
+        prox,
         behav,
         adv,
-        ref_mask,
+        mask,
         eps_clip=actor.eps_clip,
         eps_clip_higher=actor.eps_clip_higher,
         c_clip=actor.c_clip,
         use_decoupled_loss=actor.use_decoupled_loss,
-        rejection_sampling=None,
+        importance_sampling_level=actor.importance_sampling_level,
+        rejection_sampling=step_math.rejection(actor),
+        use_sapo_loss=actor.use_sapo_loss,
         denominator=actor.loss_denominator,
         valid_mask_BxT=valid,
     )
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+def test_paper_final_by_hand():
+    """Each defining choice of the published rule on six tokens, worked out by hand.
+
+    log r = logp - behav; harmful: A > 0 with log r > 0, or A < 0 with log r < 0.
+      row 0: (A, log r) = (+1, +0.5) (+1, +0.5) (-1, 0)  -> m2 0.25, 0.25 (harmful), - (not)
+      row 1: (A, log r) = (-1, -2) (+1, -2) padding      -> m2 4 (harmful), - (not)
+    The harmful m2 {0.25, 0.25, 4} average 1.5 > tau = 0.25 over the whole batch (global
+    scope): the largest (4) goes; {0.25, 0.25} average exactly tau and stay (<= rule; AReaL's
+    < would drop one more). The (+1, -2) token has m2 4 but is no candidate: kept. A row
+    scope would keep row 1's lone candidate.
+    """
+    tau = 0.25
+    behav = np.array([[-1.0, -1.0, -1.0], [-1.0, -1.0, 0.0]], np.float32)
+    logp = np.array([[-0.5, -0.5, -1.0], [-3.0, -3.0, 0.0]], np.float32)
+    adv = np.array([[1.0, 1.0, -1.0], [-1.0, 1.0, 0.0]], np.float32)
+    valid = np.array([[True, True, True], [True, True, False]])
+    prox = behav - 0.7  # ignored: no proximal policy in the published rule
+    actor = from_configdict(arith.get_config("paper_final")).actor
+    mask, _ = step_math.m2po_block(
+        actor, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
+        logp=jnp.asarray(logp), threshold=jnp.float32(tau),
+    )  # fmt: skip
+    want = np.array([[True, True, True], [False, True, False]])
+    np.testing.assert_array_equal(mask, want)
+    np.testing.assert_array_equal(_numpy_paper_final(behav, logp, adv, valid, tau)[0], want)
+    # The loss: -exp(log r) A on the kept tokens, no ratio clip (r = e^0.5 and e^-2 pass
+    # unclipped), no behaviour weight, over the 5 valid tokens (not the 4 kept).
+    loss, stats = _preset_loss(actor, logp, prox, behav, adv, want, valid)
+    hand = -(2 * np.exp(0.5) - 1.0 + np.exp(-2.0)) / 5
+    np.testing.assert_allclose(loss, hand, rtol=1e-6)
+    assert float(stats["actor/clip_fraction"]) == 0.0
+    assert float(stats["actor/importance_weight_max"]) == pytest.approx(np.exp(0.5), rel=1e-6)

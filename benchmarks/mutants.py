@@ -1,0 +1,712 @@
+"""Mutation testing of the suite: does a realistic bug in the code fail its tests?
+
+  python benchmarks/mutants.py --list                          # the mutants, nothing run
+  python benchmarks/mutants.py --modules m2po_jax/optim.py,m2po_jax/prompts.py
+  python benchmarks/mutants.py --ids masking-harmful-noncandidates-masked --timeout 300
+  python benchmarks/mutants.py                                 # every mutant (long)
+
+Each mutant (`MUTANTS`) is one realistic bug: an exact source snippet of a module, the
+snippet that replaces it, and the tests that should catch it. A snippet must occur exactly
+once in its module; the script refuses to run (naming the mutant) when one occurs 0 or 2+
+times, so the list stays honest as the code changes (tests/mutants_test.py checks it).
+
+A run first copies the repository to a temporary directory (no .venv, .git, runs/ or
+caches) and runs the union of the selected mutants' tests there unmutated: a mutant
+"caught" by tests that fail anyway means nothing, so the run stops if they fail. Then, for
+each mutant, a fresh copy gets the mutant applied and runs
+
+  python -m pytest -x -q -p no:cacheprovider <its tests>
+
+with PYTHONPATH=<copy> (the copy's m2po_jax is imported, not the editable install).
+Results: caught (a test failed), survived (every test passed), or error (timeout,
+collection or usage error, no such test file, tests that select nothing: reported
+separately, never counted as caught). A mutant whose tests are partly missing is still
+caught if the existing ones fail; if they pass it is an error, not a survivor. The table
+gives id, module, result, seconds and the first failing test, then the score
+caught / total. Exit status: 1 if any mutant survived, 2 if the run could not be made
+(a broken mutant, failing clean tests), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Not copied: the virtualenv, git, run outputs and caches (ignored by .gitignore too).
+COPY_IGNORE = (
+    ".git",
+    ".venv*",
+    "runs",
+    "workdir*",
+    "build",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    ".mypy_cache",
+    "*.egg-info",
+    "*.pyc",
+)
+DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tests:
+    """Tests of a mutant: a test file or node id (`path::name`), optionally with `-k`."""
+
+    path: str
+    k: str | None = None
+
+    @property
+    def file(self) -> str:
+        return self.path.split("::", 1)[0]
+
+    def __str__(self) -> str:
+        return self.path if self.k is None else f"{self.path} -k {self.k!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    id: str
+    module: str  # path relative to the repository root
+    original: str  # exact source snippet: occurs exactly once in `module`
+    mutated: str
+    tests: tuple[Tests, ...]
+    description: str
+
+
+def T(path: str, k: str | None = None) -> Tests:
+    return Tests(path, k)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ the train step
+    Mutant(
+        "train_step-finite-guard-loss-only",
+        "m2po_jax/train_step.py",
+        "finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)",
+        "finite = jnp.isfinite(loss)",
+        (T("tests/train_step_test.py", "non_finite"),),
+        "the non-finite guard checks the loss only: a NaN/inf gradient is applied",
+    ),
+    Mutant(
+        "step_math-kl-ctl-zero",
+        "m2po_jax/step_math.py",
+        "kl_ctl=actor.kl_ctl if ref_logp is not None else 0.0,",
+        "kl_ctl=0.0,",
+        (T("tests/train_step_test.py", "kl"), T("tests/trainer_test.py", "kl")),
+        "kl_ctl forced to 0 inside the step: the reference log-probs are computed, unused",
+    ),
+    Mutant(
+        "train_step-micro-weight-uniform",
+        "m2po_jax/train_step.py",
+        "weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0",
+        "weight = 1.0 / n_micro if mask_in_loss else 1.0",
+        (T("tests/train_step_test.py", "microbatch"),),
+        "micro-batch loss weight 1 / n_micro instead of its share of valid tokens",
+    ),
+    Mutant(
+        "train_step-kept-count-is-valid",
+        "m2po_jax/train_step.py",
+        'count = jnp.sum(mb["mask"] if actor.loss_denominator == "kept" else mb["loss_mask"])',
+        'count = jnp.sum(mb["loss_mask"])',
+        (T("tests/train_step_test.py", "kept_denominator"),),
+        "the step's 'kept' loss denominator counts valid tokens (before M2PO) instead",
+    ),
+    Mutant(
+        "step_metrics-plain-mean",
+        "m2po_jax/step_metrics.py",
+        "out[name] = jnp.sum(values * share)",
+        "out[name] = jnp.mean(values)",
+        (T("tests/step_metrics_test.py"), T("tests/train_step_test.py", "statistics")),
+        "minibatch / micro-batch metrics combined by a plain mean, not token-weighted",
+    ),
+    Mutant(
+        "batching-trim-drops-last-column",
+        "m2po_jax/batching.py",
+        "longest = int(used.nonzero()[0].max()) + 1 if used.any() else 0",
+        "longest = int(used.nonzero()[0].max()) if used.any() else 0",
+        (T("tests/batching_test.py"),),
+        "off-by-one in the longest completion: a completion ending at a bucket edge loses "
+        "its last column",
+    ),
+    # ------------------------------------------------------------------ optimizer
+    Mutant(
+        "optim-clip-sign",
+        "m2po_jax/optim.py",
+        "if opt.gradient_clipping > 0:",
+        "if opt.gradient_clipping < 0:",
+        (T("tests/optim_test.py"),),
+        "global-norm gradient clipping never applied (> 0 became < 0)",
+    ),
+    Mutant(
+        "optim-linear-ends-at-zero",
+        "m2po_jax/optim.py",
+        "main = optax.linear_schedule(opt.lr, end, decay)",
+        "main = optax.linear_schedule(opt.lr, 0.0, decay)",
+        (T("tests/optim_test.py"),),
+        "the linear schedule decays to 0 instead of lr * min_lr_ratio",
+    ),
+    # ------------------------------------------------------------------ prompts, rollouts
+    Mutant(
+        "rollout-long-prompt-keeps-head",
+        "m2po_jax/rollout.py",
+        "ids.append(tokens[-width:])",
+        "ids.append(tokens[:width])",
+        (T("tests/rollout_test.py", "long or left"), T("tests/prompts_test.py", "long or left")),
+        "an over-long prompt keeps its first tokens, not its last (long_prompts='left')",
+    ),
+    Mutant(
+        "prompts-filter-drops-at-limit",
+        "m2po_jax/prompts.py",
+        'if n <= max_len or mode == "left":',
+        'if n < max_len or mode == "left":',
+        (
+            T("tests/gsm8k_data_test.py", "long_prompts"),
+            T("tests/prompts_test.py", "long or filter"),
+        ),
+        "a prompt of exactly max_prompt_len tokens is filtered out (<= became <)",
+    ),
+    Mutant(
+        "checkpoint-queue-reversed",
+        "m2po_jax/checkpoint.py",
+        'for i in range(meta["queue_len"])',
+        'for i in reversed(range(meta["queue_len"]))',
+        (
+            T("tests/rollout_test.py"),
+            T("tests/checkpoint_test.py"),
+            T("tests/trainer_test.py", "resume"),
+        ),
+        "the stale-rollout queue is restored newest first",
+    ),
+    Mutant(
+        "checkpoint-crc-not-checked",
+        "m2po_jax/checkpoint.py",
+        "            if _crc32(path) != crc:\n"
+        '                return f"{name}: checksum mismatch (damaged)"\n',
+        "",
+        (T("tests/checkpoint_test.py", "damaged or verif"),),
+        "the manifest check compares file sizes only: a corrupted byte verifies",
+    ),
+    # ------------------------------------------------------------------ M2PO mask
+    Mutant(
+        "masking_kernels-stop-rule-lt-is-le",
+        "m2po_jax/masking_kernels.py",
+        'return mean < tau if stop_rule == "lt" else mean <= tau',
+        'return mean <= tau if stop_rule == "lt" else mean <= tau',
+        (T("tests/masking_test.py", "strict_less or examples"),),
+        "AReaL's strict stop rule (kept mean < tau) becomes <=",
+    ),
+    Mutant(
+        "masking_kernels-sort-descending",
+        "m2po_jax/masking_kernels.py",
+        "sorted_key = lax.sort(key_N)",
+        "sorted_key = -lax.sort(-key_N)",
+        (T("tests/masking_test.py", "examples"),),
+        "the sort method orders m2 descending: it keeps the largest-m2 tokens",
+    ),
+    Mutant(
+        "masking_kernels-invalid-tokens-counted",
+        "m2po_jax/masking_kernels.py",
+        "return jnp.where(active, lax.bitcast_convert_type(m2, jnp.int32), _INACTIVE)",
+        "return lax.bitcast_convert_type(m2, jnp.int32)",
+        (T("tests/masking_test.py", "examples or matches_reference"),),
+        "invalid (padding) tokens take part in the running mean",
+    ),
+    Mutant(
+        "masking_kernels-bisect-too-few-steps",
+        "m2po_jax/masking_kernels.py",
+        "_BISECT_STEPS = 31",
+        "_BISECT_STEPS = 24",
+        (T("tests/masking_test.py", "examples or sort_equals_bisect"),),
+        "the bisect method stops before the boundary bit pattern is found",
+    ),
+    Mutant(
+        "masking_kernels-m2-abs",
+        "m2po_jax/masking_kernels.py",
+        "    return r * r\n",
+        "    return jnp.abs(r)\n",
+        (T("tests/masking_test.py", "second_moment or examples"),),
+        "the second moment is |log r| instead of (log r)^2",
+    ),
+    Mutant(
+        "masking-harmful-noncandidates-masked",
+        "m2po_jax/masking.py",
+        "mask = valid & (~active | kept)",
+        "mask = valid & kept",
+        (T("tests/masking_test.py", "harmful"),),
+        "candidates='harmful': tokens outside the candidate set are masked too",
+    ),
+    Mutant(
+        "masking-nonfinite-not-candidate",
+        "m2po_jax/masking.py",
+        "active = valid & (harmful | ~jnp.isfinite(m2))",
+        "active = valid & harmful",
+        (T("tests/masking_test.py", "harmful"),),
+        "candidates='harmful': a non-finite m2 token escapes the mask when not harmful",
+    ),
+    Mutant(
+        "masking_stats-masked-counts-invalid",
+        "m2po_jax/masking_stats.py",
+        "count(valid & ~mask),",
+        "count(~mask),",
+        (T("tests/masking_test.py", "stats"),),
+        "m2po/masked_tokens counts padding tokens as masked",
+    ),
+    Mutant(
+        "scopes-row-scope-is-global",
+        "m2po_jax/scopes.py",
+        'block_scope = "row" if scope == "row" else "global"',
+        'block_scope = "global"',
+        (T("tests/m2po_scopes_test.py", "every_combination"),),
+        "m2po_scope='row' silently takes one global mask",
+    ),
+    # ------------------------------------------------------------------ the loss
+    Mutant(
+        "losses-kept-denominator-is-valid",
+        "m2po_jax/losses.py",
+        'count = mask.sum() if denominator == "kept" else valid_mask.astype(bool).sum()',
+        "count = valid_mask.astype(bool).sum() if valid_mask is not None else mask.sum()",
+        (T("tests/losses_test.py", "denominator"), T("tests/variants_test.py")),
+        "the 'kept' loss denominator counts the valid tokens (before M2PO)",
+    ),
+    Mutant(
+        "losses-clip-low-uses-high",
+        "m2po_jax/losses.py",
+        "clipped = -adv * _clamp(r, 1.0 - eps_clip, 1.0 + eps_high)",
+        "clipped = -adv * _clamp(r, 1.0 - eps_high, 1.0 + eps_high)",
+        (T("tests/losses_test.py", "clip"),),
+        "the lower clip bound uses eps_clip_higher (clip-higher widens both sides)",
+    ),
+    Mutant(
+        "losses-dual-clip-wrong-sign",
+        "m2po_jax/losses.py",
+        "per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)",
+        "per_token = jnp.where(adv > 0, jnp.minimum(per_token, bound), per_token)",
+        (T("tests/losses_test.py", "dual"),),
+        "dual clip bounds the loss of A > 0 tokens instead of A < 0",
+    ),
+    Mutant(
+        "losses-clamp-halves-gradient",
+        "m2po_jax/losses.py",
+        "return jnp.where((x >= low) & (x <= high), x, jnp.clip(x, low, high))",
+        "return jnp.clip(x, low, high)",
+        (T("tests/losses_test.py", "r_equal_one or check_grads"),),
+        "jnp.clip instead of torch.clamp semantics: the gradient is halved on a bound",
+    ),
+    Mutant(
+        "rejection-behav-weight-inverted",
+        "m2po_jax/rejection.py",
+        "log_rho = jax.lax.stop_gradient(prox - behav)",
+        "log_rho = jax.lax.stop_gradient(behav - prox)",
+        (T("tests/losses_test.py", "behaviour_weight or numpy_reference"),),
+        "the behaviour weight is exp(behav - prox), the inverse of rho",
+    ),
+    # ------------------------------------------------------------------ advantages
+    Mutant(
+        "advantages-leave1out-divides-by-n",
+        "m2po_jax/advantages.py",
+        "loo = (total - xg * mg) / jnp.maximum(count - mg, 1.0)",
+        "loo = (total - xg * mg) / jnp.maximum(count, 1.0)",
+        (T("tests/advantages_test.py", "by_hand or matches_reference"),),
+        "the leave-one-out mean divides by n instead of n - 1",
+    ),
+    Mutant(
+        "advantages-std-without-eps",
+        "m2po_jax/advantages.py",
+        "scale = jnp.broadcast_to(std, cg.shape).reshape(shape) + eps",
+        "scale = jnp.broadcast_to(std, cg.shape).reshape(shape)",
+        (T("tests/advantages_test.py", "by_hand"),),
+        "the group std loses its epsilon",
+    ),
+    Mutant(
+        "advantages-kl-forward-cumsum",
+        "m2po_jax/advantages.py",
+        "kl_return = jnp.flip(jnp.cumsum(jnp.flip(kl_reward, -1), -1), -1)",
+        "kl_return = jnp.cumsum(kl_reward, -1)",
+        (T("tests/advantages_test.py", "kl"),),
+        "the KL return sums the past tokens' KL rewards instead of the future ones",
+    ),
+    # ------------------------------------------------------------------ sampling
+    Mutant(
+        "sampling-top-p-drops-crossing-token",
+        "m2po_jax/sampling.py",
+        "keep_BxK = mass_before_BxK < sampling.top_p",
+        "keep_BxK = jnp.cumsum(probs_BxK, axis=-1) < sampling.top_p",
+        (T("tests/sampling_test.py", "truncate or top_k_one"),),
+        "top-p drops the token whose mass crosses top_p (and all tokens if the first does)",
+    ),
+    Mutant(
+        "sampling-logp-without-temperature",
+        "m2po_jax/sampling.py",
+        "logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)",
+        "logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)",
+        (T("tests/sampling_test.py", "behav_logp"),),
+        "the recorded behaviour log-prob ignores the temperature",
+    ),
+)
+
+
+# ----------------------------------------------------------------------------- the list
+
+
+class MutantError(ValueError):
+    """A mutant that cannot be applied (its snippet does not occur exactly once)."""
+
+
+class RunError(RuntimeError):
+    """The run cannot give meaningful results (the unmutated tests fail, wrong imports)."""
+
+
+def occurrences(mutant: Mutant, root: Path = REPO) -> int:
+    path = root / mutant.module
+    if not path.is_file():
+        raise MutantError(f"mutant {mutant.id}: module {mutant.module} does not exist")
+    return path.read_text(encoding="utf-8").count(mutant.original)
+
+
+def check(mutant: Mutant, root: Path = REPO) -> None:
+    """Raises MutantError naming the mutant unless its snippet occurs exactly once."""
+    n = occurrences(mutant, root)
+    if n != 1:
+        where = "does not occur" if n == 0 else f"occurs {n} times"
+        raise MutantError(
+            f"mutant {mutant.id}: its original snippet {where} in {mutant.module} (it must "
+            f"occur exactly once; update the mutant in benchmarks/mutants.py): "
+            f"{mutant.original!r}"
+        )
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    """Replaces the mutant's snippet in `root`'s copy of its module (refuses as `check`)."""
+    check(mutant, root)
+    path = root / mutant.module
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace(mutant.original, mutant.mutated, 1), encoding="utf-8")
+
+
+def select(
+    mutants: tuple[Mutant, ...], modules: list[str] | None, ids: list[str] | None
+) -> list[Mutant]:
+    """The mutants of `modules` (paths, as in the list) and/or with `ids`; unknown names raise."""
+    chosen = list(mutants)
+    if modules:
+        known = {m.module for m in mutants}
+        wanted = {str(Path(p)) for p in modules}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise MutantError(
+                f"--modules: no mutants for {unknown}; modules with mutants: {sorted(known)}"
+            )
+        chosen = [m for m in chosen if m.module in wanted]
+    if ids:
+        known_ids = {m.id for m in mutants}
+        unknown = sorted(set(ids) - known_ids)
+        if unknown:
+            raise MutantError(f"--ids: unknown mutants {unknown} (see --list)")
+        chosen = [m for m in chosen if m.id in ids]
+    return chosen
+
+
+def print_list(mutants: list[Mutant], root: Path = REPO) -> int:
+    """Prints the mutants; returns the number whose snippet is not exactly once in its module."""
+    broken = 0
+    for m in mutants:
+        try:
+            check(m, root)
+            state = ""
+        except MutantError as e:
+            broken += 1
+            state = f"  !! BROKEN: {e}"
+        print(f"{m.id}  [{m.module}]{state}")
+        print(f"    {m.description}")
+        print(f"    - {m.original.strip()}")
+        print(f"    + {m.mutated.strip() or '(removed)'}")
+        for t in m.tests:
+            print(f"    tests: {t}")
+    print(f"{len(mutants)} mutants" + (f", {broken} broken" if broken else ""))
+    return broken
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def copy_repo(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*COPY_IGNORE), symlinks=True)
+    return dst
+
+
+def needs_device_flag(root: Path) -> bool:
+    """True unless the repository's tests/conftest.py sets the fake device count itself."""
+    conftest = root / "tests" / "conftest.py"
+    try:
+        return "xla_force_host_platform_device_count" not in conftest.read_text("utf-8")
+    except FileNotFoundError:
+        return True
+
+
+def child_env(copy: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if needs_device_flag(copy):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {DEVICE_FLAG}".strip()
+    return env
+
+
+def check_imports_copy(copy: Path) -> None:
+    """Stops the run unless `m2po_jax` resolves to the copy under its test environment."""
+    code = "import importlib.util as u; print(u.find_spec('m2po_jax').origin)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=copy,
+        env=child_env(copy),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    origin = out.stdout.strip()
+    if out.returncode or not Path(origin).resolve().is_relative_to(copy.resolve()):
+        raise RunError(
+            f"m2po_jax resolves to {origin or out.stderr.strip()!r}, not the copy "
+            f"{copy}: mutants would not be tested"
+        )
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # "caught", "survived" or "error"
+    seconds: float = 0.0
+    detail: str = ""  # the first failing test, or what went wrong
+    output: str = ""
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+_PASSED = re.compile(r"^PASSED (\S+)", re.M)
+_USAGE = re.compile(r"^ERROR: (.*)$", re.M)
+
+
+def run_pytest(
+    copy: Path, tests: list[Tests], k: str | None, timeout: float, report: str = "-rfE"
+) -> tuple[int | None, str, float]:
+    """(exit code or None on timeout, output, seconds) of one pytest run in `copy`;
+    `report`: pytest's summary option (failures and errors name their node ids there)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", report]
+    cmd += [t.path for t in tests]
+    if k is not None:
+        cmd += ["-k", k]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=copy,
+        env=child_env(copy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a timeout ends all of it
+    )
+    try:
+        output, _ = proc.communicate(timeout=max(timeout, 1))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = None
+    except BaseException:  # Ctrl-C: the child's own session does not get it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return code, output, time.monotonic() - start
+
+
+def _groups(tests: list[Tests]) -> list[tuple[str | None, list[Tests]]]:
+    """Tests sharing a -k expression run in one pytest call (order kept)."""
+    groups: dict[str | None, list[Tests]] = {}
+    for t in tests:
+        groups.setdefault(t.k, []).append(t)
+    return list(groups.items())
+
+
+def _explain(code: int | None, output: str, timeout: float) -> str:
+    if code is None:
+        return f"timeout after {timeout:.0f} s"
+    if code == 5:
+        return "no tests selected"
+    usage = _USAGE.findall(output)
+    if usage:
+        return usage[0].strip()
+    if code == 2:
+        return "interrupted (collection error)"
+    return f"pytest exit {code}"
+
+
+def missing_files(tests, root: Path) -> list[str]:
+    return sorted({t.file for t in tests if not (root / t.file).is_file()})
+
+
+def run_mutant(mutant: Mutant, timeout: float, workdir: Path) -> Outcome:
+    """Copies the repository, applies the mutant and runs its tests there."""
+    missing = missing_files(mutant.tests, REPO)
+    present = [t for t in mutant.tests if t.file not in missing]
+    note = f"no such test file: {', '.join(missing)}" if missing else ""
+    if not present:
+        return Outcome("error", 0.0, note)
+    copy = copy_repo(REPO, Path(tempfile.mkdtemp(prefix=f"{mutant.id}-", dir=workdir)) / "repo")
+    try:
+        apply(mutant, copy)
+        start = time.monotonic()
+        errors = [note] if note else []
+        for k, group in _groups(present):
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                errors.append(f"timeout after {timeout:.0f} s")
+                break
+            code, output, _ = run_pytest(copy, group, k, left)
+            if code == 1:
+                first = _FAILED.findall(output)
+                detail = first[0] if first else "a test failed"
+                return Outcome("caught", time.monotonic() - start, detail, output)
+            if code != 0:
+                errors.append(f"{' '.join(map(str, group))}: {_explain(code, output, left)}")
+        seconds = time.monotonic() - start
+        if errors:
+            return Outcome("error", seconds, "; ".join(errors))
+        return Outcome("survived", seconds)
+    finally:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+
+
+def clean_check(mutants: list[Mutant], timeout: float, workdir: Path) -> dict[str, str]:
+    """Runs the union of the mutants' tests on an unmutated copy.
+
+    Returns {mutant id: problem} for mutants with a selection that picks no passing test
+    there (a -k that matches nothing, tests all skipped); exits if a test fails unmutated.
+    """
+    union: list[Tests] = []
+    for m in mutants:
+        for t in m.tests:
+            if t not in union and (REPO / t.file).is_file():
+                union.append(t)
+    copy = copy_repo(REPO, workdir / "clean" / "repo")
+    check_imports_copy(copy)
+    passed: dict[str | None, list[str]] = {}  # -k expression -> node ids that passed
+    try:
+        for k, group in _groups(union):
+            names = " ".join(map(str, group))
+            print(f"clean: {names} ...", flush=True)
+            code, output, seconds = run_pytest(copy, group, k, timeout, report="-rA")
+            result = "passed" if code == 0 else _explain(code, output, timeout)
+            print(f"clean: {result} ({seconds:.1f} s)", flush=True)
+            if code not in (0, 5):
+                tail = "\n".join(output.strip().splitlines()[-30:])
+                raise RunError(
+                    f"the unmutated tests do not pass ({names}: {result}); fix them "
+                    f"before mutation testing:\n{tail}"
+                )
+            passed[k] = _PASSED.findall(output)
+    finally:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+    problems = {}
+    for m in mutants:
+        empty = [str(t) for t in m.tests if t in union and not selects_any(t, passed[t.k])]
+        if empty:
+            problems[m.id] = f"selects no passing test: {', '.join(empty)}"
+    return problems
+
+
+def selects_any(t: Tests, passed_nodes: list[str]) -> bool:
+    """Whether a node id that passed in the run of `t`'s -k group belongs to `t`."""
+    return any(n == t.path or n.startswith(t.path + "::") for n in passed_nodes)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[tuple[Mutant, Outcome]]) -> str:
+    width_id = max(len(m.id) for m, _ in rows)
+    width_mod = max(len(m.module) for m, _ in rows)
+    lines = [f"{'id':<{width_id}}  {'module':<{width_mod}}  {'result':<8}  {'s':>6}  detail"]
+    for m, o in rows:
+        lines.append(
+            f"{m.id:<{width_id}}  {m.module:<{width_mod}}  {o.status:<8}  "
+            f"{o.seconds:>6.1f}  {o.detail}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", help="comma-separated module paths, e.g. m2po_jax/optim.py")
+    parser.add_argument("--ids", help="comma-separated mutant ids")
+    parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds per mutant (its pytest runs together), and per pytest run of the clean check",
+    )
+    args = parser.parse_args(argv)
+
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None  # noqa: E731
+    try:
+        mutants = select(MUTANTS, split(args.modules), split(args.ids))
+    except MutantError as e:
+        print(f"mutants: {e}", file=sys.stderr)
+        return 2
+    if args.list:
+        return 2 if print_list(mutants) else 0
+    if not mutants:
+        print("mutants: nothing selected", file=sys.stderr)
+        return 2
+    try:
+        for m in mutants:
+            check(m)
+    except MutantError as e:
+        print(f"mutants: refusing to run: {e}", file=sys.stderr)
+        return 2
+
+    with tempfile.TemporaryDirectory(prefix="m2po_mutants_") as tmp:
+        workdir = Path(tmp)
+        print(f"mutants: {len(mutants)} selected; clean run of their tests first", flush=True)
+        try:
+            problems = clean_check(mutants, args.timeout, workdir)
+        except RunError as e:
+            print(f"mutants: {e}", file=sys.stderr)
+            return 2
+        runnable = [m for m in mutants if m.id not in problems]
+        outcomes = {
+            m.id: Outcome("error", 0.0, problems[m.id]) for m in mutants if m.id in problems
+        }
+        with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+            futures = {pool.submit(run_mutant, m, args.timeout, workdir): m for m in runnable}
+            for future in concurrent.futures.as_completed(futures):
+                m = futures[future]
+                outcomes[m.id] = o = future.result()
+                print(f"{m.id}: {o.status} ({o.seconds:.1f} s) {o.detail}", flush=True)
+
+    rows = [(m, outcomes[m.id]) for m in mutants]
+    print()
+    print(table(rows))
+    caught = sum(o.status == "caught" for _, o in rows)
+    survived = [m.id for m, o in rows if o.status == "survived"]
+    errors = [m.id for m, o in rows if o.status == "error"]
+    print(f"\nscore: {caught} / {len(rows)} caught", end="")
+    print(f"; {len(survived)} survived" + (f"; {len(errors)} error" if errors else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
