@@ -13,7 +13,7 @@ LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 def make_schedule(opt: OptimizerSection, total_updates: int) -> optax.Schedule:
     """Learning rate per optimizer update: linear warm-up, then constant / linear / cosine."""
     total_updates = max(int(total_updates), 1)
-    warmup = int(round(opt.warmup_steps_proportion * total_updates))
+    warmup = int(opt.warmup_steps_proportion * total_updates)  # truncated, as AReaL's engines
     decay = max(total_updates - warmup, 1)
     end = opt.lr * opt.min_lr_ratio
     if opt.lr_scheduler_type == "constant":

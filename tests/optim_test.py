@@ -37,7 +37,7 @@ def _by_hand(kind: str, t: int, total: int, proportion: float, ratio: float) -> 
     from 0 to the peak over them; then the decay over the remaining steps towards
     peak x min_lr_ratio, held there once the steps are done."""
     peak, low = LR, LR * ratio
-    warmup = round(proportion * total)
+    warmup = int(proportion * total)  # truncated (AReaL: int(proportion * total_train_steps))
     if t < warmup:
         return peak * t / warmup
     decay = total - warmup
@@ -50,7 +50,8 @@ def _by_hand(kind: str, t: int, total: int, proportion: float, ratio: float) -> 
 
 
 # (total updates, warm-up proportion, min_lr_ratio): 20 x 0.25 = 5 warm-up steps, 15 decay.
-SETTINGS = [(20, 0.0, 0.0), (20, 0.25, 0.0), (20, 0.25, 0.1), (10, 0.0, 0.3)]
+# 10 x 0.35 = 3.5: 3 warm-up steps (rounding would give 4).
+SETTINGS = [(20, 0.0, 0.0), (20, 0.25, 0.0), (20, 0.25, 0.1), (10, 0.0, 0.3), (10, 0.35, 0.1)]
 
 
 @pytest.mark.parametrize("kind", optim.LR_SCHEDULER_TYPES)
