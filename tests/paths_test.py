@@ -7,7 +7,6 @@ import fsspec
 import pytest
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
-from orbax.checkpoint._src.path import gcs_utils
 
 from m2po_jax import checkpoint as ckpt_lib
 from m2po_jax import metrics as metrics_lib
@@ -34,7 +33,12 @@ def fake_gs(monkeypatch):
     MemoryFileSystem.pseudo_dirs[:] = [""]
     # A fake store needs no Google client, and has no hierarchical namespace to ask about.
     monkeypatch.setattr(paths, "_MODULES", {})
-    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
+    try:  # orbax's private helper (orbax-checkpoint 0.12); absent elsewhere, nothing to patch
+        from orbax.checkpoint._src.path import gcs_utils
+    except ImportError:
+        gcs_utils = None
+    if gcs_utils is not None and hasattr(gcs_utils, "is_hierarchical_namespace_enabled"):
+        monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
     try:
         yield MemoryFileSystem()
     finally:
