@@ -39,6 +39,10 @@ def actor(**changes):
     return config_lib.from_configdict(c).actor
 
 
+# Jitted once per batch shape: the eager version dispatches every op on its own.
+_sequence_logp = jax.jit(lambda p, t, v: logprobs.sequence_logp(p, MODEL, t, v, 1.0))
+
+
 def batch(params, stale: int, seed=0):
     """ROWS rows in groups of GROUP sharing a left-padded prompt, as the sampler writes
     them; completions of different lengths, right-padded. `stale` versions behind step 0
@@ -57,7 +61,7 @@ def batch(params, stale: int, seed=0):
         tokens[r, PROMPT + n :] = 0
     loss_mask = valid.copy()
     loss_mask[:, :PROMPT] = False
-    prox, _ = logprobs.sequence_logp(params, MODEL, tokens, valid, 1.0)
+    prox, _ = _sequence_logp(params, jnp.asarray(tokens), jnp.asarray(valid))
     behav = np.asarray(prox) * loss_mask
     if stale:
         behav = behav + rng.normal(0, 0.4, behav.shape).astype(np.float32) * loss_mask

@@ -36,6 +36,10 @@ def actor(preset="m2po", reward_norm=None, **changes):
     return config_lib.from_configdict(c).actor
 
 
+# Jitted once per batch shape: the eager version dispatches every op on its own.
+_sequence_logp = jax.jit(lambda p, t, v: logprobs.sequence_logp(p, MODEL, t, v, 1.0))
+
+
 def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0, lengths=None):
     """`lengths`: each row's completion length (default `new`); padding after it."""
     rng = np.random.default_rng(seed)
@@ -45,7 +49,7 @@ def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0, lengths=None
     tokens = np.where(valid, tokens, 0)
     loss_mask = valid.copy()
     loss_mask[:, :prompt] = False
-    prox, _ = logprobs.sequence_logp(params, MODEL, tokens, valid, 1.0)
+    prox, _ = _sequence_logp(params, jnp.asarray(tokens), jnp.asarray(valid))
     behav = np.asarray(prox) * loss_mask
     if off_policy:
         behav = behav + rng.normal(0, 0.5, behav.shape).astype(np.float32) * loss_mask
