@@ -67,6 +67,17 @@ def qkv(seed, b, t, s, heads, kv_heads, d, dtype):
     return [x.astype(dtype) for x in (q, k, v)], cotangent.astype(dtype)
 
 
+def values_and_vjps(f, args, cotangents):
+    """f(*args) and its vjp of each cotangent, as one compiled program: eager autodiff
+    dispatches every op on its own (suite time)."""
+
+    def both(args, cotangents):
+        out, vjp = jax.vjp(f, *args)
+        return out, [vjp(ct) for ct in cotangents]
+
+    return jax.jit(both)(args, cotangents)
+
+
 def check_against_reference(ours, allowed, valid_q_BxT, args, cotangent, tol):
     """Values on real queries, and gradients with the cotangent of padding queries zero
     (the model never reads their outputs); all gradients finite for any cotangent."""
@@ -76,17 +87,17 @@ def check_against_reference(ours, allowed, valid_q_BxT, args, cotangent, tol):
         return autodiff_attention(*f32, allowed).astype(q.dtype)
 
     dtype = args[0].dtype
-    out, vjp = jax.vjp(ours, *args)
-    ref_out, ref_vjp = jax.vjp(ref, *args)
+    masked = jnp.where(valid_q_BxT[:, :, None, None], cotangent, 0).astype(dtype)
+    out, (grads, any_grads) = values_and_vjps(ours, args, [masked, cotangent])
+    ref_out, (ref_grads,) = values_and_vjps(ref, args, [masked])
     assert out.dtype == dtype and out.shape == ref_out.shape
     assert np.isfinite(np.float32(out)).all()
     real = np.asarray(valid_q_BxT)
     np.testing.assert_allclose(np.float32(out)[real], np.float32(ref_out)[real], atol=tol, rtol=tol)
-    masked = jnp.where(valid_q_BxT[:, :, None, None], cotangent, 0).astype(dtype)
-    for got, want in zip(vjp(masked), ref_vjp(masked), strict=True):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == dtype
         np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
-    assert all(np.isfinite(np.float32(g)).all() for g in vjp(cotangent))
+    assert all(np.isfinite(np.float32(g)).all() for g in any_grads)
 
 
 SELF_IMPLS = ["xla", "dot_product", "chunked", "cudnn_args", "splash"]
@@ -148,11 +159,11 @@ def test_grouped_attention_value_and_vjp_match_autodiff(heads, kv_heads, dtype, 
         return autodiff_attention(*f32, allowed, extra_BxTxS).astype(q.dtype)
 
     tol = TOLS[dtype]
-    out, vjp = jax.vjp(ours, *args)
-    ref_out, ref_vjp = jax.vjp(ref, *args)
+    out, (grads,) = values_and_vjps(ours, args, [cotangent])
+    ref_out, (ref_grads,) = values_and_vjps(ref, args, [cotangent])
     assert out.dtype == dtype
     np.testing.assert_allclose(np.float32(out), np.float32(ref_out), atol=tol, rtol=tol)
-    for got, want in zip(vjp(cotangent), ref_vjp(cotangent), strict=True):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == dtype
         np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
 
@@ -162,12 +173,14 @@ def test_chunked_equals_xla_on_padding_queries_too():
     b, t, heads, kv_heads, d = 4, 8, 4, 2, 8
     args, cotangent = qkv(3, b, t, t, heads, kv_heads, d, jnp.float32)
     valid = jnp.asarray(padded_rows(b, t))
-    xla, vjp_x = jax.vjp(functools.partial(run, "xla", valid_BxT=valid, key_valid_BxS=valid), *args)
-    ch, vjp_c = jax.vjp(
-        functools.partial(run, "chunked", valid_BxT=valid, key_valid_BxS=valid), *args
+    xla, (want_grads,) = values_and_vjps(
+        functools.partial(run, "xla", valid_BxT=valid, key_valid_BxS=valid), args, [cotangent]
+    )
+    ch, (got_grads,) = values_and_vjps(
+        functools.partial(run, "chunked", valid_BxT=valid, key_valid_BxS=valid), args, [cotangent]
     )
     np.testing.assert_allclose(ch, xla, atol=2e-5, rtol=2e-5)
-    for got, want in zip(vjp_c(cotangent), vjp_x(cotangent), strict=True):
+    for got, want in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 

@@ -36,7 +36,7 @@ def test_notebook_runs_end_to_end(notebook, tmp_path):
         M2PO_COLAB_QUICK="1",
         M2PO_COLAB_WORKDIR=str(tmp_path),
         MPLBACKEND="Agg",
-        XLA_FLAGS="",  # one CPU device, as on a Colab CPU runtime
+        XLA_FLAGS=os.environ["M2PO_TEST_XLA_FLAGS"],  # one CPU device, as on Colab's CPU
     )
     script = tmp_path / "notebook.py"
     script.write_text(code_of(notebook))

@@ -70,7 +70,8 @@ def test_two_process_global_batch(tmp_path):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": os.environ["M2PO_TEST_XLA_FLAGS"]
+        + " --xla_force_host_platform_device_count=2",
     }
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)

@@ -1,6 +1,8 @@
 """Sharded training and sampling equal the single-device run; multi-process runs equal one process.
 
-Uses the 8 fake CPU devices of tests/conftest.py.
+Uses the 8 fake CPU devices of tests/conftest.py; the multi-process run is two processes of
+two CPU devices each against one process of four (each fake device runs every op: fewer
+are cheaper).
 """
 
 import functools
@@ -25,6 +27,7 @@ from m2po_jax.configs import arith
 from m2po_jax.types import TrainBatch
 
 REPO = Path(__file__).resolve().parents[1]
+FLAGS = os.environ["M2PO_TEST_XLA_FLAGS"]  # the suite's compile flags (conftest)
 MODEL = model_lib.ModelConfig(
     vocab_size=64,
     hidden_size=32,
@@ -138,7 +141,9 @@ def test_per_shard_mask_scope_differs_from_global_and_trains():
     shard 0 alone keeps exactly one, and the on-policy shards keep everything."""
     batch = synthetic_batch()
     initial = model_lib.init_params(MODEL, jax.random.key(0))
-    prox, _ = logprobs.sequence_logp(initial, MODEL, batch.tokens_BxT, batch.valid_BxT, 1.0)
+    prox, _ = jax.jit(lambda p, t, v: logprobs.sequence_logp(p, MODEL, t, v, 1.0))(
+        initial, batch.tokens_BxT, batch.valid_BxT
+    )
     prox = np.asarray(prox, np.float64)
     valid = batch.loss_mask_BxT
     delta = np.zeros(prox.shape)
@@ -228,14 +233,14 @@ def _train(workdir, steps, env_extra, n_procs):
 def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
     def multi(pid, port):
         return {
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=2",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(pid),
         }
 
     def single(pid, port):
-        return {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        return {"XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=4"}
 
     _train(tmp_path / "multi", 3, multi, 2)
     _train(tmp_path / "multi", 5, multi, 2)  # restores step 3, continues to 5

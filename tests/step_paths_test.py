@@ -210,7 +210,7 @@ def test_loglinear_error_is_reported_against_the_recomputed_values():
     b = batch(params0(), stale).replace(version_B=jnp.zeros(ROWS, jnp.int32))
     a = actor(prox_logp_method="metrics", m2_threshold=None)
     _, m = run(a, b, stale, steps=1, prompt_len=PROMPT, group_size=GROUP)
-    prox, _ = logprobs.sequence_logp(params0(), MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    prox, _ = _sequence_logp(params0(), b.tokens_BxT, b.valid_BxT)
     mask = np.asarray(b.loss_mask_BxT)
     gap = np.abs(np.asarray(prox) - np.asarray(b.behav_logp_BxT))[mask]
     np.testing.assert_allclose(m[0]["prox/loglinear_abs_error"], 0.5 * gap.mean(), rtol=1e-4)

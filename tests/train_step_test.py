@@ -166,7 +166,7 @@ def test_m2po_masks_off_policy_tokens_and_reports_the_second_moment():
     params, state, step = setup(actor())
     b = batch(params)
     _, metrics = step(state, b, jax.random.key(0), None)
-    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
     mask = np.asarray(b.loss_mask_BxT)
     m2 = (np.asarray(b.behav_logp_BxT) - np.asarray(prox)) ** 2
     np.testing.assert_allclose(metrics["m2po/m2_before"], m2[mask].mean(), rtol=1e-4)
@@ -296,7 +296,7 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
     new_state, metrics = step(state, b, jax.random.key(3), None)
 
     tx, _ = step_lib.make_optimizer(a.optimizer, 10)
-    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
     adv = step_math.token_advantages(a, b.rewards_B, b.loss_mask_BxT, b.behav_logp_BxT, None)
     rows = b.tokens_BxT.shape[0]
     perm = np.asarray(jax.random.permutation(jax.random.key(3), rows))
@@ -335,7 +335,7 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
                 total = total + part_loss * jnp.sum(b.loss_mask_BxT[part]) / n_valid
             return total
 
-        grads = jax.grad(loss)(ref_params)
+        grads = jax.jit(jax.grad(loss))(ref_params)  # eager autodiff: minutes
         updates, opt_state = tx.update(grads, opt_state, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
     assert masked > 0 and int(metrics["m2po/masked_tokens"]) == masked
@@ -365,7 +365,7 @@ def test_minibatch_scope_statistics_combine_exactly(n_mbs):
     params, state, step = setup(a)
     b = batch(params, seed=3)
     _, metrics = step(state, b, jax.random.key(5), None)
-    prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+    prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
     m2 = np.square(np.asarray(b.behav_logp_BxT, np.float64) - np.asarray(prox, np.float64))
     valid = np.asarray(b.loss_mask_BxT)
     rows = valid.shape[0]
@@ -416,7 +416,7 @@ def test_every_path_reports_one_statistics_schema(preset, changes):
     assert set(masking.M2PO_STAT_KEYS) == STAT_KEYS
     assert int(metrics["m2po/nonfinite_tokens"]) == 1
     if preset in ("authors", "stale_grpo"):
-        prox, _ = logprobs.sequence_logp(params, MODEL, b.tokens_BxT, b.valid_BxT, 1.0)
+        prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
         m2 = np.square(np.asarray(b.behav_logp_BxT) - np.asarray(prox))
         finite = np.asarray(b.loss_mask_BxT) & np.isfinite(m2)
         assert int(metrics["m2po/masked_tokens"]) == 0
