@@ -11,7 +11,7 @@
 # Needs a Python with this repo and GPU jax; it installs nothing. If the environment lacks
 # them: pip install -e ".[cuda]"  (".[cuda,test]" adds torch + transformers, which the RL
 # section then uses to write its random checkpoint; without them it writes it with
-# m2po_jax.hf.save_pretrained). Python: $PYTHON, else ./.venv/bin/python, else python3.
+# m2po_jax.models.hf.save_pretrained). Python: $PYTHON, else ./.venv/bin/python, else python3.
 #
 # Environment set here (override by exporting first):
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false  memory is allocated on demand, so each worker's

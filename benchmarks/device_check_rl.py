@@ -1,7 +1,7 @@
 """Section 4 of benchmarks/device_check.py: full RL steps of the GSM8K trainer.
 
 A random checkpoint of the benchmarked architecture (transformers when installed, else
-`m2po_jax.hf.save_pretrained`), the fixture tokenizer and GSM8K-format data go to a temp
+`m2po_jax.models.hf.save_pretrained`), the fixture tokenizer and GSM8K-format data go to a temp
 dir; `Trainer(configs/gsm8k.py:qwen2.5-0.5b + overrides).run()` trains on them.
 """
 
@@ -21,9 +21,9 @@ import jax
 from device_check_sections import TINY_HF, device_info, hf_config, peak_memory, random_params
 
 from m2po_jax import config as config_lib
-from m2po_jax import hf
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import gsm8k
+from m2po_jax.models import hf, hf_format
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -61,11 +61,11 @@ def write_checkpoint(path: Path, s: dict) -> str:
         if s["checkpoint_writer"] == "transformers":
             raise RuntimeError(f"fixtures.write_checkpoint failed: {note}")
     hf_cfg = {**hf_config(s), "bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
-    mc = hf.config_from_hf(hf_cfg, dtype="float32", param_dtype="float32")
+    mc = hf_format.config_from_hf(hf_cfg, dtype="float32", param_dtype="float32")
     params = random_params(mc)
     hf.save_pretrained(params, path, config=mc, hf_config=hf_cfg)
     fixtures.write_tokenizer(path)
-    return f"m2po_jax.hf.save_pretrained (transformers: {note})"
+    return f"m2po_jax.models.hf.save_pretrained (transformers: {note})"
 
 
 class TimedTrainer(trainer_lib.Trainer):

@@ -25,15 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # m2po_jax when no
 
 from model_bench import jax_matmul_peak, matmul_flops_per_token  # noqa: E402
 
-from m2po_jax import architectures, batching, hf, logprobs, memory, sampling  # noqa: E402
-from m2po_jax import attention as attention_lib  # noqa: E402
-from m2po_jax import config as config_lib  # noqa: E402
-from m2po_jax import model as model_lib  # noqa: E402
-from m2po_jax import placement as placement_lib  # noqa: E402
-from m2po_jax import setup as setup_lib  # noqa: E402
-from m2po_jax import train_step as step_lib  # noqa: E402
+from m2po_jax import config as config_lib
+from m2po_jax.common.types import TrainBatch  # noqa: E402
 from m2po_jax.configs import gsm8k  # noqa: E402
-from m2po_jax.types import TrainBatch  # noqa: E402
+from m2po_jax.learner import batching, logprobs, memory, optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import architectures, hf_format
+from m2po_jax.models import attention as attention_lib
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.rollout import sampling
+from m2po_jax.trainer import setup as setup_lib
 
 RESULT_PREFIX = "DEVICE_CHECK_RESULT "
 # Dense bf16 tensor-core peaks in TFLOP/s (NVIDIA data sheets list twice these "with
@@ -68,13 +70,13 @@ def hf_config(s: dict) -> dict:
     return architectures.hf_config(s["arch"], **(TINY_HF if s["tiny"] else {}))
 
 
-def model_config(s: dict, attention: str) -> model_lib.ModelConfig:
+def model_config(s: dict, attention: str) -> model_config_lib.ModelConfig:
     """`architectures.model_config(arch, dtype, "float32", remat=True, attention=...)`."""
-    mc = hf.config_from_hf(hf_config(s), dtype=s["dtype"], param_dtype="float32")
+    mc = hf_format.config_from_hf(hf_config(s), dtype=s["dtype"], param_dtype="float32")
     return mc.replace(remat=True, remat_policy=s["remat_policy"], attention=attention)
 
 
-def random_params(mc: model_lib.ModelConfig):
+def random_params(mc: model_config_lib.ModelConfig):
     """Random params on device 0, initialised under one jit (eager flax init is slow)."""
     return placement_lib.Placement.from_shape(MESH_1, mc).init_params(jax.random.key(0))
 
@@ -104,7 +106,7 @@ def peak_memory() -> dict:
     return {"peak_bytes": stats.get("peak_bytes_in_use"), "limit_bytes": stats.get("bytes_limit")}
 
 
-def step_flops(mc: model_lib.ModelConfig, rows: int, seq: int) -> float:
+def step_flops(mc: model_config_lib.ModelConfig, rows: int, seq: int) -> float:
     """Model FLOPs of one train step (one minibatch, no reference model): the trained
     forward + backward (3 forwards) plus the proximal recompute (1 forward); a forward
     costs 2 N + 4 L H D T per token (PaLM appendix B, full T x T attention), over every
@@ -200,7 +202,7 @@ def run_train(s: dict, attention: str) -> dict:
     cfg = run_config_for(s, rows, prompt_len, seq - prompt_len)
     actor = cfg.actor
     placement = placement_lib.Placement.from_shape(MESH_1, mc)
-    tx, schedule = step_lib.make_optimizer(actor.optimizer, 10)
+    tx, schedule = optim.make_optimizer(actor.optimizer, 10)
     start = time.perf_counter()
     params = placement.init_params(jax.random.key(0))
     batch = make_train_batch(params, mc, actor, rows, prompt_len, seq)
@@ -323,7 +325,7 @@ def run_sampler(s: dict, _arg: str = "") -> dict:
     return {
         "device": device_info(s["peak_tflops"]),
         "attention_resolved": attention_lib.resolve(
-            mc.attention, model_lib.as_dtype(mc.dtype), mc.dim_per_head, cached=True
+            mc.attention, model_config_lib.as_dtype(mc.dtype), mc.dim_per_head, cached=True
         ),
         "rows": rows,
         "prompt_len": width,

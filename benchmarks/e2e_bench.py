@@ -136,14 +136,14 @@ def make_fixtures(root: Path, setting: str) -> dict:
 def run_ours(fix: dict, steps: int, workdir: str) -> dict:
     import jax
 
-    from m2po_jax import compile_cache
-    from m2po_jax import metrics as metrics_lib
     from m2po_jax import trainer as trainer_lib
     from m2po_jax.config import apply_dotted, from_configdict
     from m2po_jax.configs import gsm8k
-    from m2po_jax.prompts import make_prompt_encoder
+    from m2po_jax.models.prompts import make_prompt_encoder
+    from m2po_jax.models.tokenizer import load_tokenizer
     from m2po_jax.tasks.gsm8k import DEFAULT_PROMPT_TEMPLATE
-    from m2po_jax.tokenizer import load_tokenizer
+    from m2po_jax.trainer import compile_cache
+    from m2po_jax.trainer import metrics as metrics_lib
 
     encode = make_prompt_encoder(load_tokenizer(fix["checkpoint"]), chat_template="off").encode
 

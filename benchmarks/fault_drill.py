@@ -39,8 +39,8 @@ def _die(*_args, **_kwargs):
 
 def _arm(fault: str, workdir: Path) -> None:
     """Patches the trainer in this process so that `fault` happens."""
-    from m2po_jax import checkpoint as ckpt_lib
     from m2po_jax import trainer as trainer_lib
+    from m2po_jax.trainer import checkpoint as ckpt_lib
 
     kind, *args = fault.split(":")
 
@@ -90,7 +90,7 @@ def _arm(fault: str, workdir: Path) -> None:
 
 def _arm_full_disk(step: int, target: str, workdir: Path, at_step) -> None:
     """From step `step`, writes to `target` fail with ENOSPC, as on a full disk."""
-    from m2po_jax import checkpoint as ckpt_lib
+    from m2po_jax.trainer import checkpoint as ckpt_lib
 
     full = {"on": False}
     real_open = builtins.open
@@ -149,7 +149,7 @@ def child(argv: list[str]) -> None:
     workdir = next(Path(a.split("=", 1)[1]) for a in rest if a.startswith("--workdir="))
     if args.fault:
         _arm(args.fault, workdir.absolute())
-    from m2po_jax import main
+    from m2po_jax.trainer import main
 
     sys.argv = ["m2po-train", *rest]
     main.run()
@@ -174,7 +174,7 @@ def _train(workdir: Path, *extra: str, fault: str = "", wait: bool = True):
 
 
 def _rows(workdir: Path) -> dict[int, dict]:
-    from m2po_jax import metrics as metrics_lib
+    from m2po_jax.trainer import metrics as metrics_lib
 
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -187,7 +187,7 @@ def _rows(workdir: Path) -> dict[int, dict]:
 
 def _lost(workdir: Path, reference: Path) -> int:
     """Reference rows missing or different in metrics.jsonl or in the TensorBoard scalars."""
-    from m2po_jax import tensorboard
+    from m2po_jax.trainer import tensorboard
 
     want, got = _rows(reference), _rows(workdir)
     events = tensorboard.read_scalars(workdir / "tensorboard")

@@ -39,12 +39,12 @@ def write_tokenizer(path: Path, numbers: int = 1000) -> Path:
 
 
 def write_checkpoint(path: Path, architecture: str, **changes) -> Path:
-    """A checkpoint directory of `architecture` (`m2po_jax.architectures`) with random
+    """A checkpoint directory of `architecture` (`m2po_jax.models.architectures`) with random
     weights written by transformers (float32 safetensors), plus `write_tokenizer`'s files."""
     import torch
     import transformers
 
-    from m2po_jax import architectures
+    from m2po_jax.models import architectures
 
     hf = architectures.hf_config(architecture, **changes)
     config = transformers.AutoConfig.for_model(**hf, bos_token_id=2, eos_token_id=3, pad_token_id=0)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from m2po_jax.masking import m2po_mask
+from m2po_jax.algorithm.masking import m2po_mask
 
 M2_THRESHOLD = 0.04
 

@@ -42,11 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from m2po_jax import (
-    hf,  # noqa: E402
-    sampling,  # noqa: E402
-)
-from m2po_jax import model as model_lib  # noqa: E402
+from m2po_jax.models import hf_format, model_config
+from m2po_jax.models import model as model_lib
+from m2po_jax.rollout import sampling
 
 SIZES = {
     "small": dict(
@@ -88,7 +86,7 @@ class Result:
         return self.tokens / self.seconds
 
 
-def matmul_flops_per_token(config: model_lib.ModelConfig) -> float:
+def matmul_flops_per_token(config: model_config.ModelConfig) -> float:
     """2 * N: parameters used in matmuls (the input embedding is a gather unless tied)."""
     n = config.num_params()
     if not config.tie_word_embeddings:
@@ -96,13 +94,13 @@ def matmul_flops_per_token(config: model_lib.ModelConfig) -> float:
     return 2.0 * n
 
 
-def train_flops(config: model_lib.ModelConfig, batch: int, seq: int) -> float:
+def train_flops(config: model_config.ModelConfig, batch: int, seq: int) -> float:
     """6 N per token plus the full T x T attention (forward 4 L H D T, times 3 with backward)."""
     attn = 12.0 * config.num_layers * config.num_heads * config.dim_per_head * seq
     return batch * seq * (3 * matmul_flops_per_token(config) + attn)
 
 
-def sampling_flops(config: model_lib.ModelConfig, batch: int, prompt: int, new: int) -> float:
+def sampling_flops(config: model_config.ModelConfig, batch: int, prompt: int, new: int) -> float:
     """Prefill forward plus one forward per generated token over its actual context."""
     per_head = 4.0 * config.num_layers * config.num_heads * config.dim_per_head
     prefill = batch * prompt * (matmul_flops_per_token(config) + per_head * prompt)
@@ -154,7 +152,7 @@ def _sync(torch, device):
 # ----------------------------------------------------------------------------- ours
 
 
-def make_jax_train_step(config: model_lib.ModelConfig, optimizer):
+def make_jax_train_step(config: model_config.ModelConfig, optimizer):
     def loss_fn(params, tokens_BxT, mask_BxT):
         logits_BxTxV = model_lib.apply(params, config, tokens_BxT)
         logp_BxT = model_lib.token_logp(logits_BxTxV, tokens_BxT)
@@ -219,9 +217,9 @@ class JaxSample:
 # ----------------------------------------------------------------------------- torch
 
 
-def hf_model(torch, transformers, config: model_lib.ModelConfig, device, seed=0):
+def hf_model(torch, transformers, config: model_config.ModelConfig, device, seed=0):
     torch.manual_seed(seed)
-    hf_config = transformers.LlamaConfig(**hf.config_to_hf(config, base={"pad_token_id": 0}))
+    hf_config = transformers.LlamaConfig(**hf_format.config_to_hf(config, base={"pad_token_id": 0}))
     model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.float32)
     return model
 
@@ -334,7 +332,7 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 def bench_inputs(args):
     size = SIZES[args.size]
     # bfloat16: bf16 compute on float32 params (mixed precision), as torch autocast does.
-    config = model_lib.ModelConfig(**size["model"], dtype=args.dtype, param_dtype="float32")
+    config = model_config.ModelConfig(**size["model"], dtype=args.dtype, param_dtype="float32")
     batch, seq = args.batch or size["batch"], args.seq or size["seq"]
     rng = np.random.default_rng(0)
     tokens_BxT = rng.integers(0, config.vocab_size, (batch, seq), np.int32)
@@ -401,7 +399,7 @@ def main(argv=None):
     if args.torch_worker:
         return torch_worker(args)
     config, batch, seq, tokens_BxT, prompts_BxP = bench_inputs(args)
-    jax_dtype = model_lib.as_dtype(args.dtype)
+    jax_dtype = model_config.as_dtype(args.dtype)
     print(
         f"# model_bench: size={args.size} dtype={args.dtype} params={config.num_params():,} "
         f"jax={jax.__version__} backend={jax.default_backend()} devices={jax.devices()} "

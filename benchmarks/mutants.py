@@ -1,14 +1,14 @@
 """Mutation testing of the suite: does a realistic bug in the code fail its tests?
 
   python benchmarks/mutants.py --list                          # the mutants, nothing run
-  python benchmarks/mutants.py --modules m2po_jax/optim.py,m2po_jax/prompts.py
+  python benchmarks/mutants.py --modules m2po_jax/learner/optim.py,m2po_jax/models/prompts.py
   python benchmarks/mutants.py --ids masking-harmful-noncandidates-masked --timeout 300
   python benchmarks/mutants.py                                 # every mutant (long)
 
 Each mutant (`MUTANTS`) is one realistic bug: an exact source snippet of a module, the
 snippet that replaces it, and the tests that should catch it. A snippet must occur exactly
 once in its module; the script refuses to run (naming the mutant) when one occurs 0 or 2+
-times, so the list stays honest as the code changes (tests/mutants_test.py checks it).
+times, so the list stays honest as the code changes (tests/e2e/mutants_test.py checks it).
 
 A run first copies the repository to a temporary directory (no .venv, .git, runs/ or
 caches) and runs the union of the selected mutants' tests there unmutated: a mutant
@@ -95,265 +95,271 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ the train step
     Mutant(
         "train_step-finite-guard-loss-only",
-        "m2po_jax/train_step.py",
+        "m2po_jax/learner/train_step.py",
         "finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)",
         "finite = jnp.isfinite(loss)",
-        (T("tests/train_step_test.py", "non_finite"),),
+        (T("tests/learner/train_step_test.py", "non_finite"),),
         "the non-finite guard checks the loss only: a NaN/inf gradient is applied",
     ),
     Mutant(
         "step_math-kl-ctl-zero",
-        "m2po_jax/step_math.py",
+        "m2po_jax/learner/step_math.py",
         "kl_ctl=actor.kl_ctl if ref_logp is not None else 0.0,",
         "kl_ctl=0.0,",
-        (T("tests/train_step_test.py", "kl"), T("tests/trainer_test.py", "kl")),
+        (T("tests/learner/train_step_test.py", "kl"), T("tests/trainer/trainer_test.py", "kl")),
         "kl_ctl forced to 0 inside the step: the reference log-probs are computed, unused",
     ),
     Mutant(
         "train_step-micro-weight-uniform",
-        "m2po_jax/train_step.py",
+        "m2po_jax/learner/train_step.py",
         "weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0",
         "weight = 1.0 / n_micro if mask_in_loss else 1.0",
-        (T("tests/train_step_test.py", "microbatch"),),
+        (T("tests/learner/train_step_test.py", "microbatch"),),
         "micro-batch loss weight 1 / n_micro instead of its share of valid tokens",
     ),
     Mutant(
         "train_step-kept-count-is-valid",
-        "m2po_jax/train_step.py",
+        "m2po_jax/learner/train_step.py",
         'count = jnp.sum(mb["mask"] if actor.loss_denominator == "kept" else mb["loss_mask"])',
         'count = jnp.sum(mb["loss_mask"])',
-        (T("tests/train_step_test.py", "kept_denominator"),),
+        (T("tests/learner/train_step_test.py", "kept_denominator"),),
         "the step's 'kept' loss denominator counts valid tokens (before M2PO) instead",
     ),
     Mutant(
         "step_metrics-plain-mean",
-        "m2po_jax/step_metrics.py",
+        "m2po_jax/learner/step_metrics.py",
         "out[name] = jnp.sum(values * share)",
         "out[name] = jnp.mean(values)",
-        (T("tests/step_metrics_test.py"), T("tests/train_step_test.py", "statistics")),
+        (
+            T("tests/learner/step_metrics_test.py"),
+            T("tests/learner/train_step_test.py", "statistics"),
+        ),
         "minibatch / micro-batch metrics combined by a plain mean, not token-weighted",
     ),
     Mutant(
         "batching-trim-drops-last-column",
-        "m2po_jax/batching.py",
+        "m2po_jax/learner/batching.py",
         "longest = int(used.nonzero()[0].max()) + 1 if used.any() else 0",
         "longest = int(used.nonzero()[0].max()) if used.any() else 0",
-        (T("tests/batching_test.py"),),
+        (T("tests/learner/batching_test.py"),),
         "off-by-one in the longest completion: a completion ending at a bucket edge loses "
         "its last column",
     ),
     # ------------------------------------------------------------------ optimizer
     Mutant(
         "optim-clip-sign",
-        "m2po_jax/optim.py",
+        "m2po_jax/learner/optim.py",
         "if opt.gradient_clipping > 0:",
         "if opt.gradient_clipping < 0:",
-        (T("tests/optim_test.py"),),
+        (T("tests/learner/optim_test.py"),),
         "global-norm gradient clipping never applied (> 0 became < 0)",
     ),
     Mutant(
         "optim-linear-ends-at-zero",
-        "m2po_jax/optim.py",
+        "m2po_jax/learner/optim.py",
         "main = optax.linear_schedule(opt.lr, end, decay)",
         "main = optax.linear_schedule(opt.lr, 0.0, decay)",
-        (T("tests/optim_test.py"),),
+        (T("tests/learner/optim_test.py"),),
         "the linear schedule decays to 0 instead of lr * min_lr_ratio",
     ),
     # ------------------------------------------------------------------ prompts, rollouts
     Mutant(
         "rollout-long-prompt-keeps-head",
-        "m2po_jax/rollout.py",
+        "m2po_jax/rollout/batches.py",
         "ids.append(tokens[-width:])",
         "ids.append(tokens[:width])",
-        (T("tests/rollout_test.py", "long or left"), T("tests/prompts_test.py", "long or left")),
+        (
+            T("tests/rollout/rollout_test.py", "long or left"),
+            T("tests/models/prompts_test.py", "long or left"),
+        ),
         "an over-long prompt keeps its first tokens, not its last (long_prompts='left')",
     ),
     Mutant(
         "prompts-filter-drops-at-limit",
-        "m2po_jax/prompts.py",
+        "m2po_jax/models/prompts.py",
         'if n <= max_len or mode == "left":',
         'if n < max_len or mode == "left":',
         (
-            T("tests/gsm8k_data_test.py", "long_prompts"),
-            T("tests/prompts_test.py", "long or filter"),
+            T("tests/tasks/gsm8k_data_test.py", "long_prompts"),
+            T("tests/models/prompts_test.py", "long or filter"),
         ),
         "a prompt of exactly max_prompt_len tokens is filtered out (<= became <)",
     ),
     Mutant(
         "checkpoint-queue-reversed",
-        "m2po_jax/checkpoint.py",
+        "m2po_jax/trainer/checkpoint.py",
         'for i in range(meta["queue_len"])',
         'for i in reversed(range(meta["queue_len"]))',
         (
-            T("tests/rollout_test.py"),
-            T("tests/checkpoint_test.py"),
-            T("tests/trainer_test.py", "resume"),
+            T("tests/rollout/rollout_test.py"),
+            T("tests/trainer/checkpoint_test.py"),
+            T("tests/trainer/trainer_test.py", "resume"),
         ),
         "the stale-rollout queue is restored newest first",
     ),
     Mutant(
         "checkpoint-crc-not-checked",
-        "m2po_jax/checkpoint.py",
+        "m2po_jax/trainer/checkpoint.py",
         "            if _crc32(path) != crc:\n"
         '                return f"{name}: checksum mismatch (damaged)"\n',
         "",
-        (T("tests/checkpoint_test.py", "damaged or verif"),),
+        (T("tests/trainer/checkpoint_test.py", "damaged or verif"),),
         "the manifest check compares file sizes only: a corrupted byte verifies",
     ),
     # ------------------------------------------------------------------ M2PO mask
     Mutant(
         "masking_kernels-stop-rule-lt-is-le",
-        "m2po_jax/masking_kernels.py",
+        "m2po_jax/algorithm/masking_kernels.py",
         'return mean < tau if stop_rule == "lt" else mean <= tau',
         'return mean <= tau if stop_rule == "lt" else mean <= tau',
-        (T("tests/masking_test.py", "strict_less or examples"),),
+        (T("tests/algorithm/masking_test.py", "strict_less or examples"),),
         "AReaL's strict stop rule (kept mean < tau) becomes <=",
     ),
     Mutant(
         "masking_kernels-sort-descending",
-        "m2po_jax/masking_kernels.py",
+        "m2po_jax/algorithm/masking_kernels.py",
         "sorted_key = lax.sort(key_N)",
         "sorted_key = -lax.sort(-key_N)",
-        (T("tests/masking_test.py", "examples"),),
+        (T("tests/algorithm/masking_test.py", "examples"),),
         "the sort method orders m2 descending: it keeps the largest-m2 tokens",
     ),
     Mutant(
         "masking_kernels-invalid-tokens-counted",
-        "m2po_jax/masking_kernels.py",
+        "m2po_jax/algorithm/masking_kernels.py",
         "return jnp.where(active, lax.bitcast_convert_type(m2, jnp.int32), _INACTIVE)",
         "return lax.bitcast_convert_type(m2, jnp.int32)",
-        (T("tests/masking_test.py", "examples or matches_reference"),),
+        (T("tests/algorithm/masking_test.py", "examples or matches_reference"),),
         "invalid (padding) tokens take part in the running mean",
     ),
     Mutant(
         "masking_kernels-bisect-too-few-steps",
-        "m2po_jax/masking_kernels.py",
+        "m2po_jax/algorithm/masking_kernels.py",
         "_BISECT_STEPS = 31",
         "_BISECT_STEPS = 24",
-        (T("tests/masking_test.py", "examples or sort_equals_bisect"),),
+        (T("tests/algorithm/masking_test.py", "examples or sort_equals_bisect"),),
         "the bisect method stops before the boundary bit pattern is found",
     ),
     Mutant(
         "masking_kernels-m2-abs",
-        "m2po_jax/masking_kernels.py",
+        "m2po_jax/algorithm/masking_kernels.py",
         "    return r * r\n",
         "    return jnp.abs(r)\n",
-        (T("tests/masking_test.py", "second_moment or examples"),),
+        (T("tests/algorithm/masking_test.py", "second_moment or examples"),),
         "the second moment is |log r| instead of (log r)^2",
     ),
     Mutant(
         "masking-harmful-noncandidates-masked",
-        "m2po_jax/masking.py",
+        "m2po_jax/algorithm/masking.py",
         "mask = valid & (~active | kept)",
         "mask = valid & kept",
-        (T("tests/masking_test.py", "harmful"),),
+        (T("tests/algorithm/masking_test.py", "harmful"),),
         "candidates='harmful': tokens outside the candidate set are masked too",
     ),
     Mutant(
         "masking-nonfinite-not-candidate",
-        "m2po_jax/masking.py",
+        "m2po_jax/algorithm/masking.py",
         "active = valid & (harmful | ~jnp.isfinite(m2))",
         "active = valid & harmful",
-        (T("tests/masking_test.py", "harmful"),),
+        (T("tests/algorithm/masking_test.py", "harmful"),),
         "candidates='harmful': a non-finite m2 token escapes the mask when not harmful",
     ),
     Mutant(
         "masking_stats-masked-counts-invalid",
-        "m2po_jax/masking_stats.py",
+        "m2po_jax/algorithm/masking_stats.py",
         "count(valid & ~mask),",
         "count(~mask),",
-        (T("tests/masking_test.py", "stats"),),
+        (T("tests/algorithm/masking_test.py", "stats"),),
         "m2po/masked_tokens counts padding tokens as masked",
     ),
     Mutant(
         "scopes-row-scope-is-global",
-        "m2po_jax/scopes.py",
+        "m2po_jax/algorithm/scopes.py",
         'block_scope = "row" if scope == "row" else "global"',
         'block_scope = "global"',
-        (T("tests/m2po_scopes_test.py", "every_combination"),),
+        (T("tests/algorithm/m2po_scopes_test.py", "every_combination"),),
         "m2po_scope='row' silently takes one global mask",
     ),
     # ------------------------------------------------------------------ the loss
     Mutant(
         "losses-kept-denominator-is-valid",
-        "m2po_jax/losses.py",
+        "m2po_jax/algorithm/losses.py",
         'count = mask.sum() if denominator == "kept" else valid_mask.astype(bool).sum()',
         "count = valid_mask.astype(bool).sum() if valid_mask is not None else mask.sum()",
-        (T("tests/losses_test.py", "denominator"), T("tests/variants_test.py")),
+        (T("tests/algorithm/losses_test.py", "denominator"), T("tests/algorithm/variants_test.py")),
         "the 'kept' loss denominator counts the valid tokens (before M2PO)",
     ),
     Mutant(
         "losses-clip-low-uses-high",
-        "m2po_jax/losses.py",
+        "m2po_jax/algorithm/losses.py",
         "clipped = -adv * _clamp(r, 1.0 - eps_clip, 1.0 + eps_high)",
         "clipped = -adv * _clamp(r, 1.0 - eps_high, 1.0 + eps_high)",
-        (T("tests/losses_test.py", "clip"),),
+        (T("tests/algorithm/losses_test.py", "clip"),),
         "the lower clip bound uses eps_clip_higher (clip-higher widens both sides)",
     ),
     Mutant(
         "losses-dual-clip-wrong-sign",
-        "m2po_jax/losses.py",
+        "m2po_jax/algorithm/losses.py",
         "per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)",
         "per_token = jnp.where(adv > 0, jnp.minimum(per_token, bound), per_token)",
-        (T("tests/losses_test.py", "dual"),),
+        (T("tests/algorithm/losses_test.py", "dual"),),
         "dual clip bounds the loss of A > 0 tokens instead of A < 0",
     ),
     Mutant(
         "losses-clamp-halves-gradient",
-        "m2po_jax/losses.py",
+        "m2po_jax/algorithm/losses.py",
         "return jnp.where((x >= low) & (x <= high), x, jnp.clip(x, low, high))",
         "return jnp.clip(x, low, high)",
-        (T("tests/losses_test.py", "r_equal_one or check_grads"),),
+        (T("tests/algorithm/losses_test.py", "r_equal_one or check_grads"),),
         "jnp.clip instead of torch.clamp semantics: the gradient is halved on a bound",
     ),
     Mutant(
         "rejection-behav-weight-inverted",
-        "m2po_jax/rejection.py",
+        "m2po_jax/algorithm/rejection.py",
         "log_rho = jax.lax.stop_gradient(prox - behav)",
         "log_rho = jax.lax.stop_gradient(behav - prox)",
-        (T("tests/losses_test.py", "behaviour_weight or numpy_reference"),),
+        (T("tests/algorithm/losses_test.py", "behaviour_weight or numpy_reference"),),
         "the behaviour weight is exp(behav - prox), the inverse of rho",
     ),
     # ------------------------------------------------------------------ advantages
     Mutant(
         "advantages-leave1out-divides-by-n",
-        "m2po_jax/advantages.py",
+        "m2po_jax/algorithm/advantages.py",
         "loo = (total - xg * mg) / jnp.maximum(count - mg, 1.0)",
         "loo = (total - xg * mg) / jnp.maximum(count, 1.0)",
-        (T("tests/advantages_test.py", "by_hand or matches_reference"),),
+        (T("tests/algorithm/advantages_test.py", "by_hand or matches_reference"),),
         "the leave-one-out mean divides by n instead of n - 1",
     ),
     Mutant(
         "advantages-std-without-eps",
-        "m2po_jax/advantages.py",
+        "m2po_jax/algorithm/advantages.py",
         "scale = jnp.broadcast_to(std, cg.shape).reshape(shape) + eps",
         "scale = jnp.broadcast_to(std, cg.shape).reshape(shape)",
-        (T("tests/advantages_test.py", "by_hand"),),
+        (T("tests/algorithm/advantages_test.py", "by_hand"),),
         "the group std loses its epsilon",
     ),
     Mutant(
         "advantages-kl-forward-cumsum",
-        "m2po_jax/advantages.py",
+        "m2po_jax/algorithm/advantages.py",
         "kl_return = jnp.flip(jnp.cumsum(jnp.flip(kl_reward, -1), -1), -1)",
         "kl_return = jnp.cumsum(kl_reward, -1)",
-        (T("tests/advantages_test.py", "kl"),),
+        (T("tests/algorithm/advantages_test.py", "kl"),),
         "the KL return sums the past tokens' KL rewards instead of the future ones",
     ),
     # ------------------------------------------------------------------ sampling
     Mutant(
         "sampling-top-p-drops-crossing-token",
-        "m2po_jax/sampling.py",
+        "m2po_jax/rollout/sampling.py",
         "keep_BxK = mass_before_BxK < sampling.top_p",
         "keep_BxK = jnp.cumsum(probs_BxK, axis=-1) < sampling.top_p",
-        (T("tests/sampling_test.py", "truncate or top_k_one"),),
+        (T("tests/rollout/sampling_test.py", "truncate or top_k_one"),),
         "top-p drops the token whose mass crosses top_p (and all tokens if the first does)",
     ),
     Mutant(
         "sampling-logp-without-temperature",
-        "m2po_jax/sampling.py",
+        "m2po_jax/rollout/sampling.py",
         "logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)",
         "logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)",
-        (T("tests/sampling_test.py", "behav_logp"),),
+        (T("tests/rollout/sampling_test.py", "behav_logp"),),
         "the recorded behaviour log-prob ignores the temperature",
     ),
 )
@@ -648,7 +654,9 @@ def table(rows: list[tuple[Mutant, Outcome]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modules", help="comma-separated module paths, e.g. m2po_jax/optim.py")
+    parser.add_argument(
+        "--modules", help="comma-separated module paths, e.g. m2po_jax/learner/optim.py"
+    )
     parser.add_argument("--ids", help="comma-separated mutant ids")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")

@@ -57,7 +57,7 @@ def part_a(steps: int = 3) -> dict:
     args = [
         sys.executable,
         "-m",
-        "m2po_jax.main",
+        "m2po_jax.trainer.main",
         "--config=configs/gsm8k.py",
         f"--workdir={work / 'run'}",
         f"--config.model.path={work / 'qwen3-0.6b'}",
@@ -122,9 +122,11 @@ def compile_preset(
 ) -> dict:
     """XLA's memory analysis and compile time of a preset's train step, built by the
     trainer's own builder (`setup.build_train_step`) from abstract shapes."""
-    from m2po_jax import architectures, batching, memory
-    from m2po_jax import placement as placement_lib
-    from m2po_jax import setup as setup_lib
+    from m2po_jax.learner import batching, memory
+    from m2po_jax.models import architectures
+    from m2po_jax.parallel import placement as placement_lib
+    from m2po_jax.trainer import memory_check
+    from m2po_jax.trainer import setup as setup_lib
 
     cfg = _on_devices(preset, devices)
     changes = {} if vocab_size is None else {"vocab_size": vocab_size}
@@ -146,7 +148,9 @@ def compile_preset(
     n_micro = batching.micro_batch_count(
         rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
     )
-    xla = memory.compiled_step_memory(cfg, model_config, placement, share_prompts=share_prompts)
+    xla = memory_check.compiled_step_memory(
+        cfg, model_config, placement, share_prompts=share_prompts
+    )
     step_plan = setup_lib.step_plan(cfg, placement)
     shared = step_plan.loss_prompt if share_prompts else None
     plan = memory.memory_plan(
@@ -182,10 +186,12 @@ def presets_plans() -> str:
     """The memory plan of every configs/gsm8k.py preset, as the trainer would print it."""
     import jax
 
-    from m2po_jax import architectures, batching, memory, sharding
-    from m2po_jax import placement as placement_lib
-    from m2po_jax import setup as setup_lib
     from m2po_jax.configs import gsm8k
+    from m2po_jax.learner import batching, memory
+    from m2po_jax.models import architectures
+    from m2po_jax.parallel import placement as placement_lib
+    from m2po_jax.parallel import sharding
+    from m2po_jax.trainer import setup as setup_lib
 
     out = []
     for preset in gsm8k.PRESETS:

@@ -16,10 +16,10 @@ from pathlib import Path
 from absl import logging
 
 from m2po_jax import config as config_lib
-from m2po_jax import metrics as metrics_lib
-from m2po_jax import plots
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
+from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.trainer import plots
 
 
 def run(name: str, preset: str, args, out: Path) -> Path:

@@ -31,14 +31,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from m2po_jax import config as config_lib  # noqa: E402
-from m2po_jax import logprobs  # noqa: E402
-from m2po_jax import model as model_lib  # noqa: E402
-from m2po_jax import train_step as step_lib  # noqa: E402
+from m2po_jax import config as config_lib
+from m2po_jax.common.types import TrainBatch  # noqa: E402
 from m2po_jax.configs import arith  # noqa: E402
-from m2po_jax.types import TrainBatch  # noqa: E402
+from m2po_jax.learner import logprobs, optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import model as model_lib
+from m2po_jax.models import model_config
 
-MODEL = model_lib.ModelConfig(
+MODEL = model_config.ModelConfig(
     vocab_size=512,
     hidden_size=256,
     intermediate_size=704,
@@ -95,7 +96,7 @@ def main() -> None:
     c["actor"]["ppo_n_minibatches"] = 1
     c["actor"]["logp_chunk_size"] = 4096
     actor = config_lib.from_configdict(c).actor
-    tx, schedule = step_lib.make_optimizer(actor.optimizer, 100)
+    tx, schedule = optim.make_optimizer(actor.optimizer, 100)
     params = model_lib.init_params(MODEL, jax.random.key(0))
     batch = make_batch(params, args.groups, args.group, args.prompt, args.new, args.mean_len)
     paths = {

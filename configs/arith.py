@@ -9,13 +9,13 @@ Presets: m2po, grpo, stale_grpo, paper (the paper's variant: m2 against the curr
 policy, <= rule, no epsilon clip, loss over all valid tokens), authors (the authors'
 code: harmful tokens, capped-mean clip range), paper_final (the published ICLR 2026 M2PO:
 harmful-quadrant candidates, <= rule over the whole batch, -exp(log r) * A without clip;
-m2po_jax/variants.py), tiny (a seconds-long wiring check for tests: too small and too short
+m2po_jax/algorithm/variants.py), tiny (a seconds-long wiring check for tests: too small and too short
 to learn anything, and no plots; its held-out accuracy stays 0).
 """
 
 import ml_collections
 
-from m2po_jax import variants
+from m2po_jax.algorithm import variants
 from m2po_jax.configs import default
 
 

@@ -40,12 +40,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU/TPU
     c.model.param_dtype = "float32"  # storage dtype of params and optimizer state
     c.model.remat = False  # recompute each layer in the backward pass to save memory
-    # With remat: what each layer keeps (m2po_jax.model.REMAT_POLICIES): nothing_saveable
+    # With remat: what each layer keeps (m2po_jax.models.model.REMAT_POLICIES): nothing_saveable
     # (full remat) | dots_saveable | dots_with_no_batch_dims_saveable | everything_saveable
     # | save_qkv_proj | save_attention_out
     c.model.remat_policy = "nothing_saveable"
     # auto (GPU bf16/fp16: cudnn, TPU: splash, else xla) | xla | dot_product | cudnn | splash
-    # | chunked (flash-style pure JAX, any backend: long sequences); m2po_jax/attention.py
+    # | chunked (flash-style pure JAX, any backend: long sequences); m2po_jax/models/attention.py
     c.model.attention = "auto"
     # run the layers of a training pass as one lax.scan: fast compiles and bounded memory for
     # deep models (each layer's weights gathered and gradients reduced in turn)
@@ -101,7 +101,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.m2po_candidates = (
         "all"  # all | harmful (authors' code: only tokens pushing the wrong way)
     )
-    # Which tokens form one M2PO set (m2po_jax/scopes.py): global (the whole batch; the whole
+    # Which tokens form one M2PO set (m2po_jax/algorithm/scopes.py): global (the whole batch; the whole
     # minibatch when m2po_second_moment needs the current policy) | shard (each data-parallel
     # shard of it, mesh data x fsdp: AReaL's per-rank rule) | minibatch | row (per sequence) |
     # microbatch (inside each micro-batch's loss). capped_clip needs global.
@@ -117,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Where the proximal log-probs come from (AReaL's names): recompute (exact; from the
     # loss's own forward pass when there is one minibatch, else one extra pass) | loglinear
     # (AReaL's version-interpolated approximation, no extra pass) | metrics (recompute and
-    # report the approximation's error). m2po_jax/proximal.py, m2po_jax/step_plan.py.
+    # report the approximation's error). m2po_jax/algorithm/proximal.py, m2po_jax/learner/step_plan.py.
     c.actor.prox_logp_method = "recompute"
     c.actor.loss_denominator = "kept"  # kept (AReaL: tokens after M2PO) | valid (paper)
     c.actor.rejection_sampling = ml_collections.ConfigDict()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from absl import logging
 
-from m2po_jax import prompts as prompts_lib
+from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.tasks.base import Example, RewardFn, Task, Tokenizer, check_range
 
 DEFAULT_PROMPT_TEMPLATE = (

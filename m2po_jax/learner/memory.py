@@ -1,0 +1,270 @@
+"""Per-device memory plan of a run: what the train step holds, analytically.
+
+plan = memory_plan(model_config, mesh, batch=rows, seq_len=T, micro_batch=rows_per_mb,
+                   kv_cache_batch=rows)
+print(plan.format())             # params, optimizer, gradients, activations, head, ...
+
+The check that refuses a run that cannot fit is `m2po_jax.trainer.memory_check`.
+
+The plan follows what `train_step` does (micro-batches, rematerialised layers, chunked
+output head) and is checked against XLA's own `memory_analysis()` of the compiled step
+(`compiled_step_memory`, tests/learner/memory_test.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import Mesh
+
+from m2po_jax.learner import logprobs
+from m2po_jax.models import attention
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import sharding
+
+_OPT_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 0}
+# Attention implementations that keep [B, H, T, S] scores for the backward pass; the
+# others (flash-style kernels) keep O(T) statistics per head.
+_DENSE_ATTENTION = ("xla", "dot_product")
+# Per token, what a remat policy saves of each layer beyond its input (elements).
+_SAVED_PER_TOKEN = {
+    "nothing_saveable": lambda e, h, k, d, f: 0,
+    "dots_saveable": lambda e, h, k, d, f: (h + 2 * k) * d + 2 * e + 2 * f,
+    "dots_with_no_batch_dims_saveable": lambda e, h, k, d, f: (h + 2 * k) * d + 2 * e + 2 * f,
+    "save_qkv_proj": lambda e, h, k, d, f: (h + 2 * k) * d,
+    "save_attention_out": lambda e, h, k, d, f: h * d,
+}
+_FIELDS = ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes per device; see `memory_plan` for what each entry counts."""
+
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    logits: int  # the output head's chunk buffers
+    kv_cache: int
+    mesh_shape: tuple[tuple[str, int], ...] = ()
+    micro_batch: int = 0  # rows per micro-batch (global)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, name) for name in _FIELDS)
+
+    @property
+    def train_step(self) -> int:
+        """What the compiled train step holds (everything but the sampler's KV cache)."""
+        return self.total - self.kv_cache
+
+    def format(self) -> str:
+        """A small table in MiB."""
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
+        rows = [f"memory per device (mesh {mesh or '?'}, {self.micro_batch} rows per micro-batch)"]
+        for name in _FIELDS:
+            rows.append(f"  {name:<12}{getattr(self, name) / 2**20:>12.2f} MiB")
+        rows.append(f"  {'total':<12}{self.total / 2**20:>12.2f} MiB")
+        return "\n".join(rows)
+
+
+def _per_device(n_items: int, splits: int) -> int:
+    return -(-n_items // splits)
+
+
+def memory_plan(
+    model_config: model_config_lib.ModelConfig,
+    mesh: Mesh,
+    *,
+    rules: sharding.Rules | Mapping = sharding.TRAIN_RULES,
+    batch: int,
+    seq_len: int,
+    micro_batch: int | None = None,
+    kv_cache_batch: int = 0,
+    kv_cache_len: int | None = None,
+    optimizer: str = "adamw",
+    remat: bool | None = None,
+    logp_chunk: int = logprobs.DEFAULT_CHUNK,
+    param_dtype_bytes: int | None = None,
+    compute_dtype_bytes: int | None = None,
+    shared_prompt: logprobs.SharedPrompt | None = None,
+) -> MemoryPlan:
+    """Estimate peak bytes per device for one train step (plus a sampling KV cache).
+
+    - params / gradients: each param's shard under `rules` (exact); with several
+      micro-batches a float32 gradient accumulator besides;
+    - optimizer: moments (2 for AdamW) sharded like the params, in param dtype;
+    - activations of one micro-batch (rows split over data x fsdp, heads and MLP over
+      tensor when divisible) kept for the backward pass per layer: 4 residual-width
+      tensors [b,T,E], q/k/v before and after RoPE and the attention output
+      [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3, and for the attention
+      implementations that materialise them ("xla", "dot_product") the probabilities
+      [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
+      layer recomputed and its gradients;
+    - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
+      tensor), its softmax and its gradient;
+    - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
+      fsdp and K over tensor (0 when `kv_cache_batch` is 0).
+    `total` adds everything, an upper bound for a trainer that samples and trains on the
+    same devices; `train_step` leaves the KV cache out.
+
+    `shared_prompt` (the step plan's `loss_prompt`): the trunk runs each group's prompt
+    once (G = micro_batch / group_size prompts, split over the batch shards when they
+    divide, else on every device) and then each row's completion columns against it, in
+    `length_blocks` blocks of rows one after the other; activations count both passes,
+    the prompts' keys and values (and their gradients) and the blocks' head buffers.
+    """
+    c = model_config
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch ({batch}) and seq_len ({seq_len}) must be positive")
+    micro_batch = batch if micro_batch is None else micro_batch
+    if micro_batch < 1 or batch % micro_batch:
+        raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
+    if optimizer not in _OPT_MOMENTS:
+        raise ValueError(
+            f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}"
+        )
+    remat = c.remat if remat is None else remat
+    pbytes = param_dtype_bytes or model_config_lib.as_dtype(c.param_dtype).itemsize
+    cbytes = compute_dtype_bytes or model_config_lib.as_dtype(c.dtype).itemsize
+    kv_cache_len = seq_len if kv_cache_len is None else kv_cache_len
+
+    shardings = sharding.param_shardings(c, mesh, rules)
+    shapes = sharding.param_shapes(c)
+    param_items = sum(
+        math.prod(sh.shard_shape(s.shape))
+        for sh, s in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True)
+    )
+    params = param_items * pbytes
+    gradients = params + (param_items * 4 if micro_batch < batch else 0)
+
+    tensor = mesh.shape.get("tensor", 1)
+
+    def split(n: int) -> int:  # per-device share of a tensor-parallel dim
+        return n // tensor if n % tensor == 0 else n
+
+    shards = sharding.batch_shards(mesh)
+    b, t, e = _per_device(micro_batch, shards), seq_len, c.hidden_size
+    h, k, d, f = (
+        split(c.num_heads),
+        split(c.num_kv_heads),
+        c.dim_per_head,
+        split(c.intermediate_size),
+    )
+    dense_attention = attention_kind(c) in _DENSE_ATTENTION
+    per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
+    policy = c.remat_policy if remat else "everything_saveable"
+
+    def trunk(rows: int, queries: int, keys: int) -> int:
+        """Bytes one trunk pass over `rows` rows keeps for the backward pass."""
+        scores = rows * h * queries * keys if dense_attention else 0
+        layer = (rows * queries * per_token + scores) * cbytes
+        if policy == "everything_saveable":
+            return c.num_layers * layer
+        # Each layer's input and what the policy saves, plus one layer recomputed and its
+        # gradients in the backward pass.
+        saved = rows * queries * _SAVED_PER_TOKEN[policy](e, h, k, d, f) * cbytes
+        if policy == "dots_saveable":
+            saved += scores * cbytes  # the attention matmuls are dots too
+        return c.num_layers * (rows * queries * e * cbytes + saved) + 2 * layer
+
+    if shared_prompt is None:
+        activations = trunk(b, t, t)
+    else:
+        p = shared_prompt.prompt_len
+        groups = micro_batch // shared_prompt.group_size
+        g = groups // shards if groups % shards == 0 else groups
+        prompt_kv = 2 * 2 * c.num_layers * g * k * p * d * cbytes  # k, v and their gradients
+        activations = trunk(g, p, p) + prompt_kv
+        blocks = shared_prompt.length_blocks
+        if blocks == 1:
+            activations += trunk(b, t - p, t)
+        else:
+            # The blocks run one after another, yet XLA keeps about half of what whole rows
+            # would (tests/learner/memory_test.py); and the branches' head buffers.
+            activations += trunk(max(b // 2, 1), t - p, t) + _branch_head_bytes(
+                c, mesh, micro_batch, t - p, blocks, logp_chunk
+            )
+    # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows (the
+    # shared-prompt pass runs the head on completion columns only).
+    scored = t - 1 if shared_prompt is None else t - shared_prompt.prompt_len
+    columns = max(1, min(logp_chunk // micro_batch, scored))
+    logits = 3 * b * columns * split(c.vocab_size) * 4
+
+    kv_b = _per_device(kv_cache_batch, shards)
+    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * split(c.num_kv_heads) * d * cbytes
+    return MemoryPlan(
+        params=params,
+        optimizer=_OPT_MOMENTS[optimizer] * params,
+        gradients=gradients,
+        activations=activations,
+        logits=logits,
+        kv_cache=kv_cache,
+        mesh_shape=tuple(mesh.shape.items()),
+        micro_batch=micro_batch,
+    )
+
+
+# Vocabulary-wide buffers one length-block branch of `logprobs.shared_prompt_logp` keeps
+# (its head chunk's logits, softmax, gradients and copies), measured against XLA at
+# Qwen2.5-0.5B's vocabulary: the four branches cost ~12 GiB there whatever the rows.
+_BRANCH_HEAD_BUFFERS = 5
+
+
+def _branch_head_bytes(c, mesh: Mesh, rows: int, width: int, blocks: int, logp_chunk: int) -> int:
+    """Vocabulary-wide buffers the four length-block branches of a micro-batch of `rows`
+    rows and `width` completion columns keep, per device."""
+    tensor = mesh.shape.get("tensor", 1)
+    vocab = c.vocab_size // tensor if c.vocab_size % tensor == 0 else c.vocab_size
+    block_tokens = min(logp_chunk, rows // blocks * (width + 1))
+    tokens = _per_device(block_tokens, sharding.batch_shards(mesh))
+    return 4 * _BRANCH_HEAD_BUFFERS * tokens * vocab * 4
+
+
+def length_blocks_pay(
+    model_config: model_config_lib.ModelConfig,
+    mesh: Mesh,
+    *,
+    rows: int,
+    seq_len: int,
+    prompt_len: int,
+    blocks: int,
+    logp_chunk: int = logprobs.DEFAULT_CHUNK,
+) -> bool:
+    """Whether running a micro-batch of `rows` rows in `blocks` blocks by completion length
+    holds less than running whole rows: the blocks skip about half the completion pass's
+    activations, and each of their four compiled widths keeps its own vocabulary-wide head
+    buffers (XLA does not share them between the branches). Small vocabularies: they pay;
+    Qwen-sized ones (152k) with a few rows per device: they do not."""
+    whole = memory_plan(model_config, mesh, batch=rows, seq_len=seq_len, micro_batch=rows)
+    width = seq_len - prompt_len
+    head = _branch_head_bytes(model_config, mesh, rows, width, blocks, logp_chunk)
+    return whole.activations // 2 > head
+
+
+def blocks_pay_fn(model_config: model_config_lib.ModelConfig, mesh: Mesh, logp_chunk: int):
+    """`length_blocks_pay` bound to a model and mesh, as `step_plan.plan_step` takes it."""
+
+    def pays(rows: int, seq_len: int, prompt_len: int, blocks: int) -> bool:
+        return length_blocks_pay(
+            model_config,
+            mesh,
+            rows=rows,
+            seq_len=seq_len,
+            prompt_len=prompt_len,
+            blocks=blocks,
+            logp_chunk=logp_chunk,
+        )
+
+    return pays
+
+
+def attention_kind(config: model_config_lib.ModelConfig) -> str:
+    """The attention implementation a config trains with on this backend."""
+    return attention.resolve(
+        config.attention, model_config_lib.as_dtype(config.dtype), config.dim_per_head
+    )

@@ -1,0 +1,1 @@
+"""m2po_jax.models."""

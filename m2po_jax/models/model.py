@@ -1,0 +1,470 @@
+"""Flax causal language model for the Llama 3.x, Qwen2 / Qwen2.5 and Qwen3 families.
+
+The model is a pure function of (params, tokens): `CausalLM(config).apply({"params": p}, ...)`.
+Every parameter carries logical axis names (`nn.with_logical_partitioning`) that
+`sharding.py` maps onto a device mesh.
+
+Layout conventions (shared with `sampling.py` and `rollout.py`):
+- Prompts are left-padded; `valid_BxT` marks real tokens, `positions_BxT` are RoPE
+  positions (`make_positions(valid_BxT)` by default).
+- With a `KVCache`, the T new tokens are written at columns
+  `cache_index .. cache_index + T - 1` of the cache; a query at column c attends to
+  cache columns <= c that hold real tokens.
+- The cache stores keys and values as [B, K, S, D] (kv heads before columns): attention
+  reads it in that layout, so a decode step never transposes the whole cache.
+- `ModelConfig.attention` selects the attention implementation (`attention.py`); calls
+  with a cache (the sampler's prefill and decode steps) run "xla" unless it is
+  "dot_product" or "chunked". `ModelConfig.remat_policy` (with `remat=True`) selects what
+  each rematerialised layer keeps for the backward pass (`REMAT_POLICIES`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from m2po_jax.models import attention
+from m2po_jax.models.model_config import (
+    REMAT_POLICIES,
+    ModelConfig,
+    as_dtype,
+)
+from m2po_jax.models.rope import rope_cos_sin, rope_inv_freq, rotate
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value buffers [B, K, S, D] and which of the S columns hold real tokens."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    valid_BxS: jax.Array
+
+
+@flax.struct.dataclass
+class Prefix:
+    """Keys and values of G prefixes (prompts) that the R rows of a call continue.
+
+    `k`, `v`: [L, G, K, P, D], layer by layer, as `apply(..., return_kv=True)` returns
+    them for the prefix tokens; `valid_GxP` marks their real tokens. Row r continues
+    prefix `argmax(pick_RxG[r])`, or, with `pick_RxG` None, prefix r // (R / G): the
+    rows come in G consecutive groups. The rows' queries sit at columns P, P + 1, ...
+    after the prefix; each layer expands its prefix to the rows inside the (scanned,
+    rematerialised) layer, so the rows' copies never outlive one layer.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid_GxP: jax.Array
+    pick_RxG: jax.Array | None = None
+
+    def expand(self, x_GxN: jax.Array, rows: int) -> jax.Array:
+        """[G, ...] -> [R, ...]: each row's prefix."""
+        if self.pick_RxG is None:
+            return jnp.repeat(x_GxN, rows // x_GxN.shape[0], axis=0)
+        if x_GxN.dtype == jnp.bool_:  # masks carry no gradient
+            return x_GxN[jnp.argmax(self.pick_RxG, axis=1)]
+        # A one-hot matmul, not a gather: its gradient is a matmul too, where a gather's is
+        # a scatter-add (slow on XLA:CPU).
+        return jnp.einsum("rg,g...->r...", self.pick_RxG.astype(x_GxN.dtype), x_GxN)
+
+    def layer_cache(self, k_GxKxPxD, v_GxKxPxD, rows: int, width: int):
+        """One layer's [R, K, P + width, D] buffers: the prefix, then room for the rows."""
+
+        def one(x):
+            x = self.expand(x, rows)
+            return jnp.pad(x, ((0, 0), (0, 0), (0, width), (0, 0)))
+
+        return one(k_GxKxPxD), one(v_GxKxPxD)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache of `max_len` columns."""
+    dtype = as_dtype(config.dtype if dtype is None else dtype)
+    shape = (batch, config.num_kv_heads, max_len, config.dim_per_head)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
+
+
+def make_positions(valid_BxT: jax.Array) -> jax.Array:
+    """RoPE positions that skip left padding: 0 at the first real token."""
+    return jnp.maximum(jnp.cumsum(valid_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x [..., *w.shape[:n_in]] @ w, contracting the last `n_in` dims of x with w's first.
+
+    Done as one 2-D matmul on flattened views: XLA:CPU lays out the backward pass of a
+    2-D matmul far better than that of a batched einsum (measured: README, Benchmarks).
+    """
+    lead, w_in, w_out = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    y = x.reshape(math.prod(lead), math.prod(w_in)) @ w.reshape(math.prod(w_in), -1)
+    return y.reshape(*lead, *w_out)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    axis_name: str
+    param_dtype: Any
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(
+            self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones, self.param_dtype
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    implementation: str  # resolved (`attention.resolve`)
+
+    @nn.compact
+    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.dim_per_head
+        init = nn.initializers.normal(0.02)
+
+        def proj(name, heads, axis):
+            w = _param(
+                self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt
+            )
+            y = dense(x_BxTxE, w.astype(dt))
+            if c.attention_bias:
+                bias = _param(
+                    self, f"{name}_bias", (heads, d), (axis, "head_dim"), nn.initializers.zeros, pdt
+                )
+                y = y + bias.astype(dt)
+            return y
+
+        q = proj("q", h, "q_heads")
+        key = proj("k", k, "kv_heads")
+        value = proj("v", k, "kv_heads")
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="q_norm")(q)
+            key = RMSNorm(c.rms_norm_eps, "head_dim", pdt, dt, name="k_norm")(key)
+        # Named for the save_* remat policies.
+        q = checkpoint_name(rotate(q, *cos_sin), "qkv_proj")
+        # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
+        key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
+        value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
+        new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
+        if cache_kv is not None:
+            cache_k, cache_v = cache_kv
+            key = jax.lax.dynamic_update_slice_in_dim(
+                cache_k, key.astype(cache_k.dtype), cache_index, 2
+            )
+            value = jax.lax.dynamic_update_slice_in_dim(
+                cache_v, value.astype(cache_v.dtype), cache_index, 2
+            )
+            new_kv = (key, value)
+        out = attention.attend(
+            self.implementation, q, key.astype(dt), value.astype(dt), mask, c.attention_block_size
+        )
+        out = checkpoint_name(out, "attention_out")
+        o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
+        return dense(out, o.astype(dt), n_in=2), new_kv
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        e, f = c.hidden_size, c.intermediate_size
+        init = nn.initializers.normal(0.02)
+        gate = _param(self, "gate_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
+        up = _param(self, "up_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
+        down = _param(self, "down_kernel", (f, e), ("mlp", "embed"), init, pdt).astype(dt)
+        hidden = jax.nn.silu(dense(x_BxTxE, gate)) * dense(x_BxTxE, up)
+        return dense(hidden, down)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    implementation: str
+
+    @nn.compact
+    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
+        attn, new_kv = Attention(c, self.implementation, name="attn")(
+            normed, cos_sin, mask, cache_kv, cache_index
+        )
+        x_BxTxE = x_BxTxE + attn
+        normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
+        return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
+
+
+def _scan_layers(
+    c: ModelConfig,
+    impl: str,
+    params,
+    x_BxTxE,
+    cos_sin,
+    mask,
+    prefix: Prefix | None = None,
+    return_kv: bool = False,
+):
+    """The decoder layers as one `lax.scan` over their stacked params.
+
+    Same values as the layer loop. Each iteration gathers one layer's (fsdp-sharded)
+    weights and, in the backward pass, reduces that layer's weight gradients before the
+    next one starts, so no scheduler can keep every layer's gathered weights or full-size
+    gradients alive at once; the program also compiles one layer instead of all of them.
+    With a `prefix` each iteration also takes that layer's prefix keys and values; with
+    `return_kv` it returns this call's keys and values, stacked [L, B, K, T, D].
+    """
+    stacked = jax.tree.map(
+        lambda *ws: jnp.stack(ws), *[params[f"layers_{i}"] for i in range(c.num_layers)]
+    )
+    layer = DecoderLayer(c, impl)
+    rows, width = x_BxTxE.shape[:2]
+
+    def one(layer_params, x, prefix_kv):
+        cache_kv, index = None, 0
+        if prefix is not None:
+            cache_kv, index = prefix.layer_cache(*prefix_kv, rows, width), prefix.k.shape[3]
+        y, kv = layer.apply({"params": layer_params}, x, cos_sin, mask, cache_kv, index)
+        if prefix is not None:  # the rows' own columns of the buffers
+            kv = tuple(z[:, :, index:] for z in kv)
+        return y, kv if return_kv else None
+
+    if c.remat:
+        one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
+
+    def body(x, xs):
+        layer_params, prefix_kv = xs
+        return one(layer_params, x, prefix_kv)
+
+    prefix_kv = None if prefix is None else (prefix.k, prefix.v)
+    return jax.lax.scan(body, x_BxTxE, (stacked, prefix_kv))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. Returns float32 logits, and the updated cache when one is given.
+
+    Logits are [B, T, V], or [B, 1, V] for the last column only with `last_only=True`
+    (what a sampler needs after a prefill or decode step). With `hidden_only=True` it
+    returns the final-normed hidden states [B, T, E] in the compute dtype instead (with
+    the cache when one is given): `head_weight` then gives the output head, so that log-probs can be taken
+    without materialising [B, T, V] logits (`logprobs.py`).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        valid_BxT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int = 0,
+        last_only: bool = False,
+        hidden_only: bool = False,
+        prefix: Prefix | None = None,
+        return_kv: bool = False,
+    ):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        b, t = tokens_BxT.shape
+        if valid_BxT is None:
+            valid_BxT = jnp.ones((b, t), bool)
+        if positions_BxT is None:
+            positions_BxT = make_positions(valid_BxT)
+        embedding = _param(
+            self,
+            "embedding",
+            (c.vocab_size, c.hidden_size),
+            ("vocab", "embed"),
+            nn.initializers.normal(0.02),
+            pdt,
+        )
+        x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
+
+        if cache is not None and prefix is not None:
+            raise ValueError("CausalLM: give a cache or a prefix, not both")
+        if prefix is not None:
+            cache_index = prefix.k.shape[3]
+            key_valid_BxS = jnp.concatenate([prefix.expand(prefix.valid_GxP, b), valid_BxT], 1)
+        elif cache is None:
+            key_valid_BxS = valid_BxT
+        else:
+            key_valid_BxS = jax.lax.dynamic_update_slice_in_dim(
+                cache.valid_BxS, valid_BxT, cache_index, 1
+            )
+        cached = cache is not None or prefix is not None
+        impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cached)
+        # Computed once here and shared by every layer.
+        mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, cache_index)
+        cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
+
+        layer_cls = DecoderLayer
+        if c.remat:
+            layer_cls = nn.remat(
+                DecoderLayer, policy=REMAT_POLICIES[c.remat_policy], static_argnums=()
+            )
+        new_k, new_v = [], []
+        if c.scan_layers and cache is None and not self.is_initializing():
+            x, kv = _scan_layers(
+                c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv
+            )
+            if return_kv:
+                new_k, new_v = kv
+        else:
+            for i in range(c.num_layers):
+                cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+                if prefix is not None:
+                    cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
+                layer = layer_cls(c, impl, name=f"layers_{i}")
+                x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
+                if prefix is not None:
+                    kv = tuple(z[:, :, cache_index:] for z in kv)
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+            if return_kv:
+                new_k, new_v = jnp.stack(new_k), jnp.stack(new_v)
+        if last_only:
+            x = x[:, -1:]
+        x = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="final_norm")(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+        if return_kv:  # [L, B, K, T, D] each: a `Prefix` for rows that continue these
+            return x, (new_k, new_v)
+        if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)
+            return x if cache is None else (x, new_cache)
+        if c.tie_word_embeddings:
+            logits = dense(x, embedding.astype(dt).T)
+        else:
+            head = _param(
+                self,
+                "lm_head",
+                (c.hidden_size, c.vocab_size),
+                ("embed", "vocab"),
+                nn.initializers.normal(0.02),
+                pdt,
+            )
+            logits = dense(x, head.astype(dt))
+        logits = logits.astype(jnp.float32)
+        return logits if cache is None else (logits, new_cache)
+
+
+def host_value(x: Any) -> np.ndarray | None:
+    """x as a numpy array, or None when it cannot be checked on the host: a tracer, or an
+    array spread over several processes. Input checks use it to skip such values."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
+def check_token_ids(tokens: Any, vocab_size: int, name: str) -> None:
+    """Raises if a concrete token array holds an id outside [0, vocab_size).
+
+    An out-of-range id would embed as NaN (`jnp.take` fills) and poison every logit after
+    it. Traced or not fully addressable arrays are not checked.
+    """
+    ids = host_value(tokens)
+    if ids is None or ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name}: token id {bad} is outside the model's vocabulary [0, {vocab_size})"
+        )
+
+
+def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
+    """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata)."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    params = CausalLM(config).init(rng, tokens)["params"]
+    return params if boxed else nn.meta.unbox(params)
+
+
+def logical_axes(config: ModelConfig):
+    """Pytree of logical-axis PartitionSpecs matching `init_params(config, ...)`."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0), boxed=True))
+    return nn.get_partition_spec(shapes)
+
+
+def apply(
+    params,
+    config: ModelConfig,
+    tokens_BxT,
+    positions_BxT=None,
+    valid_BxT=None,
+    cache=None,
+    cache_index=0,
+    last_only: bool = False,
+    hidden_only: bool = False,
+    prefix: Prefix | None = None,
+    return_kv: bool = False,
+):
+    """`CausalLM(config).apply` on bare params.
+
+    `prefix`: the rows continue prefixes whose keys and values are given (`Prefix`; no
+    cache then). `return_kv` (with `hidden_only`, no cache): also this call's keys and
+    values, ([L, B, K, T, D], [L, B, K, T, D]), i.e. (hidden, (k, v)).
+    """
+    if return_kv and (not hidden_only or cache is not None):
+        raise ValueError("apply: return_kv needs hidden_only=True and no cache")
+    return CausalLM(config).apply(
+        {"params": params},
+        tokens_BxT,
+        positions_BxT,
+        valid_BxT,
+        cache,
+        cache_index,
+        last_only=last_only,
+        hidden_only=hidden_only,
+        prefix=prefix,
+        return_kv=return_kv,
+    )
+
+
+def head_weight(params, config: ModelConfig) -> jax.Array:
+    """The output head [E, V] in the compute dtype (the embedding's transpose when tied)."""
+    w = params["embedding"].T if config.tie_word_embeddings else params["lm_head"]
+    return w.astype(as_dtype(config.dtype))
+
+
+def token_logp(logits_BxTxV: jax.Array, tokens_BxT: jax.Array, temperature: float = 1.0):
+    """log p(tokens[:, t] | tokens[:, :t]) aligned with tokens; column 0 is 0.
+
+    logits at column t-1 predict the token at column t; `temperature` divides the
+    logits first, as the sampler does when it records behaviour log-probs.
+    """
+    logits = logits_BxTxV[:, :-1].astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def token_entropy(logits_BxTxV: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Entropy of the next-token distribution, aligned like `token_logp`."""
+    logits = logits_BxTxV[:, :-1].astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.pad(ent, ((0, 0), (1, 0)))

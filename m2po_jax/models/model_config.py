@@ -1,0 +1,159 @@
+"""`ModelConfig`: the architecture of a causal LM, and the names its fields accept.
+
+A frozen, hashable dataclass (a static jit argument); `model.py` re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from m2po_jax.models import attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# `ModelConfig.remat_policy` -> what a rematerialised layer keeps for the backward pass
+# (`jax.checkpoint_policies`); the save_* policies keep the values `Attention` names.
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv_proj"),
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(dtype: Any) -> jnp.dtype:
+    """A jnp dtype from a name or dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown name {dtype!r}; expected one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (names follow Hugging Face configs)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    model_type: str = "llama"  # llama | qwen2 | qwen3
+    rope_theta: float = 10000.0
+    # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    remat: bool = False  # rematerialise each layer in the backward pass
+    remat_policy: str = "nothing_saveable"  # with remat: a name in REMAT_POLICIES
+    attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
+    attention_block_size: int = 512  # key block of "chunked", block of "splash"
+    scan_layers: bool = False  # run the layers as one lax.scan (training passes, no cache)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type: {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise ValueError(f"head_dim: must be positive and even (RoPE), got {self.head_dim}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                f"({self.num_heads}) unless head_dim is given"
+            )
+        if isinstance(self.rope_scaling, dict):
+            # A dict would make the config unhashable (it is a static jit argument).
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3"):
+                raise ValueError(
+                    f"rope_scaling: rope_type {rope_type!r} is not supported; "
+                    "supported: default, llama3"
+                )
+            needed = (
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            )
+            missing = [k for k in needed if k not in scaling]
+            if rope_type == "llama3" and missing:
+                raise ValueError(f"rope_scaling: llama3 scaling needs {missing}; got {scaling}")
+        as_dtype(self.dtype)
+        as_dtype(self.param_dtype)
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy: unknown name {self.remat_policy!r}; "
+                f"expected one of {', '.join(REMAT_POLICIES)}"
+            )
+        if self.attention not in attention.IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention: unknown implementation {self.attention!r}; "
+                f"expected one of {', '.join(attention.IMPLEMENTATIONS)}"
+            )
+        if self.attention_block_size <= 0:
+            raise ValueError(
+                f"attention_block_size: must be positive, got {self.attention_block_size}"
+            )
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def _key(self) -> tuple:
+        # head_dim=None and the same head_dim written out describe one architecture: they
+        # compare and hash equal, so jit (where the config is static) compiles once.
+        return tuple(
+            self.dim_per_head if f.name == "head_dim" else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        )
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
+        h, k = self.num_heads, self.num_kv_heads
+        attn = e * d * (h + 2 * k) + h * d * e
+        if self.attention_bias:
+            attn += d * (h + 2 * k)
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else e * self.vocab_size
+        return self.num_layers * layer + self.vocab_size * e + e + head

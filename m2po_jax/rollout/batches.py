@@ -1,0 +1,156 @@
+"""Rollout batches with policy versions, and the stale-k queue.
+
+Stale-k (docs/design.md): a FIFO of k generated batches. Each step generates one batch with
+the current params and trains on the batch generated k steps earlier; the queue starts
+filled with k batches from the initial params. Every row carries the policy version
+that generated it, so staleness is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from m2po_jax.common.types import TrainBatch
+from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.rollout import sampling
+
+# Host-side rollout: a dict of numpy arrays (see ROLLOUT_KEYS) so it checkpoints as-is.
+ROLLOUT_KEYS = (
+    "tokens_BxT",
+    "valid_BxT",
+    "behav_logp_BxT",
+    "loss_mask_BxT",
+    "prompt_len_B",
+    "completion_len_B",
+    "stopped_B",
+    "version_B",
+    "group_id_B",
+    "rewards_B",
+)
+
+
+def encode_prompts(prompts: Sequence[str], tokenizer, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt ids [B, width]; prompts longer than `width` keep their last tokens."""
+    ids = []
+    for text in prompts:
+        tokens = list(tokenizer.encode(text))
+        if not tokens:
+            raise ValueError(f"prompt {text!r} encodes to no tokens")
+        ids.append(tokens[-width:])
+    return sampling.pad_prompts(ids, tokenizer.pad_id, width=width)
+
+
+def completion_texts(out: dict, tokenizer, stop_ids: Sequence[int]) -> list[str]:
+    """Decoded completions without the stop token."""
+    texts = []
+    for tokens_T, mask_T in zip(out["tokens_BxT"], out["loss_mask_BxT"], strict=True):
+        ids = [int(t) for t in tokens_T[mask_T] if int(t) not in stop_ids]
+        texts.append(tokenizer.decode(ids))
+    return texts
+
+
+def generate_rollout(
+    params,
+    model_config: ModelConfig,
+    sampling_config: sampling.SamplingConfig,
+    examples: Sequence,
+    tokenizer,
+    reward_fn: Callable,
+    rng: jax.Array,
+    *,
+    n_samples: int,
+    version: int,
+    max_prompt_len: int,
+    placement=None,
+) -> tuple[dict, list[str]]:
+    """Samples `n_samples` completions per example and scores them on the host.
+
+    With a `placement` (multi-device or multi-process), each process encodes only its
+    share of the prompts; the generated rows are gathered so every process scores the
+    whole batch and holds identical host rollouts.
+    """
+    if placement is None:
+        texts_in = [e.prompt for e in examples]
+        prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)
+    else:
+        share = placement.local_rows(len(examples))
+        local = encode_prompts([e.prompt for e in examples[share]], tokenizer, max_prompt_len)
+        prompts_BxP, valid_BxP = placement.from_local(local, len(examples))
+    out = sampling.generate(
+        params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
+    )
+    host = jax.device_get(out) if placement is None else placement.to_host(out)
+    rows = len(examples) * n_samples
+    batch = {
+        "tokens_BxT": np.asarray(host.tokens_BxT, np.int32),
+        "valid_BxT": np.asarray(host.valid_BxT, bool),
+        "behav_logp_BxT": np.asarray(host.behav_logp_BxT, np.float32),
+        "loss_mask_BxT": np.asarray(host.completion_mask_BxT, bool),
+        "prompt_len_B": np.asarray(host.prompt_len_B, np.int32),
+        "completion_len_B": np.asarray(host.completion_len_B, np.int32),
+        "stopped_B": np.asarray(host.stopped_B, bool),
+        "version_B": np.full((rows,), version, np.int32),
+        "group_id_B": np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
+    }
+    texts = completion_texts(batch, tokenizer, sampling_config.stop_token_ids)
+    rewards = [float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)]
+    batch["rewards_B"] = np.asarray(rewards, np.float32)
+    return batch, texts
+
+
+def train_batch(host: dict) -> TrainBatch:
+    """The fields of a host rollout batch that a train step reads (still on the host).
+
+    Raises ValueError if a completion token's behaviour log-prob is not finite.
+    """
+    behav = host["behav_logp_BxT"]
+    bad = ~np.isfinite(behav) & host["loss_mask_BxT"]
+    if bad.any():
+        raise ValueError(
+            f"behaviour log-probs: {int(bad.sum())} non-finite values on completion tokens "
+            f"(batch of policy version {int(host['version_B'][0])})"
+        )
+    return TrainBatch(
+        tokens_BxT=host["tokens_BxT"],
+        valid_BxT=host["valid_BxT"],
+        behav_logp_BxT=behav,
+        loss_mask_BxT=host["loss_mask_BxT"],
+        rewards_B=host["rewards_B"],
+        version_B=host["version_B"],
+    )
+
+
+class StaleQueue:
+    """FIFO of host rollout batches: push the newest, pop the one made k steps ago."""
+
+    def __init__(self, staleness: int, batches: Sequence[dict] = ()):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self._batches = collections.deque(batches)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def push(self, batch: dict) -> None:
+        missing = [k for k in ROLLOUT_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"rollout batch lacks {missing}")
+        self._batches.append(batch)
+
+    def pop(self) -> dict:
+        """The oldest batch; after a push the queue holds k + 1 and this returns the stale one."""
+        if len(self._batches) <= self.staleness:
+            raise RuntimeError(
+                f"queue holds {len(self._batches)} batches; popping needs more than k="
+                f"{self.staleness} (push the current batch first)"
+            )
+        return self._batches.popleft()
+
+    def state(self) -> list[dict]:
+        """The batches, oldest first, as a checkpointable list of numpy dicts."""
+        return list(self._batches)

@@ -1,0 +1,403 @@
+"""The training loop: rollout -> stale queue -> train step -> metrics -> eval -> checkpoint.
+
+What the run is built from is in `setup.py`, the held-out evaluation in `evaluate.py`, the
+supervised warm-up in `sft.py`; this module holds the run's state and the loop over steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from m2po_jax.common.config_schema import Config
+from m2po_jax.common.errors import M2poError, WorkdirError, WriterError, describe_os_error
+from m2po_jax.common.types import TrainBatch
+from m2po_jax.learner import batching, optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import prompts as prompts_lib
+from m2po_jax.rollout import batches as rollout_lib
+from m2po_jax.trainer import checkpoint as ckpt_lib
+from m2po_jax.trainer import evaluate as evaluate_lib
+from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.trainer import paths, plots, run_record, sft
+from m2po_jax.trainer import setup as setup_lib
+from m2po_jax.trainer import workdir as workdir_lib
+
+# Streams of the base PRNG key: every use derives its key with fold_in(stream, index).
+_GEN, _TRAIN, _FILL, _INIT, _EVAL = range(5)
+
+# The RL step: (state, batch, rng, ref_params or None) -> (new state, metrics).
+StepFn = Callable[[step_lib.TrainState, TrainBatch, jax.Array, Any], tuple[Any, dict]]
+
+
+class NonFiniteError(M2poError, RuntimeError):
+    """Too many consecutive steps had non-finite loss or gradients."""
+
+    what = "training stopped"
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: Path
+    final_step: int
+    eval_accuracy: list[tuple[int, float]]
+    interrupted: bool = False
+    signal: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
+
+
+class Trainer:
+    """Owns the run's state; `run()` trains until `cfg.total_steps` (resuming if possible).
+
+    Args:
+      cfg: the run's config.
+      workdir: where metrics, checkpoints and plots go (created if needed).
+      allow_config_change: resume even where settings that change training differ from
+        the ones the workdir's checkpoints were trained with (`run_record`).
+      train_step: the RL step, `(state, batch, rng, ref_params) -> (state, metrics)` like
+        `train_step.make_train_step`'s; None builds that jitted step for this run. The
+        step in use is `self.train_step`: wrapping it observes or alters each update
+        (the tests and `benchmarks/fault_drill.py` inject faults that way).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        workdir: str | Path,
+        *,
+        train_step: StepFn | None = None,
+        allow_config_change: bool = False,
+    ):
+        self.cfg = cfg
+        self.allow_config_change = allow_config_change
+        self.workdir = paths.workdir(workdir)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WorkdirError(describe_os_error(e, self.workdir)) from e
+        self.rng = jax.random.key(cfg.seed)
+        s = self.setup = setup_lib.build(cfg)
+        self.task, self.tokenizer, self.prompts = s.task, s.tokenizer, s.prompts
+        self.model_config, self.placement = s.model_config, s.placement
+        self.sampling_config, self.memory_plan = s.sampling_config, s.memory_plan
+        total_updates = cfg.total_steps * cfg.actor.ppo_n_minibatches
+        self.tx, self.schedule = optim.make_optimizer(cfg.actor.optimizer, total_updates)
+        params = setup_lib.initial_params(s, jax.random.fold_in(self.rng, _INIT))
+        self.state = setup_lib.init_state(s, params, self.tx)
+        self.train_step = self._jitted_step() if train_step is None else train_step
+        self.ref_params = None
+        self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
+        self.data_position = 0
+        self.sft_steps = 0
+        self.sft_log: list[dict] = []
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
+        self._stop_requested = False
+        self._stop_signal = None
+
+    def _jitted_step(self) -> StepFn:
+        """The jitted train step (`setup.build_train_step`: what the benchmarks compile)."""
+        return setup_lib.build_train_step(
+            self.cfg, self.model_config, self.tx, self.schedule, self.placement, self.state
+        )
+
+    # ---- evaluation and warm-up ---------------------------------------------------------
+
+    def evaluate(self, params=None) -> float:
+        """Held-out greedy accuracy of `params` (default: the current policy)."""
+        params = self.state.params if params is None else params
+        return evaluate_lib.evaluate(self.setup, params, jax.random.fold_in(self.rng, _EVAL))
+
+    def supervised_warmup(self) -> None:
+        """The warm-up of `cfg.sft` (nothing when `sft.max_steps` is 0); RL starts from it."""
+        if self.cfg.sft.max_steps == 0:
+            return
+        warm = sft.supervised_warmup(self.setup, self.state.params, self.evaluate)
+        self.sft_steps = warm.steps
+        self.sft_log.extend(warm.log)
+        self.state = setup_lib.init_state(self.setup, warm.params, self.tx)
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def save(self, writer: metrics_lib.MetricsWriter | None = None) -> None:
+        """Checkpoints the state unless its step is committed already (never rewritten)."""
+        step = int(self.state.step)
+        if step in self.checkpointer.all_steps():
+            return
+        if writer is not None:
+            # The rows (and events) of the steps before the checkpoint reach the disk first.
+            writer.flush()
+        self.checkpointer.save(
+            step,
+            state=self.state,
+            rng=self.rng,
+            queue=self.queue.state(),
+            meta={"data_position": self.data_position, "sft_steps": self.sft_steps},
+            ref_params=self.ref_params,
+        )
+
+    def try_resume(self, restore_step: int | None = None) -> bool:
+        """Restores the newest checkpoint that verifies (or `restore_step`); False if none."""
+        step = self.checkpointer.choose(restore_step, warn=logging.warning)
+        if step is None:
+            return False
+        need_ref = self.cfg.actor.kl_ctl > 0
+        restored = self.checkpointer.restore(
+            step, state_like=self.state, ref_like=self.state.params if need_ref else None
+        )
+        if jax.process_index() == 0:
+            metrics_lib.say(f"resuming from checkpoint {self.checkpointer.step_dir(step)}")
+        self.state = restored["state"]
+        self.rng = restored["rng"]
+        self.queue = rollout_lib.StaleQueue(
+            self.cfg.rollout.max_head_offpolicyness, restored["queue"]
+        )
+        self.data_position = restored["meta"]["data_position"]
+        self.sft_steps = restored["meta"]["sft_steps"]
+        self.ref_params = restored["ref_params"]
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def run(self, stop_after: int | None = None, restore_step: int | None = None) -> RunResult:
+        """Trains to `total_steps` (or `stop_after` more steps, for tests); resumes if possible.
+
+        Holds the workdir's lock throughout (process 0). Resumes from the newest checkpoint
+        that verifies, or from `restore_step` (newer checkpoints are then set aside). The
+        metrics writers and the progress bar are closed however the run ends.
+        """
+        cfg = self.cfg
+        primary = jax.process_index() == 0
+        accuracies: list[tuple[int, float]] = []
+        wandb = {"project": cfg.logging.wandb_project} if cfg.logging.wandb_project else None
+        with workdir_lib.hold(self.workdir, enabled=primary):
+            changed = run_record.check_and_record(
+                self.workdir,
+                run_record.describe(cfg, self.model_config),
+                resuming=bool(self.checkpointer.all_steps()),
+                allow_change=self.allow_config_change,
+                write=primary,
+            )
+            if changed and primary:
+                logging.warning("resuming with changed settings: %s", ", ".join(changed))
+            resumed = self.try_resume(restore_step)
+            start = int(self.state.step)
+            with contextlib.ExitStack() as stack:
+                writer = stack.enter_context(
+                    metrics_lib.MetricsWriter(
+                        self.workdir,
+                        tensorboard=cfg.logging.tensorboard,
+                        is_primary=primary,
+                        wandb=wandb,
+                        resume_step=start if resumed else 0,
+                    )
+                )
+                progress = stack.enter_context(
+                    metrics_lib.ProgressBar(
+                        cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
+                    )
+                )
+                stack.enter_context(self._signals())
+                if not resumed:
+                    self._begin()
+                end = cfg.total_steps if stop_after is None else start + stop_after
+                end = min(end, cfg.total_steps)
+                interrupted = self._loop(writer, progress, start, end, accuracies)
+            if cfg.logging.plots and primary:
+                try:
+                    plots.plot_metrics(
+                        self.workdir / metrics_lib.METRICS_FILE,
+                        self.workdir,
+                        tau=self.cfg.actor.m2_threshold,
+                    )
+                except OSError as e:
+                    raise WriterError(describe_os_error(e, self.workdir)) from e
+        signum = self._stop_signal if interrupted else None
+        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted, signum)
+
+    def _begin(self) -> None:
+        """A new run: the warm-up, the KL reference policy, and k batches in the queue."""
+        self.supervised_warmup()
+        if self.cfg.actor.kl_ctl > 0:
+            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+        for i in range(self.cfg.rollout.max_head_offpolicyness):
+            rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
+            self.queue.push(self._rollout(rng, version=0)[0])
+
+    def _loop(self, writer, progress, start: int, end: int, accuracies: list) -> bool:
+        """Steps `start` .. `end - 1`, then a checkpoint; True if a signal stopped them.
+
+        Each step's row is written; its evaluations are appended to `accuracies` too. A
+        step's device metrics are fetched one step late, after the next update has been
+        dispatched (its rollout has waited for the update by then), so the host never
+        waits for them; a step that evaluates, saves, stops or ends the loop has its row
+        written at once.
+        """
+        cfg = self.cfg
+        pending = None  # (step, record, device metrics) of the previous step
+        for step in range(start, end):
+            # Step 0 evaluates the initial policy; later evaluations follow the update.
+            accuracy = self.evaluate() if step == 0 else None
+            record, device_metrics = self._step(step)
+            if pending is not None:
+                self._finish(writer, progress, *pending, current=(step, record, device_metrics))
+                pending = None
+            last = step + 1 == cfg.total_steps
+            if accuracy is None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                accuracy = self.evaluate()
+            if accuracy is not None:
+                record["eval/accuracy"] = accuracy
+                accuracies.append((step, accuracy))
+            save = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+            if not (save or accuracy is not None or self._stop_requested or step + 1 == end):
+                pending = (step, record, device_metrics)
+                continue
+            self._finish(writer, progress, step, record, device_metrics)
+            if self._stop_requested:
+                self.save(writer)
+                return True
+            if save:
+                self.save(writer)
+        self.save(writer)
+        return False
+
+    def _finish(self, writer, progress, step, record, device_metrics, current=None) -> None:
+        """Writes `step`'s row with its device metrics; stops the run after too many
+        non-finite steps in a row. `current`: the step dispatched since, whose row is
+        written too before such a stop (the checkpoint then holds its state)."""
+        record.update(metrics_lib.host_metrics(device_metrics))
+        writer.write(step, record)
+        progress.update(step + 1, record)
+        if not record.get("train/nonfinite"):
+            return
+        skipped = int(record["train/nonfinite_steps"])
+        logging.warning(
+            "step %d: non-finite loss or gradients; update skipped (%d in a row)", step, skipped
+        )
+        if skipped < self.cfg.max_nonfinite_steps:
+            return
+        if current is not None:
+            step, record, device_metrics = current
+            record.update(metrics_lib.host_metrics(device_metrics))
+            writer.write(step, record)
+            progress.update(step + 1, record)
+        # The failing steps have their rows; the checkpoint holds the last good params.
+        self.save(writer)
+        raise NonFiniteError(
+            f"max_nonfinite_steps: {skipped} consecutive steps had non-finite loss or "
+            f"gradients (the last of them: step {step}); the last good state is saved in "
+            f"{self.checkpointer.directory}"
+        )
+
+    def _rollout(self, rng, version: int) -> tuple[dict, int]:
+        """The next prompts' rollout batch and how many of its prompts were cut to fit."""
+        cfg = self.cfg
+        examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
+        self.data_position += cfg.rollout.batch_size
+        known = getattr(self.task, "prompt_lengths", {})
+        truncated = prompts_lib.count_long(examples, self.prompts, cfg.task.max_prompt_len, known)
+        batch, _ = rollout_lib.generate_rollout(
+            self.placement.for_sampling(self.state.params),
+            self.model_config,
+            self.sampling_config,
+            examples,
+            self.prompts,
+            self.task.reward,
+            rng,
+            n_samples=cfg.gconfig.n_samples,
+            version=version,
+            max_prompt_len=cfg.task.max_prompt_len,
+            placement=self.placement,
+        )
+        return batch, truncated
+
+    def _step(self, step: int) -> tuple[dict, dict]:
+        """One RL step: a fresh rollout into the queue, an update on the stale one.
+
+        Returns its row's host part and the update's metrics, still on the device: the
+        update is dispatched, not waited for. "time/rollout_s" includes waiting for the
+        previous update (the sampler needs its params); "time/train_s" is preparing and
+        dispatching this one.
+        """
+        t0 = time.perf_counter()
+        gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
+        fresh, truncated = self._rollout(gen_rng, version=step)
+        self.queue.push(fresh)
+        host = self.queue.pop()
+        t1 = time.perf_counter()
+        # Train on the columns that were generated: the longest completion, rounded up to
+        # a bucket so that only a few shapes are ever compiled.
+        trimmed, width = batching.trim_completions(
+            host, self.cfg.task.max_prompt_len, self.cfg.gconfig.max_new_tokens
+        )
+        batching.check_prompt_groups(
+            host["tokens_BxT"],
+            host["valid_BxT"],
+            self.cfg.task.max_prompt_len,
+            self.cfg.gconfig.n_samples,
+        )
+        batch = self.placement.to_global(rollout_lib.train_batch(trimmed))
+        train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
+        self.state, device_metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
+        t2 = time.perf_counter()
+        rewards = host["rewards_B"]
+        record = metrics_lib.staleness_stats(host["version_B"], step)
+        tokens = int(host["loss_mask_BxT"].sum()) + int(fresh["loss_mask_BxT"].sum())
+        record.update(
+            {
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()),
+                "rollout/fresh_reward_mean": float(fresh["rewards_B"].mean()),
+                "rollout/completion_len_mean": float(host["completion_len_B"].mean()),
+                "rollout/stopped_fraction": float(host["stopped_B"].mean()),
+                "train/completion_width": width,
+                "train/padding_fraction": 1.0
+                - float(host["loss_mask_BxT"].sum())
+                / max(host["loss_mask_BxT"].shape[0] * width, 1),
+                "rollout/prompts_truncated": truncated,
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/tokens_per_s": tokens / max(t2 - t0, 1e-9),
+            }
+        )
+        filtered = getattr(self.task, "prompts_filtered", None)
+        if filtered is not None:
+            record["data/prompts_filtered"] = filtered["train"]
+            record["data/eval_prompts_filtered"] = filtered["eval"]
+        return record, device_metrics
+
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGTERM / SIGINT stop the run after the current step (a second one: at once)."""
+
+        def handler(signum, frame):
+            if self._stop_requested:
+                # A second signal ends the process now, whatever the main thread waits on.
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            self._stop_requested = True
+            self._stop_signal = signum
+            logging.warning(
+                "signal %d: stopping after this step (send it again to stop now)", signum
+            )
+
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)

@@ -1,0 +1,179 @@
+"""The memory check of a run: refuse a run that cannot fit, and XLA's own account of the step.
+
+check_fits(memory.memory_plan(...))   # raises with the numbers, and the knob that makes it fit
+
+`memory_plan` (m2po_jax.learner.memory) is the analytic plan of what the train step holds;
+`compiled_step_memory` compiles the run's step from abstract shapes and reads XLA's
+`memory_analysis()`, which tests/learner/memory_test.py checks the plan against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from m2po_jax.common.types import TrainBatch
+from m2po_jax.learner import memory as memory_lib
+from m2po_jax.learner import optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import model as model_lib
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import sharding
+
+
+def device_memory_limit() -> int | None:
+    """Memory limit of device 0 from `memory_stats()`, None where unreported (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_limit")
+
+
+def remedies(
+    model_config: model_config_lib.ModelConfig, mesh: Mesh, limit: int, **plan_kwargs
+) -> list[str]:
+    """The settings that would make a plan fit in `limit` bytes, each with its total.
+
+    Tried one knob at a time: more micro-batches (down to one row per device), remat of
+    every layer, and the data axis folded into fsdp (params and optimizer state sharded
+    over every batch shard).
+    """
+    base = memory_lib.memory_plan(model_config, mesh, **plan_kwargs)
+    batch, micro = plan_kwargs["batch"], base.micro_batch
+    shards = sharding.batch_shards(mesh)
+    found = []
+
+    def note(setting: str, plan: memory_lib.MemoryPlan) -> bool:
+        if plan.total <= limit:
+            found.append(f"{setting} ({plan.total / 2**30:.2f} GiB)")
+            return True
+        return False
+
+    n = batch // micro
+    for more in range(n + 1, batch // shards + 1):
+        if batch % more == 0 and (batch // more) % shards == 0:
+            changed = {**plan_kwargs, "micro_batch": batch // more}
+            if note(
+                f"{more} micro-batches per minibatch (actor.mb_spec.n_mbs)",
+                memory_lib.memory_plan(model_config, mesh, **changed),
+            ):
+                break
+    if not model_config.remat:
+        note(
+            "model.remat=True",
+            memory_lib.memory_plan(model_config.replace(remat=True), mesh, **plan_kwargs),
+        )
+    data = mesh.shape.get("data", 1)
+    if data > 1:
+        shape = {
+            "data": 1,
+            "fsdp": data * mesh.shape.get("fsdp", 1),
+            "tensor": mesh.shape.get("tensor", 1),
+        }
+        folded = sharding.make_mesh(shape, mesh.devices.flatten().tolist())
+        note(
+            f"mesh.data=1 mesh.fsdp={shape['fsdp']}",
+            memory_lib.memory_plan(model_config, folded, **plan_kwargs),
+        )
+    return found
+
+
+def check_fits(
+    plan: memory_lib.MemoryPlan,
+    device_memory_bytes: int | None = None,
+    remedies: list[str] | None = None,
+) -> int | None:
+    """Raise MemoryError when `plan.total` exceeds the device memory.
+
+    Args:
+      plan: from `memory_plan`.
+      device_memory_bytes: the limit; default the device's own `bytes_limit`.
+        When neither is known (CPU) nothing is checked.
+      remedies: settings that would fit (`remedies(...)`), named in the error.
+
+    Returns:
+      The limit checked against, or None when skipped.
+    """
+    limit = device_memory_bytes if device_memory_bytes is not None else device_memory_limit()
+    if limit is None:
+        return None
+    if plan.total > limit:
+        advice = (
+            "it would fit with " + "; or ".join(remedies)
+            if remedies
+            else "no single setting makes it fit: use more devices (mesh.fsdp), a shorter "
+            "sequence, or fewer rows per step"
+        )
+        raise MemoryError(
+            f"estimated {plan.total / 2**30:.3f} GiB ({plan.total} bytes) per device exceeds "
+            f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes); {advice}:\n"
+            f"{plan.format()}"
+        )
+    return limit
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """XLA's memory analysis of a compiled train step and the time it took to build."""
+
+    analysis: Any  # `compiled.memory_analysis()`: bytes per device
+    lower_s: float  # tracing and lowering
+    compile_s: float  # XLA's compilation
+
+    @property
+    def held_bytes(self) -> int:
+        """Arguments + temporaries + outputs, less the donated buffers the outputs reuse."""
+        x = self.analysis
+        return (
+            x.argument_size_in_bytes
+            + x.temp_size_in_bytes
+            + x.output_size_in_bytes
+            - x.alias_size_in_bytes
+        )
+
+
+def compiled_step_memory(
+    cfg, model_config: model_config_lib.ModelConfig, placement, *, share_prompts: bool = True
+) -> CompiledStep:
+    """XLA's memory analysis of the run's jitted train step, compiled from abstract shapes.
+
+    The step is built by `setup.build_train_step`, the trainer's own builder, for the
+    run's largest batch (`rollout.batch_size x gconfig.n_samples` rows of
+    `task.max_prompt_len + gconfig.max_new_tokens` tokens). Nothing is allocated: params,
+    optimizer state and the batch are `ShapeDtypeStruct`s laid out by `placement`.
+    `share_prompts=False` compiles the plain step instead (the baseline).
+    """
+    import time
+
+    from m2po_jax.trainer import setup as setup_lib  # imported late: setup imports this module
+
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+    tx, schedule = optim.make_optimizer(cfg.actor.optimizer, 1)
+    params = jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
+    state = jax.eval_shape(lambda p: step_lib.init_train_state(p, tx), params)
+    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
+    batch = TrainBatch(
+        tokens_BxT=shape(jnp.int32, rows, seq_len),
+        valid_BxT=shape(jnp.bool_, rows, seq_len),
+        behav_logp_BxT=shape(jnp.float32, rows, seq_len),
+        loss_mask_BxT=shape(jnp.bool_, rows, seq_len),
+        rewards_B=shape(jnp.float32, rows),
+        version_B=shape(jnp.int32, rows),
+    )
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    ref = params if cfg.actor.kl_ctl > 0 else None
+    step = setup_lib.build_train_step(
+        cfg, model_config, tx, schedule, placement, state, share_prompts=share_prompts
+    )
+    start = time.perf_counter()
+    lowered = step.lower(state, batch, rng, ref)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return CompiledStep(
+        analysis=compiled.memory_analysis(),
+        lower_s=lowered_at - start,
+        compile_s=time.perf_counter() - lowered_at,
+    )

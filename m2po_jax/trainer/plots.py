@@ -1,0 +1,170 @@
+"""PNG plots of runs: the panels of one run's metrics.jsonl, and several runs overlaid."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from m2po_jax.common.checks import is_number
+from m2po_jax.trainer import paths
+from m2po_jax.trainer.metrics import read_metrics
+
+DEFAULT_COMPARISON_KEYS = (
+    "reward/mean",
+    "eval/accuracy",
+    "m2po/masked_fraction",
+    "m2po/m2_before",
+)
+# (file stem, title, keys, log y) of each panel of `plot_metrics`.
+PANELS = (
+    ("reward", "reward", ("reward/mean",), False),
+    ("eval_accuracy", "eval accuracy", ("eval/accuracy",), False),
+    ("masked_fraction", "M2PO masked fraction", ("m2po/masked_fraction",), False),
+    ("m2", "second moment", ("m2po/m2_before", "m2po/m2_after"), True),
+    ("loss", "loss", ("loss",), False),
+    ("grad_norm", "gradient norm", ("grad_norm",), True),
+    ("clip_fraction", "PPO clip fraction", ("actor/clip_fraction",), False),
+    ("entropy", "policy entropy", ("train/entropy",), False),
+    ("staleness", "staleness (versions)", ("staleness/mean", "staleness/max"), False),
+)
+# A log axis spans at most this many decades below its largest value (a step-0 m2 of
+# 1e-13, an exact on-policy step, would otherwise flatten everything else).
+LOG_DECADES = 4
+
+
+def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that have `key`; null becomes NaN."""
+    steps, values = [], []
+    for record in records:
+        if key in record and (record[key] is None or is_number(record[key])):
+            steps.append(record["step"])
+            values.append(np.nan if record[key] is None else float(record[key]))
+    return np.asarray(steps, np.int64), np.asarray(values, np.float64)
+
+
+def _draw_panel(
+    ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y, tau=None
+) -> bool:
+    """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them. `tau`
+    (M2PO's threshold) is drawn on the second-moment panel and named on the masked one."""
+    drawn, top = False, 0.0
+    for key in keys:
+        steps, values = _series(records, key)
+        if steps.size == 0:
+            continue
+        if log_y:
+            values = np.where(values > 0, values, np.nan)  # log scale: drop zeros
+            if np.isfinite(values).any():
+                top = max(top, float(np.nanmax(values)))
+        marker = "o" if steps.size < 30 else None
+        ax.plot(steps, values, label=key, marker=marker, markersize=3)
+        drawn = True
+    if drawn:
+        m2_panel = any(k.startswith("m2po/m2") for k in keys)
+        if tau is not None and m2_panel:
+            ax.axhline(tau, color="k", ls="--", lw=1, label=f"tau = {tau:g}")
+            top = max(top, tau)
+        if tau is not None and "m2po/masked_fraction" in keys:
+            title = f"{title} (tau = {tau:g})"
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+            if top > 0:
+                low = [line.get_ydata() for line in ax.get_lines()]
+                floor = min((np.nanmin(v) for v in low if np.isfinite(v).any()), default=top)
+                ax.set_ylim(bottom=max(floor, top * 10.0**-LOG_DECADES) / 1.5)
+        if len(keys) > 1 or (tau is not None and m2_panel):
+            ax.legend(fontsize="small")
+    return drawn
+
+
+def plot_metrics(
+    metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, tau: float | None = None
+) -> list[str]:
+    """PNG plots of a run: one file per panel of `PANELS` with data, plus summary.png.
+
+    Panels whose keys never appear are skipped; `tau` (the run's `actor.m2_threshold`) is
+    drawn on the second-moment panel. Returns the written paths (empty if no panel has data).
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    records = read_metrics(metrics_path)
+    out_dir = paths.as_path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, available = [], []
+    for stem, title, keys, log_y in PANELS:
+        fig = Figure(figsize=(6, 4), layout="constrained")
+        if _draw_panel(fig.add_subplot(), records, title, keys, log_y, tau):
+            path = os.fspath(out_dir / f"{stem}.png")
+            _save(fig, path)
+            written.append(path)
+            available.append((title, keys, log_y))
+    if available:
+        cols = min(3, len(available))
+        rows = math.ceil(len(available) / cols)
+        fig = Figure(figsize=(5 * cols, 3.5 * rows), layout="constrained")
+        for i, (title, keys, log_y) in enumerate(available):
+            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y, tau)
+        path = os.fspath(out_dir / "summary.png")
+        _save(fig, path)
+        written.append(path)
+    return written
+
+
+def plot_comparison(
+    runs: Mapping[str, str | os.PathLike],
+    out_path: str | os.PathLike,
+    keys: Sequence[str] = DEFAULT_COMPARISON_KEYS,
+) -> str:
+    """One PNG overlaying several runs, one panel per key (e.g. on-policy vs stale-k).
+
+    Args:
+      runs: label -> metrics.jsonl path.
+      out_path: the PNG to write.
+      keys: metric names, one panel each; keys no run has are skipped; "m2po/m2*"
+        keys use a log y axis.
+
+    Returns:
+      `out_path`.
+    """
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError("runs: expected at least one label -> metrics path")
+    records = {label: read_metrics(path) for label, path in runs.items()}
+    present = [k for k in keys if any(_series(r, k)[0].size for r in records.values())]
+    if not present:
+        raise ValueError(f"keys: none of {list(keys)} appears in any of the runs {list(runs)}")
+    fig = Figure(figsize=(5 * len(present), 3.8), layout="constrained")
+    for i, key in enumerate(present):
+        ax = fig.add_subplot(1, len(present), i + 1)
+        log_y = key.startswith("m2po/m2")
+        for label, run_records in records.items():
+            steps, values = _series(run_records, key)
+            if log_y:
+                values = np.where(values > 0, values, np.nan)
+            ax.plot(steps, values, label=label, marker="o" if steps.size < 30 else None, ms=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+        ax.legend(fontsize="small")
+    out_path = os.fspath(out_path)
+    paths.as_path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, out_path)
+    return out_path
+
+
+def _save(fig, path: str) -> None:
+    """A PNG written whole (`paths.write_atomic`): local or object store."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    paths.write_atomic(path, buffer.getvalue())

@@ -1,0 +1,308 @@
+"""What a run is built from: task, model, tokenizer, prompt encoding, placement, sampling.
+
+`build(cfg)` makes them once and refuses a config that cannot run (rows that do not split
+over the mesh, a memory plan over the device's memory) before anything compiles. The
+trainer, the evaluation (`evaluate.py`) and the warm-up (`sft.py`) read the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+
+from m2po_jax.common.config_schema import Config
+from m2po_jax.learner import batching, memory
+from m2po_jax.learner import step_plan as step_plan_lib
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import hf_format
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.models import prompts as prompts_lib
+from m2po_jax.models import tokenizer as tokenizer_lib
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.parallel import sharding
+from m2po_jax.rollout import sampling
+from m2po_jax.tasks import Task, make_task
+from m2po_jax.trainer import memory_check
+from m2po_jax.trainer import metrics as metrics_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """The parts of a run fixed by its config (built by `build`)."""
+
+    cfg: Config
+    task: Task
+    tokenizer: Any
+    prompts: prompts_lib.PromptEncoder
+    model_config: model_config_lib.ModelConfig
+    placement: placement_lib.Placement
+    sampling_config: sampling.SamplingConfig
+    memory_plan: memory.MemoryPlan
+
+
+def build(cfg: Config) -> RunSetup:
+    """Task, model config, tokenizer, prompts and placement of `cfg`, checked to fit."""
+    if cfg.model.path:
+        model_config, tokenizer = build_model(cfg, 0)
+        prompts = build_prompts(cfg, tokenizer)
+        task = build_task(cfg, tokenizer, prompts)
+    else:
+        task = build_task(cfg)
+        model_config, _ = build_model(cfg, task.tokenizer.vocab_size)
+        prompts = build_prompts(cfg, task.tokenizer)
+    mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
+    check_rows(cfg, placement)
+    return RunSetup(
+        cfg=cfg,
+        task=task,
+        tokenizer=task.tokenizer,
+        prompts=prompts,
+        model_config=model_config,
+        placement=placement,
+        sampling_config=sampling_config(cfg, task.tokenizer),
+        memory_plan=check_memory(cfg, model_config, placement),
+    )
+
+
+def build_prompts(cfg: Config, tokenizer) -> prompts_lib.PromptEncoder:
+    """How prompts become ids for rollouts, evaluation and the warm-up (chat template or not)."""
+    return prompts_lib.make_prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.enable_thinking
+    )
+
+
+def build_task(
+    cfg: Config, tokenizer=None, prompts: prompts_lib.PromptEncoder | None = None
+) -> Task:
+    """The configured task; a gsm8k task screens its prompts with `prompts` once, here."""
+    t = cfg.task
+    reward_fn = t.reward_fn or None
+    if t.name == "arith":
+        kwargs = dict(
+            seed=t.seed,
+            ops=t.ops,
+            min_digits=t.min_digits,
+            max_digits=t.max_digits,
+            eval_size=cfg.eval.num_examples,
+            format_reward=t.format_reward,
+            reward_fn=reward_fn,
+        )
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
+        return make_task("arith", **kwargs)
+    if tokenizer is None:
+        raise ValueError("task.name='gsm8k' needs a tokenizer: set model.path to a HF checkpoint")
+    if not t.train_path:
+        raise ValueError(
+            "task.train_path: required for task.name='gsm8k' (a local JSONL or .parquet file)"
+        )
+    prompts = prompts or build_prompts(cfg, tokenizer)
+    with _named_as_in_the_config({"num_eval": "task.eval_size"}):
+        return make_task(
+            "gsm8k",
+            path=t.train_path,
+            tokenizer=tokenizer,
+            eval_path=t.eval_path or None,
+            num_eval=t.eval_size,
+            seed=t.seed,
+            reward_fn=reward_fn,
+            question_key=t.question_key,
+            answer_key=t.answer_key,
+            prompt_encode=prompts.encode,
+            max_prompt_len=t.max_prompt_len,
+            long_prompts=t.long_prompts,
+        )
+
+
+def build_model(cfg: Config, vocab_size: int):
+    """(ModelConfig, tokenizer or None): from a HF checkpoint dir or a new architecture."""
+    m = cfg.model
+    if m.path:
+        from m2po_jax.models import hf
+
+        model_config = hf_format.config_from_hf(
+            hf.read_hf_config(m.path), dtype=m.dtype, param_dtype=m.param_dtype
+        ).replace(
+            remat=m.remat,
+            remat_policy=m.remat_policy,
+            attention=m.attention,
+            scan_layers=m.scan_layers,
+        )
+        return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
+    fields = [f.name for f in dataclasses.fields(model_config_lib.ModelConfig)]
+    with _named_as_in_the_config({name: f"model.{name}" for name in fields}):
+        model_config = _new_architecture(m, vocab_size)
+    if model_config.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({vocab_size})"
+        )
+    return model_config, None
+
+
+@contextlib.contextmanager
+def _named_as_in_the_config(names: dict[str, str]):
+    """A library error about `num_heads` names the config's `model.num_heads`."""
+    try:
+        yield
+    except ValueError as e:
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")\b")
+        if e.args and isinstance(e.args[0], str):  # keeps the error's type (DataError, ...)
+            e.args = (pattern.sub(lambda m: names[m.group(1)], e.args[0]), *e.args[1:])
+        raise
+
+
+def _new_architecture(m, vocab_size: int) -> model_config_lib.ModelConfig:
+    return model_config_lib.ModelConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim or None,
+        model_type=m.model_type,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_word_embeddings,
+        attention_bias=m.model_type == "qwen2",
+        qk_norm=m.model_type == "qwen3",
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        remat_policy=m.remat_policy,
+        attention=m.attention,
+        scan_layers=m.scan_layers,
+    )
+
+
+def _train_shapes(cfg: Config) -> tuple[int, int, int, int]:
+    """(rollout rows, rows per minibatch, micro-batches per minibatch, sequence length)."""
+    a = cfg.actor
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    rows_mb = rows // a.ppo_n_minibatches
+    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+    n_micro = batching.micro_batch_count(
+        rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
+    )
+    return rows, rows_mb, n_micro, seq_len
+
+
+def check_rows(cfg: Config, placement: placement_lib.Placement) -> None:
+    """Every batch the run makes must split evenly over the mesh's batch shards."""
+    check = placement.check_rows
+    check("rollout.batch_size", cfg.rollout.batch_size)
+    _, rows_mb, n_micro, _ = _train_shapes(cfg)
+    check("rows per minibatch", rows_mb)
+    check(f"rows per micro-batch ({n_micro} per minibatch)", rows_mb // n_micro)
+    check("eval.batch_size", cfg.eval.batch_size)
+    if cfg.sft.max_steps:
+        check("sft.batch_size", cfg.sft.batch_size)
+
+
+def check_memory(
+    cfg: Config, model_config: model_config_lib.ModelConfig, placement: placement_lib.Placement
+) -> memory.MemoryPlan:
+    """The per-device memory plan (logged); raises with remedies when it exceeds the device."""
+    rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
+    kwargs = dict(
+        batch=rows_mb,
+        seq_len=seq_len,
+        micro_batch=rows_mb // n_micro,
+        kv_cache_batch=rows,
+        kv_cache_len=seq_len,
+        logp_chunk=cfg.actor.logp_chunk_size,
+        shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
+    )
+    plan = memory.memory_plan(model_config, placement.mesh, **kwargs)
+    if jax.process_index() == 0:
+        metrics_lib.say(f"memory plan per device:\n{plan.format()}")
+    limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
+    limit = limit or memory_check.device_memory_limit()
+    if limit is not None and plan.total > limit:
+        fixes = memory_check.remedies(model_config, placement.mesh, limit, **kwargs)
+        memory_check.check_fits(plan, limit, fixes)
+    return plan
+
+
+def build_train_step(
+    cfg: Config,
+    model_config: model_config_lib.ModelConfig,
+    tx,
+    schedule,
+    placement: placement_lib.Placement,
+    state,
+    *,
+    share_prompts: bool = True,
+):
+    """The run's jitted train step, built as the trainer builds it.
+
+    State donated and laid out by `placement`; rollout rows come as `gconfig.n_samples`
+    completions of each prompt, so the step runs each prompt through the trunk once and
+    keeps groups whole in minibatches and micro-batches (`step_plan.plan_step` decides per
+    shape what of that runs). `state` may be abstract (`jax.eval_shape`). The memory
+    check against XLA (`memory_check.compiled_step_memory`), `benchmarks/scale_bench.py` and
+    `benchmarks/device_check.sh` compile through this function, so what they measure is
+    the trainer's step. `share_prompts=False` builds the plain step (every row's whole
+    sequence), the benchmarks' baseline.
+    """
+    a = cfg.actor
+    prompt = dict(prompt_len=cfg.task.max_prompt_len, group_size=cfg.gconfig.n_samples)
+    return step_lib.make_train_step(
+        model_config,
+        a,
+        tx,
+        schedule,
+        jit_kwargs=placement.train_step_shardings(state, with_ref=a.kl_ctl > 0),
+        layout=placement.layout,
+        **(prompt if share_prompts else {}),
+    )
+
+
+def step_plan(cfg: Config, placement: placement_lib.Placement, seq_len: int | None = None):
+    """The `step_plan.StepPlan` of the run's train step on its largest batch shape."""
+    rows, _, _, full = _train_shapes(cfg)
+    a = cfg.actor
+    return step_plan_lib.plan_step(
+        a,
+        rows,
+        full if seq_len is None else seq_len,
+        prompt_len=cfg.task.max_prompt_len,
+        group_size=cfg.gconfig.n_samples,
+        batch_shards=placement.batch_shards,
+        blocks_pay=memory.blocks_pay_fn(placement.model_config, placement.mesh, a.logp_chunk_size),
+    )
+
+
+def sampling_config(cfg: Config, tokenizer) -> sampling.SamplingConfig:
+    """The rollouts' sampling settings; every stop id the tokenizer names ends a completion."""
+    g = cfg.gconfig
+    stop_ids = tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
+    return sampling.from_gconfig(g, stop_ids, tokenizer.pad_id)
+
+
+def initial_params(run: RunSetup, rng: jax.Array):
+    """The checkpoint's params (`model.path`) or a random init, in the train shardings."""
+    cfg = run.cfg
+    if cfg.model.path:
+        return sharding.load_pretrained_sharded(
+            cfg.model.path,
+            run.model_config,
+            run.placement.mesh,
+            sharding.TRAIN_RULES,
+            dtype=cfg.model.param_dtype,
+        )
+    return run.placement.init_params(rng)
+
+
+def init_state(run: RunSetup, params, tx) -> step_lib.TrainState:
+    """A fresh train state laid out in the train shardings (optimizer state included)."""
+    init_fn = functools.partial(step_lib.init_train_state, tx=tx)
+    shape = jax.eval_shape(init_fn, params)
+    init = jax.jit(init_fn, out_shardings=run.placement.state_shardings(shape))
+    return init(params)

@@ -1,0 +1,102 @@
+"""The supervised warm-up: a few steps of next-token likelihood on the task's reference answers.
+
+It makes an untrained policy sometimes right, so that RL has rewards to work with
+(`cfg.sft`); the RL run then starts from the warmed-up params with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from m2po_jax.learner import logprobs
+from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.trainer.setup import RunSetup
+
+
+def sft_loss(params, model_config, tokens_BxT, valid_BxT, target_mask_BxT):
+    """Mean negative log-likelihood of the target tokens (supervised warm-up)."""
+    logp, _ = logprobs.sequence_logp(
+        params, model_config, tokens_BxT, valid_BxT, 1.0, logprobs.DEFAULT_CHUNK, False
+    )
+    count = jnp.maximum(jnp.sum(target_mask_BxT), 1)
+    return -jnp.sum(logp * target_mask_BxT) / count
+
+
+def make_sft_step(model_config, tx):
+    """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss)."""
+
+    def step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
+        loss, grads = jax.value_and_grad(sft_loss)(
+            params, model_config, tokens_BxT, valid_BxT, target_mask_BxT
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, valid, target) [count, max_prompt_len + max_new_tokens] of examples from `start`.
+
+    Prompts are encoded as in rollouts and left-padded to `task.max_prompt_len` (longer ones
+    keep their last tokens); the answer plus EOS follows, cut at `gconfig.max_new_tokens`,
+    and only its tokens are targets.
+    """
+    tokenizer = run.tokenizer
+    width = run.cfg.task.max_prompt_len
+    new = run.cfg.gconfig.max_new_tokens
+    tokens = np.full((count, width + new), tokenizer.pad_id, np.int32)
+    valid = np.zeros_like(tokens, bool)
+    target = np.zeros_like(tokens, bool)
+    for row, (prompt, answer) in enumerate(run.task.sft_examples(start, count)):
+        p = run.prompts.encode(prompt)[-width:]
+        c = (list(tokenizer.encode(answer)) + [tokenizer.eos_id])[:new]
+        tokens[row, width - len(p) : width] = p
+        tokens[row, width : width + len(c)] = c
+        valid[row, width - len(p) : width + len(c)] = True
+        target[row, width : width + len(c)] = True
+    return tokens, valid, target
+
+
+@dataclasses.dataclass
+class Warmup:
+    """What the warm-up left: its params, the steps it took, and its evaluation rows."""
+
+    params: Any
+    steps: int
+    log: list[dict]
+
+
+def supervised_warmup(run: RunSetup, params, evaluate: Callable[[Any], float]) -> Warmup:
+    """Up to `sft.max_steps` AdamW steps on a copy of `params`.
+
+    Every `sft.eval_every` steps (and at the last) `evaluate(params)` gives the held-out
+    accuracy; the warm-up stops early once it reaches `sft.stop_at_accuracy`.
+    """
+    s = run.cfg.sft
+    tx = optax.adamw(s.lr, weight_decay=0.0)
+    sft_step = make_sft_step(run.model_config, tx)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its input
+    opt_state = jax.jit(tx.init)(params)
+    done, log = 0, []
+    for i in range(s.max_steps):
+        batch = run.placement.to_global(sft_batch(run, i * s.batch_size, s.batch_size))
+        params, opt_state, loss = sft_step(params, opt_state, *batch)
+        done = i + 1
+        if done % s.eval_every == 0 or done == s.max_steps:
+            accuracy = evaluate(params)
+            if jax.process_index() == 0:
+                metrics_lib.say(
+                    f"warm-up step {done}: loss {float(loss):.3f}, held-out accuracy {accuracy:.3f}"
+                )
+            log.append({"sft_step": done, "sft/loss": float(loss), "sft/accuracy": accuracy})
+            if accuracy >= s.stop_at_accuracy:
+                break
+    return Warmup(params, done, log)

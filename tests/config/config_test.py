@@ -1,0 +1,438 @@
+"""Config: typed sections, clear errors naming the field, overrides, the CLI's messages."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax.algorithm import rejection as rejection_lib
+from m2po_jax.configs import arith, default, gsm8k
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(**changes):
+    c = default.get_config().to_dict()  # a plain dict: any value type can be tried
+    for dotted, value in changes.items():
+        node = c
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config_lib.from_configdict(c)
+
+
+def _flat(section, prefix=""):
+    """A config's fields as {"actor.eps_clip": value, ...}."""
+    out = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value, f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = value
+    return out
+
+
+# What each arith preset changes from configs/default.py (the docstring of configs/arith.py):
+# exactly these fields, to these values.
+TINY = {
+    "total_steps": 4,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.num_layers": 1,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 1,
+    "sft.max_steps": 4,
+    "sft.batch_size": 16,
+    "sft.eval_every": 2,
+    "gconfig.n_samples": 4,
+    "actor.reward_norm.group_size": 4,  # derived from gconfig.n_samples
+    "rollout.batch_size": 4,
+    "rollout.max_head_offpolicyness": 2,  # min(k, 2)
+    "actor.ppo_n_minibatches": 2,
+    "eval.every": 2,
+    "eval.num_examples": 16,
+    "eval.batch_size": 16,
+    "checkpoint.every": 2,
+    "logging.progress": False,
+    "logging.plots": False,
+}
+PRESET_CHANGES = {
+    "m2po": {},  # the default: stale-4 rollouts, M2PO at tau = 0.04
+    "grpo": {"actor.m2_threshold": None, "rollout.max_head_offpolicyness": 0},
+    "stale_grpo": {"actor.m2_threshold": None},
+    "paper": {
+        "actor.m2po_second_moment": "current_behav",
+        "actor.m2po_stop_rule": "le",
+        "actor.eps_clip": None,
+        "actor.loss_denominator": "valid",
+    },
+    "paper_final": {
+        "actor.m2po_second_moment": "current_behav",
+        "actor.m2po_stop_rule": "le",
+        "actor.m2po_candidates": "harmful",
+        "actor.eps_clip": None,
+        "actor.use_decoupled_loss": False,
+        "actor.loss_denominator": "valid",
+        "actor.rejection_sampling.enabled": False,
+    },
+    "authors": {"actor.m2po_candidates": "harmful", "actor.m2po_stop_rule": "capped_clip"},
+    "tiny": TINY,
+    "stale_grpo,tiny": {**TINY, "actor.m2_threshold": None},
+}
+
+
+def test_default_and_presets_build():
+    cfg = build()
+    assert cfg.actor.m2_threshold == 0.04
+    assert cfg.rollout.max_head_offpolicyness == 4
+    assert cfg.actor.rejection_sampling.upper == 5.0
+    assert (cfg.actor.eps_clip, cfg.actor.m2po_stop_rule, cfg.actor.loss_denominator) == (
+        0.2,
+        "lt",
+        "kept",
+    )
+    base = _flat(cfg)
+    assert sorted(PRESET_CHANGES) == sorted([*arith.PRESETS, "stale_grpo,tiny"])
+    for preset, changes in PRESET_CHANGES.items():
+        got = _flat(config_lib.from_configdict(arith.get_config(preset)))
+        changed = {k: v for k, v in got.items() if v != base[k]}
+        assert changed == changes, preset
+    assert arith.get_config(None).to_dict() == arith.get_config("m2po").to_dict()
+    g = config_lib.from_configdict(gsm8k.get_config())
+    assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
+    assert (g.task.long_prompts, cfg.task.long_prompts) == ("filter", "left")
+    assert (cfg.task.chat_template, cfg.task.enable_thinking) == ("auto", None)
+    assert (cfg.task.question_key, cfg.task.answer_key) == ("question", "answer")
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown preset 'tny'.*'tiny'"):
+        arith.get_config("tny")
+
+
+def test_unknown_key_names_itself_and_the_closest_valid_key():
+    c = default.get_config()
+    with c.actor.unlocked():
+        c.actor.m2_threshlod = 0.1
+    with pytest.raises(config_lib.ConfigError, match="'actor.m2_threshlod'.*'actor.m2_threshold'"):
+        config_lib.from_configdict(c)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "actor.m2_threshold",
+            -0.01,
+            r"actor.m2_threshold=-0.01 is out of range; allowed \(0.0, inf\)",
+        ),
+        # tau = 0 keeps one token per set: nothing learns. None turns M2PO off.
+        (
+            "actor.m2_threshold",
+            0.0,
+            r"actor.m2_threshold=0.0 is out of range; allowed \(0.0, inf\)",
+        ),
+        ("actor.eps_clip", 1.0, r"actor.eps_clip=1.0 is out of range; allowed \[0.0, 1.0\)"),
+        ("actor.c_clip", 1.0, r"actor.c_clip=1.0 is out of range; allowed \(1.0, inf\)"),
+        ("actor.optimizer.lr", 0.0, r"actor.optimizer.lr=0.0 is out of range"),
+        ("gconfig.top_p", 1.5, r"gconfig.top_p=1.5 is out of range"),
+        (
+            "actor.m2po_method",
+            "scan",
+            r"actor.m2po_method='scan' is not one of \['sort', 'bisect'\]",
+        ),
+        ("actor.kl_estimator", "k4", r"actor.kl_estimator='k4' is not one of"),
+        ("actor.ppo_n_minibatches", 3, r"ppo_n_minibatches=3 must divide the rows per step"),
+        (
+            "actor.reward_norm.group_size",
+            4,
+            r"actor.reward_norm.group_size=4 differs from gconfig.n_samples=8; .* is derived "
+            r"from gconfig.n_samples \(a group is the completions of one prompt\)",
+        ),
+        (
+            "actor.temperature",
+            0.7,
+            r"actor.temperature=0.7 differs from gconfig.temperature=1.0; .* is derived from "
+            r"gconfig.temperature \(the behaviour log-probs are recorded at the sampling",
+        ),
+        ("actor.sapo_tau_neg", 0.0, r"actor.sapo_tau_neg=0.0 is out of range; allowed \(0.0"),
+        ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
+        (
+            "actor.optimizer.lr_scheduler_type",
+            "step",
+            r"lr_scheduler_type='step' is not one of \['constant', 'linear', 'cosine'\]",
+        ),
+        ("actor.m2_threshold", float("inf"), r"m2_threshold=inf is not a finite number"),
+        ("actor.optimizer.lr", float("nan"), r"lr=nan is not a finite number"),
+        (
+            "gconfig.temperature",
+            1e-30,
+            r"gconfig.temperature=1e-30 is out of range; allowed \[0.001",
+        ),
+        ("total_steps", 2.5, r"total_steps: expected an integer, got 2.5"),
+        ("mesh.fsdp", 0, r"mesh.fsdp=0 must be a positive size or -1"),
+        (
+            "task.long_prompts",
+            "truncate",
+            r"task.long_prompts='truncate' is not one of \['filter', 'left', 'error'\]",
+        ),
+        ("task.chat_template", "none", r"task.chat_template='none' is not one of \['auto', 'on'"),
+        ("task.enable_thinking", "yes", r"task.enable_thinking: expected true or false"),
+        ("task.question_key", "", r"task.question_key: expected a column name"),
+        ("model.attention", "flash", r"model.attention='flash' is not one of \['auto', 'xla'"),
+        (
+            "model.remat_policy",
+            "dots",
+            r"model.remat_policy='dots' is not one of \['nothing_saveable'",
+        ),
+    ],
+)
+def test_out_of_range_values_name_field_value_and_range(field, value, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**{field: value})
+
+
+def test_sapo_with_decoupled_loss_is_refused():
+    with pytest.raises(config_lib.ConfigError, match="use_sapo_loss=True cannot be combined"):
+        build(**{"actor.use_sapo_loss": True})
+    cfg = build(**{"actor.use_sapo_loss": True, "actor.use_decoupled_loss": False})
+    assert cfg.actor.use_sapo_loss
+
+
+def test_yaml_and_json_overrides(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("actor:\n  m2_threshold: 0.08\n  optimizer:\n    lr: 1.0e-5\n")
+    c = default.get_config()
+    config_lib.apply_overrides(c, config_lib.load_overrides(str(yaml_file)))
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.m2_threshold == 0.08 and cfg.actor.optimizer.lr == 1e-5
+
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"actor": {"m2_threshold": None}}))
+    config_lib.apply_overrides(c, config_lib.load_overrides(str(json_file)))
+    assert config_lib.from_configdict(c).actor.m2_threshold is None
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  eps_clp: 0.1\n")
+    with pytest.raises(config_lib.ConfigError, match="'actor.eps_clp'.*'actor.eps_clip'"):
+        config_lib.apply_overrides(c, config_lib.load_overrides(str(bad)))
+    with pytest.raises(config_lib.ConfigError, match="does not exist"):
+        config_lib.load_overrides(str(tmp_path / "missing.yaml"))
+
+
+def test_bad_overrides_files_name_the_file_line_and_key(tmp_path):
+    c = default.get_config()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("actor:\n  eps_clip: 0.1\n   lr: [1\n")
+    with pytest.raises(config_lib.ConfigError, match=r"broken.yaml:3:\d+: not valid YAML"):
+        config_lib.load_overrides(str(broken))
+    broken_json = tmp_path / "broken.json"
+    broken_json.write_text('{"actor":\n {"eps_clip": }}')
+    with pytest.raises(config_lib.ConfigError, match=r"broken.json:2:\d+: not valid JSON"):
+        config_lib.load_overrides(str(broken_json))
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"actor:\n  m2po_method: \xe9\n")
+    with pytest.raises(config_lib.ConfigError, match=r"latin.yaml: not UTF-8 text"):
+        config_lib.load_overrides(str(latin))
+    wrong_type = tmp_path / "wrong.yaml"
+    wrong_type.write_text("actor:\n  eps_clip: abc\n")
+    with pytest.raises(
+        config_lib.ConfigError, match=r"actor.eps_clip: expected a float, got 'abc'"
+    ):
+        config_lib.apply_overrides(c, config_lib.load_overrides(str(wrong_type)))
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_jax.trainer.main", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_apply_dotted_sets_nested_fields_and_rejects_unknown_keys():
+    c = arith.get_config("m2po")
+    config_lib.apply_dotted(c, {"actor.c_clip": None, "actor.optimizer.lr": 3e-4, "seed": 7})
+    assert c.actor.c_clip is None and c.actor.optimizer.lr == 3e-4 and c.seed == 7
+    with pytest.raises(config_lib.ConfigError, match=r"'actor\.optimizer\.lrr'.*lr"):
+        config_lib.apply_dotted(c, {"actor.optimizer.lrr": 1.0})
+    with pytest.raises(config_lib.ConfigError, match="actor: expected a section"):
+        config_lib.apply_dotted(c, {"actor": 1.0})
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    typo = _cli("--config.actor.m2_threshlod=0.1", f"--workdir={tmp_path}")
+    assert typo.returncode == 2
+    assert "config error" in typo.stderr and "m2_threshold" in typo.stderr
+    assert "Traceback" not in typo.stderr
+
+    negative = _cli("--config.actor.m2_threshold=-1", f"--workdir={tmp_path}")
+    assert negative.returncode == 2
+    assert "actor.m2_threshold=-1.0 is out of range" in negative.stderr
+
+    sapo = _cli("--config.actor.use_sapo_loss=True", f"--workdir={tmp_path}")
+    assert sapo.returncode == 2 and "use_sapo_loss" in sapo.stderr
+
+    # A typo in a `=None` override (set apart from the others) is a one-line error too.
+    none_typo = _cli("--config.actor.c_clipp=None", f"--workdir={tmp_path}")
+    assert none_typo.returncode == 2 and '"c_clip"' in none_typo.stderr
+    assert "Traceback" not in none_typo.stderr
+
+    overrides = tmp_path / "o.yaml"
+    overrides.write_text("rollout:\n  max_head_offpolicynes: 2\n")
+    bad = _cli(f"--overrides={overrides}", f"--workdir={tmp_path}")
+    assert bad.returncode == 2 and "max_head_offpolicyness" in bad.stderr
+
+
+def test_build_model_passes_attention_and_remat_policy():
+    from m2po_jax import trainer
+
+    cfg = build(
+        **{"model.attention": "chunked", "model.remat": True, "model.remat_policy": "dots_saveable"}
+    )
+    model_config, _ = trainer.build_model(cfg, vocab_size=20)
+    assert model_config.attention == "chunked"
+    assert model_config.remat and model_config.remat_policy == "dots_saveable"
+    default_config, _ = trainer.build_model(build(), vocab_size=20)
+    assert default_config.attention == "auto" and not default_config.remat
+
+
+# What the library's RejectionSampling refuses is refused by the config, before any work.
+REJECTION_ERRORS = [
+    (
+        {"actor.rejection_sampling.upper": 0.5},
+        r"actor\.rejection_sampling\.upper must be > 1 for metric 'ratio', got 0\.5",
+    ),
+    (
+        {"actor.rejection_sampling.lower": 3.0, "actor.rejection_sampling.upper": 2.0},
+        r"actor\.rejection_sampling\.lower \(3\.0\) must be <= upper \(2\.0\)",
+    ),
+    (
+        {"actor.rejection_sampling.action": "clamp", "actor.rejection_sampling.metric": "kl_k1"},
+        r"actor\.rejection_sampling\.action 'clamp' needs metric 'ratio', got 'kl_k1'",
+    ),
+]
+
+
+@pytest.mark.parametrize("changes, message", REJECTION_ERRORS)
+def test_rejection_sampling_errors_are_config_errors(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**changes)
+
+
+def test_rejection_sampling_ranges_are_the_librarys():
+    # kl_k1 = log rho can be negative: the library allows a negative lower bound, so does
+    # the config; a disabled section is still checked (it is one switch from being used).
+    cfg = build(
+        **{
+            "actor.rejection_sampling.metric": "kl_k1",
+            "actor.rejection_sampling.lower": -0.5,
+            "actor.rejection_sampling.upper": 0.5,
+        }
+    )
+    assert cfg.actor.rejection_sampling.lower == -0.5
+    with pytest.raises(config_lib.ConfigError, match=r"rejection_sampling\.upper must be > 1"):
+        build(**{"actor.rejection_sampling.enabled": False, "actor.rejection_sampling.upper": 0.5})
+    with pytest.raises(config_lib.ConfigError, match=r"rejection_sampling.upper=nan is not a fin"):
+        build(**{"actor.rejection_sampling.upper": float("nan")})
+
+
+def test_library_objects_are_built_by_the_runs_builders():
+    from m2po_jax.learner import step_math
+    from m2po_jax.rollout import sampling
+
+    cfg = build(**{"actor.rejection_sampling.lower": 0.5, "gconfig.top_k": 5})
+    built = config_lib.build_library_objects(cfg)
+    assert built["rejection_sampling"] == rejection_lib.RejectionSampling(upper=5.0, lower=0.5)
+    assert step_math.rejection(cfg.actor) == built["rejection_sampling"]
+    assert built["sampling"] == sampling.SamplingConfig(max_new_tokens=4, temperature=1.0, top_k=5)
+    off = build(**{"actor.rejection_sampling.enabled": False})
+    assert config_lib.build_library_objects(off)["rejection_sampling"] is None
+    # A Config made without validate's range checks still meets the builders' checks.
+    cold = dataclasses.replace(cfg, gconfig=dataclasses.replace(cfg.gconfig, temperature=0.0))
+    with pytest.raises(config_lib.ConfigError, match=r"gconfig\.temperature: must be > 0"):
+        config_lib.build_library_objects(cold)
+
+
+def test_derived_fields_follow_their_source():
+    cfg = build(**{"gconfig.temperature": 0.7, "gconfig.n_samples": 4})
+    assert cfg.actor.temperature == 0.7 and cfg.actor.reward_norm.group_size == 4
+    # An explicit value equal to the source is accepted (AReaL configs set both).
+    same = build(**{"actor.temperature": 1.0, "actor.reward_norm.group_size": 8})
+    assert same.actor.temperature == 1.0 and same.actor.reward_norm.group_size == 8
+    # A config written before the fields were derived may leave them out.
+    c = default.get_config().to_dict()
+    del c["actor"]["temperature"], c["actor"]["reward_norm"]["group_size"]
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.temperature == 1.0 and cfg.actor.reward_norm.group_size == 8
+    assert "temperature" not in c["actor"]
+    tiny = config_lib.from_configdict(arith.get_config("tiny"))
+    assert tiny.gconfig.n_samples == tiny.actor.reward_norm.group_size == 4
+
+
+def test_eps_clip_none_turns_the_ratio_clip_off():
+    assert build(**{"actor.eps_clip": None}).actor.eps_clip is None
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"actor.eps_clip_higher=0.28 needs a ratio clip, but actor.eps_clip=None",
+    ):
+        build(**{"actor.eps_clip": None, "actor.eps_clip_higher": 0.28})
+
+
+def test_placeholder_override_of_the_wrong_type_names_the_declared_type(tmp_path):
+    c = default.get_config()
+    with pytest.raises(config_lib.ConfigError, match=r"actor.temperature: expected a float, got"):
+        config_lib.apply_overrides(c, {"actor": {"temperature": "hot"}})
+    config_lib.apply_overrides(c, {"actor": {"temperature": 1, "eps_clip": None}})
+    cfg = config_lib.from_configdict(c)
+    assert cfg.actor.temperature == 1.0 and cfg.actor.eps_clip is None
+
+
+def test_cli_parses_derived_fields_and_none_clip():
+    # m2po_jax.trainer.main's own flag parsing, then the config it hands to the trainer.
+    code = (
+        "import sys; from m2po_jax import main, config as c; main.define_flags(); "
+        "main.parse_flags(sys.argv); cfg = main.FLAGS.config; "
+        "c.apply_dotted(cfg, dict.fromkeys(main._none_keys)); t = c.from_configdict(cfg); "
+        "print(t.actor.temperature, t.actor.reward_norm.group_size, t.actor.eps_clip)"
+    )
+    args = [
+        "--config.actor.temperature=0.7",
+        "--config.gconfig.temperature=0.7",
+        "--config.actor.reward_norm.group_size=8",
+        "--config.actor.eps_clip=None",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.7", "8", "None"]
+    # And the CLI refuses a derived field that differs, in one line, before any work.
+    bad = _cli("--config.actor.temperature=0.7", "--workdir=/nonexistent/never-made")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "actor.temperature=0.7 differs from gconfig.temperature=1.0" in bad.stderr
+
+
+def test_setup_errors_name_the_config_fields(tokenizer_dir, tmp_path):
+    from m2po_jax.models.tokenizer import load_tokenizer
+    from m2po_jax.trainer import setup
+
+    cfg = arith.get_config("m2po,tiny")
+    cfg.model.num_heads = 3
+    with pytest.raises(ValueError, match=r"^model.hidden_size \(32\) must be a multiple of model"
+                                         r".num_heads \(3\) unless model.head_dim is given$"):  # fmt: skip
+        setup.build_model(config_lib.from_configdict(cfg), 16)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "the cat ?", "answer": "#### 12"}\n' * 3)
+    cfg = gsm8k.get_config()
+    cfg.task.train_path, cfg.task.eval_size = str(data), 5
+    with pytest.raises(ValueError, match=r"^task.eval_size=5: .* has only 3 records"):
+        setup.build_task(config_lib.from_configdict(cfg), load_tokenizer(tokenizer_dir))

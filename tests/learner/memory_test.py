@@ -1,0 +1,175 @@
+"""The per-device memory plan counts what a run holds, and the check refuses what cannot fit."""
+
+import jax
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax.configs import default
+from m2po_jax.learner import memory
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.parallel import sharding
+from m2po_jax.trainer import memory_check
+from m2po_jax.trainer import setup as setup_lib
+
+CFG = model_config_lib.ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+)
+MESHES = {
+    "data8": {"data": 8},
+    "fsdp8": {"fsdp": 8},
+    "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
+
+
+def mesh_of(name):
+    return sharding.make_mesh(MESHES[name])
+
+
+def test_memory_plan_scales_with_fsdp():
+    kwargs = dict(batch=16, seq_len=32, micro_batch=16, kv_cache_batch=8, kv_cache_len=48)
+    data8 = memory.memory_plan(CFG, mesh_of("data8"), **kwargs)
+    fsdp8 = memory.memory_plan(CFG, mesh_of("fsdp8"), **kwargs)
+    assert data8.params == CFG.num_params() * 4  # replicated, float32
+    assert fsdp8.params == data8.params // 8  # every param has an "embed" dim
+    assert fsdp8.optimizer == 2 * fsdp8.params and fsdp8.gradients == fsdp8.params
+    # Batch is split 8 ways in both layouts, so activations agree.
+    assert fsdp8.activations == data8.activations
+    # KV cache: 2 (k, v) x layers x 1 row x 48 cols x 2 kv heads x 8 head dim x 4 bytes.
+    assert data8.kv_cache == 2 * 2 * 1 * 48 * 2 * 8 * 4
+    tp = memory.memory_plan(CFG, mesh_of("d2f2t2"), **kwargs)
+    assert tp.kv_cache == 2 * 2 * 2 * 48 * 1 * 8 * 4  # 2 rows per device, kv heads split
+    half = memory.memory_plan(CFG, mesh_of("fsdp8"), **{**kwargs, "micro_batch": 8})
+    assert half.activations * 2 == fsdp8.activations
+    # The head's chunk: 1 row per device x 31 predicting columns x V, f32 logits, softmax, grad.
+    assert half.logits == 3 * 1 * 31 * 64 * 4
+    assert half.gradients == fsdp8.gradients + fsdp8.params  # + the f32 accumulator
+    # Remat keeps one layer's input per layer plus one layer (and its gradients) in flight.
+    deep = CFG.replace(num_layers=8)
+    full = memory.memory_plan(deep, mesh_of("fsdp8"), **kwargs)
+    remat = memory.memory_plan(deep, mesh_of("fsdp8"), **kwargs, remat=True)
+    assert remat.activations == 8 * 2 * 32 * 32 * 4 + 2 * full.activations // 8
+    bf16 = memory.memory_plan(CFG, mesh_of("fsdp8"), **kwargs, param_dtype_bytes=2)
+    assert bf16.params * 2 == fsdp8.params
+    assert fsdp8.total == sum(
+        getattr(fsdp8, f)
+        for f in ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
+    )
+    table = fsdp8.format()
+    assert "params" in table and "total" in table and "fsdp=8" in table
+
+
+def test_memory_plan_errors():
+    mesh = mesh_of("data8")
+    with pytest.raises(ValueError, match="micro_batch"):
+        memory.memory_plan(CFG, mesh, batch=16, seq_len=8, micro_batch=5)
+    with pytest.raises(ValueError, match="optimizer"):
+        memory.memory_plan(CFG, mesh, batch=16, seq_len=8, optimizer="adagrad")
+
+
+def test_check_fits():
+    plan = memory.memory_plan(CFG, mesh_of("fsdp8"), batch=16, seq_len=32)
+    assert memory_check.check_fits(plan, device_memory_bytes=plan.total + 1) == plan.total + 1
+    limit = plan.total // 2
+    with pytest.raises(MemoryError) as err:
+        memory_check.check_fits(plan, device_memory_bytes=limit)
+    assert str(plan.total) in str(err.value) and str(limit) in str(err.value)
+    # CPU devices report no memory limit: the check is skipped.
+    if memory_check.device_memory_limit() is None:
+        assert memory_check.check_fits(plan) is None
+
+
+def _run_config(rows, seq_len, prompt_len, n_samples, n_mbs):
+    c = default.get_config()
+    c.rollout.batch_size = rows // n_samples
+    c.gconfig.n_samples = n_samples
+    c.task.max_prompt_len = prompt_len
+    c.gconfig.max_new_tokens = seq_len - prompt_len
+    c.actor.mb_spec.n_mbs = n_mbs
+    c.actor.mb_spec.max_tokens_per_mb = 0
+    return config_lib.from_configdict(c)
+
+
+BASE = dict(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+)
+
+
+@pytest.mark.parametrize(
+    "model,rows,seq_len,n_samples,n_mbs,share,blocks",
+    [
+        (dict(BASE, vocab_size=512), 8, 512, 8, 1, True, 8),
+        (BASE, 8, 512, 8, 1, True, 1),  # blocks do not pay at this vocabulary
+        (BASE, 8, 512, 8, 1, False, 1),
+        ({**BASE, "remat": True}, 8, 512, 2, 4, True, 1),
+        (
+            dict(BASE, vocab_size=151936, hidden_size=128, tie_word_embeddings=True),
+            8,
+            256,
+            4,
+            2,
+            True,
+            1,
+        ),
+    ],
+    ids=["shared-blocks", "shared", "plain", "remat-4-micro", "152k-vocab-tied"],
+)
+def test_memory_plan_is_within_25_percent_of_xla(
+    model, rows, seq_len, n_samples, n_mbs, share, blocks
+):
+    """The plan of the path the step plan picks, against XLA's analysis of the step the
+    trainer builds (`setup.build_train_step`, through `compiled_step_memory`)."""
+    config = model_config_lib.ModelConfig(**model)
+    cfg = _run_config(rows, seq_len, seq_len // 4, n_samples, n_mbs)
+    placement = placement_lib.Placement.from_shape({"data": 1, "fsdp": 1, "tensor": 1}, config)
+    xla = memory_check.compiled_step_memory(cfg, config, placement, share_prompts=share)
+    shared = setup_lib.step_plan(cfg, placement).loss_prompt if share else None
+    assert (shared.length_blocks if share else 1) == blocks
+    plan = memory.memory_plan(
+        config,
+        placement.mesh,
+        batch=rows,
+        seq_len=seq_len,
+        micro_batch=rows // n_mbs,
+        shared_prompt=shared,
+    )
+    assert 0.75 <= plan.train_step / xla.held_bytes <= 1.25, (plan.format(), xla.held_bytes)
+    assert xla.compile_s > 0 and xla.lower_s > 0
+
+
+def test_a_run_that_does_not_fit_is_told_which_setting_fits():
+    mesh = mesh_of("data8")
+    # Activations dominate: two micro-batches halve them.
+    kwargs = dict(batch=64, seq_len=256, micro_batch=64)
+    plan = memory.memory_plan(CFG, mesh, **kwargs)
+    fixes = memory_check.remedies(CFG, mesh, plan.total * 3 // 4, **kwargs)
+    assert fixes == [f"2 micro-batches per minibatch (actor.mb_spec.n_mbs) ({0.01:.2f} GiB)"]
+    with pytest.raises(MemoryError, match="it would fit with 2 micro-batches"):
+        memory_check.check_fits(plan, plan.total * 3 // 4, fixes)
+    # Replicated params dominate: sharding them over the data axis is what fits.
+    big_vocab = CFG.replace(vocab_size=32000)
+    plan = memory.memory_plan(big_vocab, mesh, **kwargs)
+    fixes = memory_check.remedies(big_vocab, mesh, plan.total * 3 // 4, **kwargs)
+    assert len(fixes) == 1 and fixes[0].startswith("mesh.data=1 mesh.fsdp=8")
+    with pytest.raises(MemoryError, match="no single setting makes it fit"):
+        memory_check.check_fits(plan, plan.total // 100, [])
+
+
+def test_length_blocks_pay_where_activations_outweigh_the_branches_head_buffers():
+    """Measured against XLA (benchmarks/scale_bench.py): at Qwen2.5-0.5B's vocabulary and 8
+    or 32 rows per micro-batch the blocks' branches held 2.5x / 1.5x the whole-row step;
+    at a 512-token vocabulary they hold less."""
+    from m2po_jax.models import architectures
+
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    qwen = architectures.model_config("qwen2.5-0.5b", remat=True, scan_layers=True)
+    small = model_config_lib.ModelConfig(**dict(BASE, vocab_size=512))
+    kwargs = dict(seq_len=1280, prompt_len=256, blocks=8)
+    assert not memory.length_blocks_pay(qwen, mesh, rows=8, **kwargs)
+    assert not memory.length_blocks_pay(qwen, mesh, rows=32, **kwargs)
+    assert memory.length_blocks_pay(small, mesh, rows=8, **kwargs)

@@ -1,0 +1,255 @@
+"""Sharded training and sampling equal the single-device run; multi-process runs equal one process.
+
+Uses the 8 fake CPU devices of tests/conftest.py; the multi-process run is two processes of
+two CPU devices each against one process of four (each fake device runs every op: fewer
+are cheaper).
+"""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax import trainer as trainer_lib
+from m2po_jax.common.types import TrainBatch
+from m2po_jax.configs import arith
+from m2po_jax.learner import logprobs, optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import model as model_lib
+from m2po_jax.models import model_config
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.rollout import sampling
+from m2po_jax.trainer import metrics as metrics_lib
+
+REPO = Path(__file__).resolve().parents[2]
+FLAGS = os.environ["M2PO_TEST_XLA_FLAGS"]  # the suite's compile flags (conftest)
+MODEL = model_config.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+)
+MESHES = {
+    "data8": {"data": 8, "fsdp": 1, "tensor": 1},
+    "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
+    "2x2x2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
+
+
+def actor_section(**changes):
+    c = arith.get_config("m2po")
+    c.actor.ppo_n_minibatches = 2
+    c.actor.optimizer.lr = 1e-3
+    for key, value in changes.items():
+        c.actor[key] = value
+    return config_lib.from_configdict(c).actor
+
+
+def synthetic_batch(rows=16, prompt=4, new=6, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, MODEL.vocab_size, (rows, prompt + new)).astype(np.int32)
+    valid = np.ones_like(tokens, bool)
+    valid[::3, 0] = False  # some left padding
+    loss_mask = np.zeros_like(valid)
+    loss_mask[:, prompt:] = True
+    loss_mask[1::4, -2:] = False  # some rows stopped early
+    behav = np.where(loss_mask, -rng.uniform(0.5, 4.0, tokens.shape), 0.0).astype(np.float32)
+    rewards = rng.integers(0, 2, rows).astype(np.float32)
+    return TrainBatch(
+        tokens_BxT=tokens,
+        valid_BxT=valid & (loss_mask | (np.arange(prompt + new) < prompt)),
+        behav_logp_BxT=behav,
+        loss_mask_BxT=loss_mask,
+        rewards_B=rewards,
+        version_B=np.zeros(rows, np.int32),
+    )
+
+
+def two_steps(mesh_shape, actor, batch=None, with_layout=False):
+    placement = placement_lib.Placement.from_shape(mesh_shape, MODEL)
+    tx, schedule = optim.make_optimizer(actor.optimizer, 10)
+    params = placement.init_params(jax.random.key(0))
+    init_fn = functools.partial(step_lib.init_train_state, tx=tx)
+    state_sh = placement.state_shardings(jax.eval_shape(init_fn, params))
+    state = jax.jit(init_fn, out_shardings=state_sh)(params)
+    batch = synthetic_batch() if batch is None else batch
+    step = step_lib.make_train_step(
+        MODEL,
+        actor,
+        tx,
+        schedule,
+        jit_kwargs=dict(
+            in_shardings=(state_sh, placement.batch_shardings(batch), placement.replicated, None),
+            out_shardings=(state_sh, placement.replicated),
+        ),
+        layout=placement.layout if with_layout else None,
+    )
+    metrics = []
+    for i in range(2):
+        state, m = step(state, placement.to_global(batch), jax.random.key(i), None)
+        metrics.append(jax.device_get(m))
+    return jax.device_get(state.params), metrics
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return two_steps({"data": 1, "fsdp": 1, "tensor": 1}, actor_section())
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_sharded_train_step_equals_single_device(single_device_run, name):
+    ref_params, ref_metrics = single_device_run
+    params, metrics = two_steps(MESHES[name], actor_section())
+    # Four AdamW updates of ~1e-3 each: summing in another order across shards moves the
+    # normalised update of a near-zero gradient by up to ~1% of one step.
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    for key in ("loss", "m2po/masked_fraction", "train/param_norm"):
+        np.testing.assert_allclose(metrics[1][key], ref_metrics[1][key], rtol=1e-5, atol=1e-6)
+    # The step is not a no-op, and M2PO masked something in this off-policy batch.
+    moved = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(
+            jax.tree.leaves(params),
+            jax.tree.leaves(model_lib.init_params(MODEL, jax.random.key(0))),
+            strict=True,
+        )
+    )
+    assert moved > 1e-4
+    assert metrics[0]["m2po/masked_fraction"] > 0
+
+
+def _ref_masked(m2, valid, tau):
+    """Tokens docs/algorithm.md masks in one set: keep the longest ascending prefix whose
+    mean is below tau (at least one)."""
+    values = np.sort(m2[valid])
+    means = np.cumsum(values) / np.arange(1, values.size + 1)
+    keep = max([k + 1 for k in range(values.size) if means[k] < tau], default=1)
+    return values.size - keep
+
+
+def test_per_shard_mask_scope_differs_from_global_and_trains():
+    """Shard 0 (rows 0-1 of 16 on 8 data shards) is far off-policy, the rest on-policy: the
+    global set keeps a few of shard 0's tokens (their share of the mean fits tau), while
+    shard 0 alone keeps exactly one, and the on-policy shards keep everything."""
+    batch = synthetic_batch()
+    initial = model_lib.init_params(MODEL, jax.random.key(0))
+    prox, _ = jax.jit(lambda p, t, v: logprobs.sequence_logp(p, MODEL, t, v, 1.0))(
+        initial, batch.tokens_BxT, batch.valid_BxT
+    )
+    prox = np.asarray(prox, np.float64)
+    valid = batch.loss_mask_BxT
+    delta = np.zeros(prox.shape)
+    delta[:2] = np.random.default_rng(1).uniform(0.8, 1.2, (2, prox.shape[1]))
+    behav = np.where(valid, prox + delta, 0.0).astype(np.float32)
+    batch = batch.replace(behav_logp_BxT=behav)
+    m2 = np.square(behav - prox)
+    tau = 0.04
+    want_global = _ref_masked(m2, valid, tau)
+    want_shard = sum(_ref_masked(m2[i : i + 2], valid[i : i + 2], tau) for i in range(0, 16, 2))
+    assert want_shard == valid[:2].sum() - 1 and want_global < want_shard  # the batch's design
+
+    runs = {}
+    for scope in ("global", "shard"):
+        actor = actor_section(m2po_scope=scope, m2_threshold=tau)
+        runs[scope] = two_steps(MESHES["data8"], actor, batch, with_layout=True)
+    for scope, want in (("global", want_global), ("shard", want_shard)):
+        first = runs[scope][1][0]
+        assert int(first["m2po/masked_tokens"]) == want, scope
+        np.testing.assert_allclose(first["m2po/masked_fraction"], want / valid.sum(), rtol=1e-6)
+    params, metrics = runs["shard"]
+    assert all(np.isfinite(m["loss"]) and int(m["train/nonfinite"]) == 0 for m in metrics)
+    moved = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
+    )
+    assert moved > 1e-4
+
+
+def test_sharded_sampler_matches_unsharded_tokens():
+    params = model_lib.init_params(MODEL, jax.random.key(1))
+    prompts, valid = sampling.pad_prompts([[5, 6, 7], [8, 9], [10], [11, 12, 13]] * 2, 0)
+    config = sampling.SamplingConfig(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,))
+    rng = jax.random.key(3)
+    ref = jax.device_get(sampling.generate(params, MODEL, prompts, valid, rng, config, 2))
+    placement = placement_lib.Placement.from_shape(MESHES["2x2x2"], MODEL)
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    g_prompts, g_valid = placement.to_global((prompts, valid))
+    out = placement.to_host(
+        sampling.generate(sharded_params, MODEL, g_prompts, g_valid, rng, config, 2)
+    )
+    np.testing.assert_array_equal(out.tokens_BxT, ref.tokens_BxT)
+    np.testing.assert_allclose(out.behav_logp_BxT, ref.behav_logp_BxT, atol=1e-5)
+
+
+def test_memory_plan_refuses_a_config_too_large_for_the_device(tmp_path):
+    c = arith.get_config("m2po,tiny")
+    c.mesh.data = 1
+    c.mesh.device_memory_gib = 1e-4  # ~100 KiB: the tiny model's plan needs more
+    cfg = config_lib.from_configdict(c)
+    with pytest.raises(MemoryError, match="exceeds the device memory"):
+        trainer_lib.Trainer(cfg, tmp_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(workdir, steps, env_extra, n_procs):
+    args = [
+        sys.executable,
+        "-m",
+        "m2po_jax.trainer.main",
+        "--config=configs/arith.py:m2po,tiny",
+        f"--workdir={workdir}",
+        f"--config.total_steps={steps}",
+        "--config.rollout.batch_size=8",
+        "--config.task.format_reward=0.5",
+        "--config.logging.tensorboard=False",
+    ]
+    port = _free_port()
+    procs = []
+    for pid in range(n_procs):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **env_extra(pid, port))
+        procs.append(
+            subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+
+
+def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
+    def multi(pid, port):
+        return {
+            "XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+        }
+
+    def single(pid, port):
+        return {"XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=4"}
+
+    _train(tmp_path / "multi", 3, multi, 2)
+    _train(tmp_path / "multi", 5, multi, 2)  # restores step 3, continues to 5
+    _train(tmp_path / "single", 5, single, 1)
+    multi_records = metrics_lib.read_metrics(tmp_path / "multi" / "metrics.jsonl")
+    single_records = metrics_lib.read_metrics(tmp_path / "single" / "metrics.jsonl")
+    assert [r["step"] for r in multi_records] == list(range(5))
+    for a, b in zip(multi_records, single_records, strict=True):
+        for key in ("train/param_norm", "loss", "reward/mean", "m2po/masked_fraction"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -1,0 +1,141 @@
+"""GSM8K data: Parquet and JSONL with configurable columns, unreadable files, long prompts."""
+
+import json
+
+import pytest
+
+from m2po_jax.models.prompts import PromptEncoder, count_long
+from m2po_jax.tasks import Example, GSM8KTask
+
+
+class ByteTokenizer:
+    """A minimal byte tokenizer with the task protocol."""
+
+    vocab_size = 259
+    pad_id, bos_id, eos_id = 256, 257, 258
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode()
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _records(n):
+    return [
+        {"question": f"Tom has {i} apples and buys 2. How many?", "answer": f"#### {i + 2}"}
+        for i in range(n)
+    ]
+
+
+def test_gsm8k_parquet_with_custom_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = _records(5)
+    table = pa.table(
+        {
+            "problem": [r["question"] for r in records],
+            "solution": [r["answer"] for r in records],
+            "level": [1, 2, 3, 4, 5],
+        }
+    )
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    task = GSM8KTask(
+        path, ByteTokenizer(), num_eval=2, question_key="problem", answer_key="solution"
+    )
+    assert [e.answer for e in task.eval_examples()] == ["5", "6"]
+    assert task.eval_examples()[0].prompt.endswith(
+        "Tom has 3 apples and buys 2. How many?\nAnswer:"
+    )
+    assert sorted(e.answer for e in task.train_examples(0, 3)) == ["2", "3", "4"]
+    # The same keys apply to JSONL.
+    jsonl = _write_jsonl(
+        tmp_path / "t.jsonl", [{"problem": r["question"], "solution": r["answer"]} for r in records]
+    )
+    same = GSM8KTask(
+        jsonl, ByteTokenizer(), num_eval=2, question_key="problem", answer_key="solution"
+    )
+    assert same.eval_examples() == task.eval_examples()
+    with pytest.raises(ValueError, match=r"t.jsonl:1: missing string field 'question'"):
+        GSM8KTask(jsonl, ByteTokenizer(), num_eval=2)
+    with pytest.raises(
+        ValueError,
+        match=r"train.parquet: no column 'question' \(task.question_key\); the file has columns "
+        r"\['problem', 'solution', 'level'\]",
+    ):
+        GSM8KTask(path, ByteTokenizer(), num_eval=2)
+    with pytest.raises(ValueError, match=r"train.parquet: no column 'answer' \(task.answer_key\)"):
+        GSM8KTask(path, ByteTokenizer(), num_eval=2, question_key="problem")
+    pq.write_table(pa.table({"question": ["q", None], "answer": ["#### 1", "#### 2"]}), path)
+    with pytest.raises(ValueError, match=r"train.parquet row 1: missing string field 'question'"):
+        GSM8KTask(path, ByteTokenizer(), num_eval=0)
+
+
+def test_gsm8k_unreadable_files_are_named(tmp_path):
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ValueError, match=r"corrupt.parquet: not a readable Parquet file"):
+        GSM8KTask(corrupt, ByteTokenizer(), num_eval=0)
+    latin = tmp_path / "latin.jsonl"
+    good = json.dumps(_records(1)[0]).encode()
+    latin.write_bytes(
+        good + b"\n" + '{"question": "caf\u00e9", "answer": "#### 1"}\n'.encode("latin-1")
+    )
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not UTF-8 text"):
+        GSM8KTask(latin, ByteTokenizer(), num_eval=0)
+
+
+def _long_records(words=(1, 2, 3, 4, 5, 6, 1)):
+    """Questions of the given numbers of words; prompt length grows with the words."""
+    return [
+        {"question": " ".join(["word"] * n), "answer": f"#### {i}"} for i, n in enumerate(words)
+    ]
+
+
+def test_gsm8k_long_prompts_filter_error_and_left(tmp_path):
+    tok = ByteTokenizer()
+    path = _write_jsonl(tmp_path / "train.jsonl", _long_records())
+    encode = lambda text: [tok.bos_id, *tok.encode(text)]
+    prompts = [e.prompt for e in GSM8KTask(path, tok, num_eval=0)._train]
+    lengths = [len(encode(p)) for p in prompts]
+    limit = lengths[3]  # the 5- and 6-word questions (lines 5 and 6) are too long
+    kwargs = dict(num_eval=1, prompt_encode=encode, max_prompt_len=limit)
+
+    task = GSM8KTask(path, tok, long_prompts="filter", **kwargs)
+    assert task.prompts_filtered == {"train": 2, "eval": 0}
+    assert sorted(e.answer for e in task.train_examples(0, 4)) == ["0", "1", "2", "3"]
+    assert [e.answer for e in task.eval_examples()] == ["6"]
+    assert sorted(p for p, _ in task.sft_examples(0, 4)) == sorted(prompts[:4])
+    long_eval = _write_jsonl(tmp_path / "eval.jsonl", _long_records((5, 6)))
+    with pytest.raises(ValueError, match=r"all 2 eval prompts are longer"):
+        GSM8KTask(path, tok, eval_path=long_eval, **{**kwargs, "long_prompts": "filter"})
+    with pytest.raises(ValueError, match=r"all 6 train prompts.*max_prompt_len=3 tokens.*shortest"):
+        GSM8KTask(path, tok, long_prompts="filter", **{**kwargs, "max_prompt_len": 3})
+
+    message = rf"train.jsonl:5: the prompt is {lengths[4]} tokens, over task.max_prompt_len={limit}"
+    with pytest.raises(ValueError, match=message):
+        GSM8KTask(path, tok, long_prompts="error", **kwargs)
+    assert GSM8KTask(path, tok, long_prompts="error", **{**kwargs, "max_prompt_len": 999})
+
+    left = GSM8KTask(path, tok, long_prompts="left", **kwargs)
+    assert left.prompts_filtered == {"train": 0, "eval": 0}
+    assert [left.prompt_lengths[uid] for uid in range(7)] == lengths
+    with pytest.raises(ValueError, match="long_prompts='drop' is not one of"):
+        GSM8KTask(path, tok, long_prompts="drop", **kwargs)
+
+
+def test_count_long_uses_known_lengths_and_encodes_the_rest():
+    tok = ByteTokenizer()
+    encoder = PromptEncoder(tok)
+    examples = [Example("abc", "1", 0), Example("abcdef", "2", 1), Example("abcdefgh", "3", 2)]
+    # Raw prompts get BOS: 4, 7 and 9 tokens; uid 0 is "known" to be long.
+    assert count_long(examples, encoder, 6, {}) == 2
+    assert count_long(examples, encoder, 6, {0: 50}) == 3
+    assert count_long(examples, encoder, 9, {}) == 0

@@ -1,0 +1,52 @@
+"""The workdir records its config; a resume with another architecture or changed training
+settings is refused in one line (unless allowed); run length, logging and paths may change."""
+
+import json
+
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax.common.errors import WorkdirError
+from m2po_jax.configs import arith
+from m2po_jax.models import model_config
+from m2po_jax.trainer import run_record
+
+MODEL = model_config.ModelConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1
+)
+
+
+def _cfg(**changes):
+    c = arith.get_config("tiny")
+    for key, value in changes.items():
+        config_lib.apply_dotted(c, {key: value})
+    return config_lib.from_configdict(c)
+
+
+def test_a_resume_is_checked_against_the_recorded_config(tmp_path):
+    first = run_record.describe(_cfg(), MODEL)
+    assert run_record.check_and_record(tmp_path, first, resuming=False, allow_change=False) == []
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["config"]["actor.m2_threshold"] == 0.04
+    assert saved["params"]["['embedding']"] == [[32, 16], "float32"]
+    # The same run, or one that only runs longer and logs elsewhere: resumes.
+    longer = run_record.describe(_cfg(total_steps=50, **{"logging.tensorboard": False}), MODEL)
+    assert run_record.check_and_record(tmp_path, longer, resuming=True, allow_change=False) == []
+
+    wider = run_record.describe(_cfg(), MODEL.replace(hidden_size=24, intermediate_size=48))
+    with pytest.raises(WorkdirError) as err:
+        run_record.check_and_record(tmp_path, wider, resuming=True, allow_change=False)
+    message = str(err.value)
+    assert "\n" not in message and "model differs from this run's at params['embedding']" in message
+    assert "float32[32, 16] recorded, float32[32, 24] now" in message
+
+    changed = run_record.describe(_cfg(**{"actor.eps_clip": 0.3}), MODEL)
+    with pytest.raises(
+        WorkdirError, match=r"actor.eps_clip=0.2 -> 0.3; pass --allow_config_change"
+    ):
+        run_record.check_and_record(tmp_path, changed, resuming=True, allow_change=False)
+    allowed = run_record.check_and_record(tmp_path, changed, resuming=True, allow_change=True)
+    assert allowed == ["actor.eps_clip"]
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["actor.eps_clip"] == 0.3
+    # A new run (no checkpoints) records whatever it is.
+    assert run_record.check_and_record(tmp_path, wider, resuming=False, allow_change=False) == []

@@ -1,0 +1,231 @@
+"""End-to-end runs of the trainer on the tiny arithmetic preset."""
+
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax import trainer as trainer_lib
+from m2po_jax.configs import arith
+from m2po_jax.learner import batching
+from m2po_jax.trainer import metrics as metrics_lib
+
+CONTRACT_KEYS = (
+    "step",
+    "reward/mean",
+    "m2po/masked_fraction",
+    "m2po/m2_before",
+    "m2po/m2_after",
+    "staleness/mean",
+)
+
+
+def tiny_config(preset="m2po,tiny", **changes):
+    c = arith.get_config(preset)
+    # Partial credit for well-formed answers: an untrained tiny policy gets varied rewards.
+    c.task.format_reward = 0.5
+    c.mesh.data = 1  # one device (the sharded runs have their own tests)
+    config_lib.apply_dotted(c, changes)
+    return config_lib.from_configdict(c)
+
+
+def read(workdir):
+    return metrics_lib.read_metrics(workdir / "metrics.jsonl")
+
+
+def strip_times(records):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    trainer = trainer_lib.Trainer(tiny_config(**{"logging.plots": True}), workdir)
+    result = trainer.run()
+    return workdir, trainer, result
+
+
+def test_end_to_end_writes_contract_metrics_and_checkpoints(straight_run):
+    workdir, trainer, result = straight_run
+    records = read(workdir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        for key in CONTRACT_KEYS:
+            assert key in r, key
+        assert np.isfinite(r["loss"])
+    # Evaluations at step 0, every eval.every (2) and at the last step.
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 1, 3]
+    # Stale-2 queue: step 0 and 1 train on version-0 batches, then staleness is 2.
+    assert [r["staleness/mean"] for r in records] == [0.0, 1.0, 2.0, 2.0]
+    assert result.final_step == 4
+    assert trainer.checkpointer.latest_step() == 4
+    assert (workdir / "tensorboard").is_dir()
+    for panel in ("summary", "m2", "loss", "grad_norm", "entropy"):  # the run's own plots
+        assert (workdir / f"{panel}.png").read_bytes()[:4] == b"\x89PNG", panel
+
+
+def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_path):
+    straight_dir, straight, _ = straight_run
+    cfg = tiny_config()
+    first = trainer_lib.Trainer(cfg, tmp_path)
+    real_step = first.train_step
+
+    def step_then_sigterm(state, batch, rng, ref_params):
+        step = int(state.step)  # read before the step donates the state
+        out = real_step(state, batch, rng, ref_params)
+        if step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    first.train_step = step_then_sigterm
+    result = first.run()
+    assert result.interrupted and result.final_step == 2
+    assert first.checkpointer.latest_step() == 2
+
+    resumed = trainer_lib.Trainer(cfg, tmp_path)
+    result = resumed.run()
+    assert result.final_step == 4 and not result.interrupted
+    assert strip_times(read(tmp_path)) == strip_times(read(straight_dir))
+    for a, b in zip(
+        jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_m2po_masks_stale_rollouts_and_is_a_no_op_on_policy(tmp_path):
+    tau = 1e-4
+    stale = trainer_lib.Trainer(
+        tiny_config("m2po,tiny", **{"actor.m2_threshold": tau, "actor.optimizer.lr": 1e-3}),
+        tmp_path / "stale",
+    )
+    stale.run()
+    records = read(tmp_path / "stale")
+    # Steps >= 1 train on batches made before an update: the behaviour and proximal
+    # policies differ and M2PO drops tokens.
+    assert max(r["m2po/masked_fraction"] for r in records[1:]) > 0
+    for r in records:
+        # docs/algorithm.md (lt rule): the kept tokens' mean m2 is below tau, except when
+        # even the smallest m2 alone is not: then exactly that one token is kept.
+        kept = r["train/tokens"] - r["m2po/masked_tokens"]
+        assert r["m2po/nonfinite_tokens"] == 0
+        assert kept >= 1
+        assert r["m2po/m2_after"] < tau or kept == 1, r
+        # Tokens are dropped only when the whole batch's mean is not below tau.
+        assert (r["m2po/masked_tokens"] > 0) == (r["m2po/m2_before"] >= tau), r
+
+    on_policy = trainer_lib.Trainer(
+        tiny_config(
+            "m2po,tiny", **{"actor.m2_threshold": 1e-4, "rollout.max_head_offpolicyness": 0}
+        ),
+        tmp_path / "on",
+    )
+    on_policy.run()
+    records = read(tmp_path / "on")
+    assert [r["staleness/mean"] for r in records] == [0.0] * 4
+    assert all(r["m2po/masked_fraction"] == 0 for r in records)
+    assert all(r["m2po/m2_before"] < 1e-8 for r in records)
+
+
+def test_an_injected_step_trains_on_the_stale_batches_and_fills_the_rows(tmp_path):
+    calls = []
+
+    def fake_step(state, batch, rng, ref_params):
+        calls.append(
+            (int(state.step), np.asarray(batch.version_B), np.asarray(jax.random.key_data(rng)))
+        )
+        assert ref_params is None  # no KL penalty in this config
+        metrics = {"loss": jnp.float32(10 * len(calls)), "train/nonfinite": jnp.int32(0)}
+        return state.replace(step=state.step + 1), metrics
+
+    cfg = tiny_config(**{"sft.max_steps": 0})
+    trainer = trainer_lib.Trainer(cfg, tmp_path, train_step=fake_step)
+    assert trainer.train_step is fake_step
+    result = trainer.run()
+    assert result.final_step == 4 and trainer.checkpointer.latest_step() == 4
+    assert [step for step, _, _ in calls] == [0, 1, 2, 3]
+    # Stale-2: step s trains on the batch generated by policy version max(s - 2, 0).
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    for step, versions, _ in calls:
+        np.testing.assert_array_equal(versions, np.full(rows, max(step - 2, 0)))
+    assert len({key.tobytes() for _, _, key in calls}) == 4  # a new key every step
+    records = read(tmp_path)
+    assert [r["loss"] for r in records] == [10.0, 20.0, 30.0, 40.0]
+    assert [r["staleness/mean"] for r in records] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_repeated_non_finite_steps_stop_with_a_checkpoint(tmp_path):
+    trainer = trainer_lib.Trainer(tiny_config(), tmp_path)
+    real_step = trainer.train_step
+    seen = []  # host copies of the params each RL step received (the state is donated)
+
+    def poisoned(state, batch, rng, ref_params):
+        seen.append(jax.tree.map(lambda x: np.array(x, copy=True), state.params))
+        batch = batch.replace(rewards_B=batch.rewards_B * np.nan)
+        return real_step(state, batch, rng, ref_params)
+
+    trainer.train_step = poisoned
+    with pytest.raises(trainer_lib.NonFiniteError, match="3 consecutive steps"):
+        trainer.run()
+    # Metrics arrive a step late: the third skipped step is seen after the fourth was
+    # dispatched (skipped too), and that one has its row and is in the checkpoint.
+    assert trainer.checkpointer.latest_step() == 4
+    assert len(seen) == 4
+    # Every skipped step left the post-warm-up params untouched, and the checkpoint holds them.
+    restored = trainer_lib.Trainer(tiny_config(), tmp_path)
+    assert restored.try_resume()
+    assert int(restored.state.nonfinite_steps) == 4
+    for params in (seen[1], seen[2], seen[3], jax.tree.map(np.asarray, restored.state.params)):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seen[0]), strict=True):
+            np.testing.assert_array_equal(a, b)
+    records = read(tmp_path)
+    # The failing step has its row too: a resumed run's metrics skip no step.
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["train/nonfinite"] == 1 for r in records)
+
+
+def test_kl_penalty_against_the_reference_policy_trains_and_resumes(tmp_path):
+    cfg = tiny_config(**{"actor.kl_ctl": 0.1, "actor.kl_estimator": "k3"})
+    first = trainer_lib.Trainer(cfg, tmp_path)
+    first.run(stop_after=2)
+    assert first.ref_params is not None
+    resumed = trainer_lib.Trainer(cfg, tmp_path)
+    resumed.run()
+    # The reference policy is the post-warm-up policy, restored from the checkpoint.
+    for a, b in zip(
+        jax.tree.leaves(resumed.ref_params), jax.tree.leaves(first.ref_params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    records = read(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_steps_train_on_the_generated_columns_only(tmp_path):
+    # Every batch is cut to the smallest bucket that holds its longest completion (an
+    # untrained policy may fill the buffer: then the bucket is the buffer), losing nothing.
+    seen = []
+
+    def recording_step(state, batch, rng, ref_params):
+        seen.append((np.asarray(batch.valid_BxT), np.asarray(batch.loss_mask_BxT)))
+        metrics = {"loss": jnp.float32(0.0), "train/nonfinite": jnp.int32(0)}
+        return state.replace(step=state.step + 1), metrics
+
+    cfg = tiny_config(**{"sft.max_steps": 0, "gconfig.max_new_tokens": 40})
+    trainer = trainer_lib.Trainer(cfg, tmp_path, train_step=recording_step)
+    trainer.run()
+    prompt = cfg.task.max_prompt_len
+    records = read(tmp_path)
+    assert len(seen) == len(records) == 4
+    for (valid, loss_mask), record in zip(seen, records, strict=True):
+        longest = int(valid[:, prompt:].sum(axis=1).max())
+        width = batching.completion_width(longest, 40)
+        assert valid.shape[1] == prompt + width <= prompt + 40
+        # Nothing generated was cut: the record counts the untrimmed batch's completions.
+        rows = valid.shape[0]
+        assert valid[:, prompt:].sum() == round(record["rollout/completion_len_mean"] * rows)
+        assert record["train/completion_width"] == width
+        pad = 1 - loss_mask.sum() / (loss_mask.shape[0] * width)
+        assert record["train/padding_fraction"] == pytest.approx(pad)
