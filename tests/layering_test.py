@@ -72,6 +72,15 @@ def test_every_module_is_in_a_role_package():
     assert {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()} == set(ALLOWED)
 
 
+def test_every_package_ships():
+    """A plain (non-editable) install copies only the packages pyproject.toml lists."""
+    import tomllib
+
+    listed = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {dotted(p.parent / "__init__.py") for p in PKG.rglob("__init__.py")}
+    assert set(listed["packages"]) == found | {"m2po_jax.configs"}
+
+
 def test_imports_only_point_down():
     bad = [line for path in modules() for line in upward_imports(path)]
     assert bad == [], "\n".join(bad)

@@ -1,1 +1,5 @@
-"""m2po_jax.algorithm."""
+"""The pure math of docs/algorithm.md: M2PO masks and scopes, the published variants,
+PPO / GSPO / SAPO losses, rejection sampling, advantages, penalties, the proximal.
+
+Imports only `common`; needs jax, nothing else.
+"""

@@ -37,3 +37,20 @@ class TrainBatch:
     loss_mask_BxT: jax.Array
     rewards_B: jax.Array  # float32 raw task rewards, one per row
     version_B: jax.Array
+
+
+@flax.struct.dataclass
+class Minibatch:
+    """The rows one PPO update reads (stacked per minibatch, or one micro-batch of them).
+
+    `prox_BxT` is None where the plan takes the proximal log-probs in the loss pass.
+    """
+
+    advantages_BxT: jax.Array  # float32
+    behav_BxT: jax.Array  # float32 behaviour log-probs
+    loss_mask_BxT: jax.Array  # bool: valid completion tokens
+    mask_BxT: jax.Array  # bool: after the M2PO mask taken so far
+    prox_BxT: jax.Array | None  # float32 proximal log-probs computed before the loss pass
+    tokens_BxT: jax.Array
+    valid_BxT: jax.Array
+    version_B: jax.Array  # int32 policy version that generated each row

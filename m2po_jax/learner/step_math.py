@@ -13,6 +13,7 @@ from m2po_jax.algorithm import advantages as adv_lib
 from m2po_jax.algorithm import masking, proximal, scopes
 from m2po_jax.algorithm import rejection as rejection_lib
 from m2po_jax.common.config_schema import ActorSection
+from m2po_jax.common.types import Minibatch
 from m2po_jax.learner.step_plan import StepPlan, m2po_masks
 
 
@@ -94,29 +95,29 @@ def rejection(actor: ActorSection) -> rejection_lib.RejectionSampling | None:
     return rejection_lib.build_rejection_sampling(actor.rejection_sampling)
 
 
-def loss_pass_prox(plan: StepPlan, mb: dict, logp_now, entropy, version) -> tuple:
+def loss_pass_prox(plan: StepPlan, mb: Minibatch, logp_now, entropy, version) -> tuple:
     """Inside a loss pass: (the proximal log-probs, the pass's statistics).
 
-    prox is `mb["prox"]` when computed before the pass, else this pass's log-probs
+    prox is `mb.prox_BxT` when computed before the pass, else this pass's log-probs
     `logp_now` (gradient stopped) or AReaL's approximation from them (`version`: the policy
     version of the params). Statistics: the approximation's error (method "metrics"), and
     the entropy (`entropy` not None) and behaviour-proximal gap where no earlier pass
     reported them.
     """
-    behav, loss_mask = mb["behav"], mb["loss_mask"]
+    behav, loss_mask = mb.behav_BxT, mb.loss_mask_BxT
     if plan.prox_source == "loss":
         prox = logp_now
     elif plan.prox_source == "loglinear":
-        prox = proximal.loglinear_prox(behav, logp_now, mb["version"], version)
+        prox = proximal.loglinear_prox(behav, logp_now, mb.version_B, version)
     else:
-        prox = mb["prox"]
+        prox = mb.prox_BxT
     stats = {}
     if plan.approx_metrics:
-        approx = proximal.loglinear_prox(behav, logp_now, mb["version"], version)
+        approx = proximal.loglinear_prox(behav, logp_now, mb.version_B, version)
         stats.update(proximal.approximation_stats(approx, prox, behav, loss_mask))
     n_valid = jnp.maximum(jnp.sum(loss_mask), 1)
     if entropy is not None:
         stats["train/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * loss_mask) / n_valid
-    if "prox" not in mb:
+    if plan.prox_in_loss:
         stats["train/behav_prox_abs_diff"] = jnp.sum(jnp.abs(behav - prox) * loss_mask) / n_valid
     return prox, stats

@@ -58,6 +58,11 @@ class StepPlan:
         """Whether the step runs a forward pass only for the proximal log-probs."""
         return self.prox_source == "pass"
 
+    @property
+    def prox_in_loss(self) -> bool:
+        """Whether the loss pass takes the proximal log-probs (none are known before it)."""
+        return self.prox_source in ("loss", "loglinear")
+
 
 def m2po_masks(actor: ActorSection) -> bool:
     """M2PO on and masking (the capped-clip rule clips the ratio instead)."""

@@ -7,6 +7,7 @@ and the result is compiled once with `jax.jit` (see `make_train_step`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -17,7 +18,7 @@ import optax
 
 from m2po_jax.algorithm import losses
 from m2po_jax.common.config_schema import ActorSection
-from m2po_jax.common.types import TrainBatch
+from m2po_jax.common.types import Minibatch, TrainBatch
 from m2po_jax.learner import batching, logprobs, memory, step_math
 from m2po_jax.learner.step_metrics import combine_stats, step_metrics
 from m2po_jax.learner.step_plan import StepPlan, plan_step
@@ -71,28 +72,24 @@ def prepare(
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
     The proximal log-probs are recomputed without gradient only where `plan` says so
-    ("pass"), minibatches x micro-batches parts at a time, so no pass is larger than a
-    training micro-batch. `shared`: rows come in groups sharing a prompt (each prompt
-    then runs once). `layout` (`placement.Layout`) keeps
-    regrouped rows on their devices and gives the mesh of the "shard" M2PO scope.
-    """
-    temperature, chunk = actor.temperature, actor.logp_chunk_size
-    n_parts = plan.n_minibatches * plan.n_micro
+    ("pass"), in parts no larger than a training micro-batch. `shared`: rows come in
+    groups sharing a prompt. `layout` (`placement.Layout`): see `train_step`."""
     loss_mask = batch.loss_mask_BxT
     behav = batch.behav_logp_BxT.astype(jnp.float32)
-    tokens, valid = batch.tokens_BxT, batch.valid_BxT
-    prox, entropy = None, None
-    if plan.prox_source == "pass":
-        prox, entropy = logprobs.micro_batched_logp(
-            params, model_config, tokens, valid, temperature, chunk, n_parts, layout, shared
+
+    def logp_pass(p):  # minibatches x micro-batches parts
+        parts, chunk = plan.n_minibatches * plan.n_micro, actor.logp_chunk_size
+        tokens, valid, temperature = batch.tokens_BxT, batch.valid_BxT, actor.temperature
+        return logprobs.micro_batched_logp(
+            p, model_config, tokens, valid, temperature, chunk, parts, layout, shared
         )
-    elif plan.prox_source == "behav":
+
+    prox, entropy = logp_pass(params) if plan.prox_source == "pass" else (None, None)
+    if plan.prox_source == "behav":
         prox = behav
     ref_logp = None
     if ref_params is not None and actor.kl_ctl > 0:
-        ref_logp, _ = logprobs.micro_batched_logp(
-            ref_params, model_config, tokens, valid, temperature, chunk, n_parts, layout, shared
-        )
+        ref_logp, _ = logp_pass(ref_params)
     advantages = step_math.token_advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
     mask, m2_parts = loss_mask, {}
     # Without a mask the second moment is still reported, from wherever prox is known.
@@ -128,6 +125,203 @@ def _permutation(rng, rows: int, block: int) -> jax.Array:
     return (order[:, None] * block + jnp.arange(block)[None, :]).reshape(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """What every minibatch update of one step reads besides its params and rows."""
+
+    model_config: model_config_lib.ModelConfig
+    actor: ActorSection
+    tx: optax.GradientTransformation
+    plan: StepPlan
+    layout: Any  # placement.Layout or None
+    version: Any  # int32: the policy version of the params the step starts from
+    eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
+    eps_clip_higher: Any
+    with_entropy: bool  # the loss pass reports the entropy (no earlier pass did)
+    threshold: Any  # the M2PO tau, or None
+    rejection: Any  # the behaviour correction (losses.RejectionSampling) or None
+
+    def constrain(self, x, row_axis=0):
+        """Keep regrouped rows on their devices (no-op without a layout)."""
+        return x if self.layout is None else self.layout.rows(x, row_axis)
+
+
+def minibatches(batch: TrainBatch, prep: Prepared, rng, plan: StepPlan, layout) -> Minibatch:
+    """The batch's rows in a random order of whole `plan.perm_block` blocks, stacked as
+    [n_minibatches, rows / n_minibatches, ...]."""
+    rows, n_mb = batch.tokens_BxT.shape[0], plan.n_minibatches
+    perm = _permutation(rng, rows, plan.perm_block)
+    whole = Minibatch(
+        advantages_BxT=prep.advantages_BxT,
+        behav_BxT=prep.behav_BxT,
+        loss_mask_BxT=prep.loss_mask_BxT,
+        mask_BxT=prep.mask_BxT,
+        prox_BxT=prep.prox_BxT,
+        tokens_BxT=batch.tokens_BxT,
+        valid_BxT=batch.valid_BxT,
+        version_B=batch.version_B,
+    )
+
+    def stack(x):
+        x = x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:])
+        return x if layout is None else layout.rows(x, 1)
+
+    return jax.tree.map(stack, whole)
+
+
+def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
+    """The policy loss of one (micro-)batch times `weight`, and its statistics.
+
+    The proximal log-probs are `mb.prox_BxT`, or this pass's log-probs with the gradient
+    stopped (or AReaL's loglinear approximation from them); where the plan takes the
+    mask here, it is this part's own M2PO mask and the loss its own denominator.
+    """
+    actor, plan = s.actor, s.plan
+    logp, entropy = logprobs.policy_logp(
+        params,
+        s.model_config,
+        mb.tokens_BxT,
+        mb.valid_BxT,
+        actor.temperature,
+        actor.logp_chunk_size,
+        s.with_entropy,
+        plan.loss_prompt,
+    )
+    logp_now = jax.lax.stop_gradient(logp)
+    prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, s.version)
+    mask = mb.mask_BxT
+    if plan.mask_at == "loss" or plan.prox_in_loss:  # the second moment is known only here
+        kept, m2_parts = step_math.m2po_block(
+            actor,
+            mb.behav_BxT,
+            prox,
+            mb.loss_mask_BxT,
+            mb.advantages_BxT,
+            logp=logp_now,
+            threshold=s.threshold,
+            layout=s.layout,
+        )
+        mask = kept if plan.mask_at == "loss" else mask
+        stats.update(m2_parts)
+    loss, loss_stats = losses.policy_loss(
+        logp,
+        prox,
+        mb.behav_BxT,
+        mb.advantages_BxT,
+        mask,
+        eps_clip=s.eps_clip,
+        eps_clip_higher=s.eps_clip_higher,
+        c_clip=actor.c_clip,
+        use_decoupled_loss=actor.use_decoupled_loss,
+        importance_sampling_level=actor.importance_sampling_level,
+        rejection_sampling=s.rejection,
+        use_sapo_loss=actor.use_sapo_loss,
+        sapo_tau_pos=actor.sapo_tau_pos,
+        sapo_tau_neg=actor.sapo_tau_neg,
+        denominator=actor.loss_denominator,
+        valid_mask_BxT=mb.loss_mask_BxT,
+        count=count,
+    )
+    return loss * weight, {**loss_stats, **stats}
+
+
+def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch, dict]:
+    """The M2PO mask of the minibatch, taken with the params before its update (the plan's
+    `mask_at == "minibatch"`: the scope or the current-policy second moment needs it)."""
+    actor, plan = s.actor, s.plan
+    logp_now = None
+    if actor.m2po_second_moment != "behav_prox":
+        logp_now, _ = logprobs.micro_batched_logp(
+            params,
+            s.model_config,
+            mb.tokens_BxT,
+            mb.valid_BxT,
+            actor.temperature,
+            actor.logp_chunk_size,
+            plan.n_micro,
+            s.layout,
+            plan.loss_prompt,
+        )
+    mask, m2_parts = step_math.m2po_block(
+        actor,
+        mb.behav_BxT,
+        mb.prox_BxT,
+        mb.loss_mask_BxT,
+        mb.advantages_BxT,
+        logp_now,
+        s.threshold,
+        s.layout,
+    )
+    return mb.replace(mask_BxT=mask), m2_parts
+
+
+def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
+    """The minibatch's gradient, summed over `plan.n_micro` micro-batches (`lax.scan`);
+    returns (grads, (loss, stats, valid tokens) of each micro-batch, the minibatch's valid
+    tokens).
+
+    Each micro-batch's loss is divided by the whole minibatch's token count, so the sum is
+    the unsplit minibatch's gradient. Where the mask is taken in the loss, each part has
+    its own denominator and weighs its share of the minibatch's valid tokens (AReaL's
+    `loss_weight_fn`).
+    """
+    plan, mask_in_loss = s.plan, s.plan.mask_at == "loss"
+    n_valid = jnp.sum(mb.loss_mask_BxT)
+    count = None
+    if not mask_in_loss:
+        count = jnp.sum(mb.mask_BxT if s.actor.loss_denominator == "kept" else mb.loss_mask_BxT)
+    grad_fn = jax.value_and_grad(minibatch_loss, has_aux=True)
+    if plan.n_micro == 1:  # no accumulator: one gradient-sized buffer less
+        (loss, stats), grads = grad_fn(params, mb, count, 1.0, s)
+        return grads, jax.tree.map(lambda x: x[None], (loss, stats, n_valid)), n_valid
+
+    def accumulate(grads, part):
+        part_valid = jnp.sum(part.loss_mask_BxT)
+        weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0
+        (loss, stats), part_grads = grad_fn(params, part, count, weight, s)
+        grads = jax.tree.map(lambda g, p: g + p.astype(g.dtype), grads, part_grads)
+        return grads, (loss, stats, part_valid)
+
+    split = lambda x: s.constrain(batching.split_rows(x, plan.n_micro, plan.micro_block), 1)  # noqa: E731
+    micro = jax.tree.map(split, mb)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads, parts = jax.lax.scan(accumulate, zeros, micro)
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), parts, n_valid
+
+
+def guarded_update(params, opt_state, grads, loss, tx: optax.GradientTransformation):
+    """One optimizer update where the loss and the gradient are finite; otherwise params
+    and optimizer moments stay as they are. Returns (params, opt_state, grad norm, finite).
+    """
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def apply_update(operands):
+        params, opt_state, grads = operands
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    # A `cond`, unlike a select between old and new, updates the state in place.
+    params, opt_state = jax.lax.cond(
+        finite, apply_update, lambda operands: operands[:2], (params, opt_state, grads)
+    )
+    return params, opt_state, grad_norm, finite
+
+
+def minibatch_update(carry, mb: Minibatch, s: UpdateSettings):
+    """One PPO update on one minibatch (a `lax.scan` body over the minibatches)."""
+    params, opt_state = carry
+    m2_parts = {}
+    if s.plan.mask_at == "minibatch":
+        mb, m2_parts = minibatch_mask(params, mb, s)
+    grads, (part_loss, part_stats, part_valid), n_valid = accumulated_grads(params, mb, s)
+    loss = jnp.sum(part_loss)
+    params, opt_state, grad_norm, finite = guarded_update(params, opt_state, grads, loss, s.tx)
+    stats = {**combine_stats(part_stats, part_valid), **m2_parts}
+    stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
+    return (params, opt_state), (stats, n_valid)
+
+
 def ppo_updates(
     params,
     opt_state,
@@ -142,165 +336,52 @@ def ppo_updates(
     version: jax.Array | int = 0,
     layout=None,
 ):
-    """`ppo_n_minibatches` optimizer updates, each accumulating its gradient over
-    `plan.n_micro` micro-batches (`lax.scan` in `lax.scan`); returns (params, opt_state,
-    stats per minibatch, valid tokens per minibatch).
+    """`ppo_n_minibatches` optimizer updates (`minibatch_update` under `lax.scan`), each
+    accumulating its gradient over `plan.n_micro` micro-batches; returns (params,
+    opt_state, stats per minibatch, valid tokens per minibatch).
 
-    Each micro-batch's loss is divided by the whole minibatch's token count, so the summed
-    gradient is the unsplit minibatch's. Where the mask is taken inside the loss (see
-    `step_plan`) the loss uses its own denominator and is weighted by its share of the
-    minibatch's valid tokens: AReaL's `_apply_m2po_masking` per micro-batch and its
-    `loss_weight_fn`; with one micro-batch that is the minibatch's own loss. Where the
-    plan takes the proximal log-probs from the loss pass, they are its log-probs with the
-    gradient stopped (or AReaL's loglinear approximation from them, `version` being the
-    policy version of `params`). A non-finite minibatch leaves params and optimizer state
-    untouched (the other minibatches of the step still apply).
+    Where the mask is taken (`prepare`, per minibatch, or in the loss) and where the
+    proximal log-probs come from is the plan's (`step_plan`); `version` is the policy
+    version of `params` (AReaL's loglinear approximation needs it). A non-finite minibatch
+    leaves params and optimizer state untouched; the step's other minibatches still apply.
     """
-    temperature, chunk = actor.temperature, actor.logp_chunk_size
-    n_mb, n_micro = plan.n_minibatches, plan.n_micro
-    rows = batch.tokens_BxT.shape[0]
-    perm = _permutation(rng, rows, plan.perm_block)
-    fields = {
-        "tokens": batch.tokens_BxT,
-        "valid": batch.valid_BxT,
-        "behav": prep.behav_BxT,
-        "adv": prep.advantages_BxT,
-        "loss_mask": prep.loss_mask_BxT,
-        "mask": prep.mask_BxT,
-        "version": batch.version_B,
-    }
-    if prep.prox_BxT is not None:
-        fields["prox"] = prep.prox_BxT
-    constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
-    minibatches = jax.tree.map(
-        lambda x: constrain(x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), 1), fields
+    settings = UpdateSettings(
+        model_config=model_config,
+        actor=actor,
+        tx=tx,
+        plan=plan,
+        layout=layout,
+        version=version,
+        eps_clip=prep.eps_clip,
+        eps_clip_higher=prep.eps_clip_higher,
+        with_entropy=prep.entropy_BxT is None,
+        threshold=step_math.threshold(actor),
+        rejection=step_math.rejection(actor),
     )
-    threshold, rejection = step_math.threshold(actor), step_math.rejection(actor)
-    mask_in_loss = plan.mask_at == "loss"
-    with_entropy = prep.entropy_BxT is None
-
-    def loss_fn(params, mb, count, weight):
-        logp, entropy = logprobs.policy_logp(
-            params,
-            model_config,
-            mb["tokens"],
-            mb["valid"],
-            temperature,
-            chunk,
-            with_entropy,
-            plan.loss_prompt,
-        )
-        logp_now = jax.lax.stop_gradient(logp)
-        prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, version)
-        mask = mb["mask"]
-        if mask_in_loss or "prox" not in mb:
-            kept, m2_parts = step_math.m2po_block(
-                actor,
-                mb["behav"],
-                prox,
-                mb["loss_mask"],
-                mb["adv"],
-                logp=logp_now,
-                threshold=threshold,
-                layout=layout,
-            )
-            mask = kept if mask_in_loss else mask
-            stats.update(m2_parts)
-        loss, loss_stats = losses.policy_loss(
-            logp,
-            prox,
-            mb["behav"],
-            mb["adv"],
-            mask,
-            eps_clip=prep.eps_clip,
-            eps_clip_higher=prep.eps_clip_higher,
-            c_clip=actor.c_clip,
-            use_decoupled_loss=actor.use_decoupled_loss,
-            importance_sampling_level=actor.importance_sampling_level,
-            rejection_sampling=rejection,
-            use_sapo_loss=actor.use_sapo_loss,
-            sapo_tau_pos=actor.sapo_tau_pos,
-            sapo_tau_neg=actor.sapo_tau_neg,
-            denominator=actor.loss_denominator,
-            valid_mask_BxT=mb["loss_mask"],
-            count=count,
-        )
-        return loss * weight, {**loss_stats, **stats}
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def minibatch_update(carry, mb):
-        params, opt_state = carry
-        m2_parts = {}
-        if plan.mask_at == "minibatch":
-            logp_now = None
-            if actor.m2po_second_moment != "behav_prox":
-                logp_now, _ = logprobs.micro_batched_logp(
-                    params,
-                    model_config,
-                    mb["tokens"],
-                    mb["valid"],
-                    temperature,
-                    chunk,
-                    n_micro,
-                    layout,
-                    plan.loss_prompt,
-                )
-            mb["mask"], m2_parts = step_math.m2po_block(
-                actor,
-                mb["behav"],
-                mb["prox"],
-                mb["loss_mask"],
-                mb["adv"],
-                logp_now,
-                threshold,
-                layout,
-            )
-        n_valid = jnp.sum(mb["loss_mask"])
-        count = None
-        if not mask_in_loss:
-            count = jnp.sum(mb["mask"] if actor.loss_denominator == "kept" else mb["loss_mask"])
-
-        def accumulate(grads, part):
-            part_valid = jnp.sum(part["loss_mask"])
-            weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0
-            (loss, stats), part_grads = grad_fn(params, part, count, weight)
-            grads = jax.tree.map(lambda g, p: g + p.astype(g.dtype), grads, part_grads)
-            return grads, (loss, stats, part_valid)
-
-        if n_micro == 1:  # no accumulator: one gradient-sized buffer less
-            (loss, stats), grads = grad_fn(params, mb, count, 1.0)
-            part_loss, part_stats, part_valid = jax.tree.map(
-                lambda x: x[None], (loss, stats, n_valid)
-            )
-        else:
-            split = lambda x: constrain(batching.split_rows(x, n_micro, plan.micro_block), 1)  # noqa: E731
-            micro = jax.tree.map(split, mb)
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            grads, (part_loss, part_stats, part_valid) = jax.lax.scan(accumulate, zeros, micro)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        loss = jnp.sum(part_loss)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def apply_update(operands):
-            params, opt_state, grads = operands
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        # A non-finite minibatch touches neither params nor optimizer moments. A `cond`,
-        # unlike a select between old and new, updates the state in place.
-        params, opt_state = jax.lax.cond(
-            finite, apply_update, lambda operands: operands[:2], (params, opt_state, grads)
-        )
-        stats = {**combine_stats(part_stats, part_valid), **m2_parts}
-        stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
-        return (params, opt_state), (stats, n_valid)
-
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
-        minibatch_update, (params, opt_state), minibatches
+        functools.partial(minibatch_update, s=settings),
+        (params, opt_state),
+        minibatches(batch, prep, rng, plan, layout),
     )
     return params, opt_state, stats, mb_valid
+
+
+def batch_plan(
+    batch: TrainBatch, model_config, actor: ActorSection, layout, prompt_len, group_size, fuse_prox
+) -> StepPlan:
+    """`step_plan.plan_step` for the batch's static shape on the layout's mesh."""
+    rows, seq_len = batch.tokens_BxT.shape
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1]) if layout is None else layout.mesh
+    return plan_step(
+        actor,
+        rows,
+        seq_len,
+        prompt_len=prompt_len,
+        group_size=group_size,
+        fuse_prox=fuse_prox,
+        batch_shards=sharding.batch_shards(mesh),
+        blocks_pay=memory.blocks_pay_fn(model_config, mesh, actor.logp_chunk_size),
+    )
 
 
 def train_step(
@@ -326,22 +407,10 @@ def train_step(
     the M2PO mask is taken. `prompt_len` / `group_size`: the rows come in groups of
     `group_size` sharing their first `prompt_len` columns (as the sampler writes them);
     minibatches and micro-batches then hold whole groups and each prompt runs once.
-    `fuse_prox=False` keeps the separate proximal pass (the reference path).
-    `layout` (`placement.Layout`) keeps rows and weights laid out for the mesh and gives
-    the mesh of the "shard" M2PO scope (without it that scope is one shard: "global").
-    """
-    rows, seq_len = batch.tokens_BxT.shape
-    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1]) if layout is None else layout.mesh
-    plan = plan_step(
-        actor,
-        rows,
-        seq_len,
-        prompt_len=prompt_len,
-        group_size=group_size,
-        fuse_prox=fuse_prox,
-        batch_shards=sharding.batch_shards(mesh),
-        blocks_pay=memory.blocks_pay_fn(model_config, mesh, actor.logp_chunk_size),
-    )
+    `fuse_prox=False` keeps the separate proximal pass (the reference path). `layout`
+    (`placement.Layout`) keeps rows and weights laid out for the mesh and gives the mesh of
+    the "shard" M2PO scope (without it that scope is one shard: "global")."""
+    plan = batch_plan(batch, model_config, actor, layout, prompt_len, group_size, fuse_prox)
     prep = prepare(
         state.params,
         batch,
@@ -350,8 +419,7 @@ def train_step(
         actor=actor,
         plan=plan,
         layout=layout,
-        # The batch's own order: groups are whole.
-        shared=plan.batch_prompt,
+        shared=plan.batch_prompt,  # the batch's own order: groups are whole
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         state.params,
@@ -367,12 +435,9 @@ def train_step(
         layout=layout,
     )
     all_finite = jnp.all(mb_stats.pop("finite"))
-    new_state = TrainState(
-        step=state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        nonfinite_steps=jnp.where(all_finite, 0, state.nonfinite_steps + 1),
-    )
+    version = state.step + 1
+    skipped = jnp.where(all_finite, 0, state.nonfinite_steps + 1)
+    new_state = TrainState(version, params, opt_state, nonfinite_steps=skipped)
     metrics = step_metrics(
         state, new_state.params, prep, mb_stats, mb_valid, all_finite, schedule, plan
     )

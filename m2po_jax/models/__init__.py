@@ -1,1 +1,5 @@
-"""m2po_jax.models."""
+"""The Flax causal LM and what loads it: attention, rope, Hugging Face files and configs,
+public architectures, tokenizers, chat templates, prompt encoding.
+
+Imports only `common`.
+"""

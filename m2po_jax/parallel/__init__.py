@@ -1,1 +1,4 @@
-"""m2po_jax.parallel."""
+"""Device meshes, logical-axis rules and shardings, one run's placement, multi-host start-up.
+
+Imports `common` and `models`.
+"""

@@ -12,7 +12,7 @@ import jax
 from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
-from m2po_jax.learner import memory, optim
+from m2po_jax.learner import optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
@@ -76,7 +76,7 @@ def test_scale_bench_and_device_check_use_the_builder(monkeypatch):
         raise Stop
 
     scale = _bench("scale_bench")
-    monkeypatch.setattr(memory, "compiled_step_memory", fake_compiled)
+    monkeypatch.setattr(memory_check, "compiled_step_memory", fake_compiled)
     for share in (True, False):
         try:
             scale.compile_preset("qwen2.5-7b", share_prompts=share, devices=1)
