@@ -105,6 +105,12 @@ class Task(abc.ABC):
     """
 
     tokenizer: Tokenizer
+    # What the trainer reads besides the methods; a subclass that screens its prompts
+    # (GSM8K) fills them. Token counts of prompts the task has encoded (uid -> tokens),
+    # so the trainer counts over-long prompts without encoding them again:
+    prompt_lengths: dict[int, int]
+    # Prompts dropped for being too long, per split ("train", "eval"); None: none dropped.
+    prompts_filtered: dict[str, int] | None
 
     def __init__(self, tokenizer: Tokenizer, reward_fn: str | RewardFn | None = None):
         if not isinstance(tokenizer, Tokenizer):
@@ -120,6 +126,8 @@ class Task(abc.ABC):
             )
         self.tokenizer = tokenizer
         self._reward_fn = reward_fn
+        self.prompt_lengths = {}
+        self.prompts_filtered = None
 
     @abc.abstractmethod
     def train_examples(self, start: int, count: int) -> list[Example]:

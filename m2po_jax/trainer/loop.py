@@ -302,7 +302,7 @@ class Trainer:
         cfg = self.cfg
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
         self.data_position += cfg.rollout.batch_size
-        known = getattr(self.task, "prompt_lengths", {})
+        known = self.task.prompt_lengths
         truncated = prompts_lib.count_long(examples, self.prompts, cfg.task.max_prompt_len, known)
         batch, _ = rollout_lib.generate_rollout(
             self.placement.for_sampling(self.state.params),
@@ -368,7 +368,7 @@ class Trainer:
                 "time/tokens_per_s": tokens / max(t2 - t0, 1e-9),
             }
         )
-        filtered = getattr(self.task, "prompts_filtered", None)
+        filtered = self.task.prompts_filtered
         if filtered is not None:
             record["data/prompts_filtered"] = filtered["train"]
             record["data/eval_prompts_filtered"] = filtered["eval"]

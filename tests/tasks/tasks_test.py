@@ -10,6 +10,7 @@ from m2po_jax.tasks import (
     CharTokenizer,
     Example,
     GSM8KTask,
+    Task,
     Tokenizer,
     extract_last_number,
     make_task,
@@ -321,3 +322,11 @@ def test_make_task_registry(tmp_path):
         make_task("math")
     with pytest.raises(TypeError, match="make_task\\('arith'.*digits"):
         make_task("arith", digits=3)
+
+
+def test_the_attributes_the_trainer_reads_are_declared_on_every_task():
+    """`Task` declares what the trainer reads besides the methods: a task that screens no
+    prompts has them empty, GSM8K fills them (tests/tasks/gsm8k_data_test.py)."""
+    task = make_task("arith", seed=0)
+    assert task.prompt_lengths == {} and task.prompts_filtered is None
+    assert {"prompt_lengths", "prompts_filtered"} <= set(Task.__annotations__)
