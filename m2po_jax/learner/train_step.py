@@ -146,11 +146,11 @@ class UpdateSettings:
         return x if self.layout is None else self.layout.rows(x, row_axis)
 
 
-def minibatches(batch: TrainBatch, prep: Prepared, rng, plan: StepPlan, layout) -> Minibatch:
+def minibatches(batch: TrainBatch, prep: Prepared, rng, s: UpdateSettings) -> Minibatch:
     """The batch's rows in a random order of whole `plan.perm_block` blocks, stacked as
     [n_minibatches, rows / n_minibatches, ...]."""
-    rows, n_mb = batch.tokens_BxT.shape[0], plan.n_minibatches
-    perm = _permutation(rng, rows, plan.perm_block)
+    rows, n_mb = batch.tokens_BxT.shape[0], s.plan.n_minibatches
+    perm = _permutation(rng, rows, s.plan.perm_block)
     whole = Minibatch(
         advantages_BxT=prep.advantages_BxT,
         behav_BxT=prep.behav_BxT,
@@ -162,11 +162,9 @@ def minibatches(batch: TrainBatch, prep: Prepared, rng, plan: StepPlan, layout) 
         version_B=batch.version_B,
     )
 
-    def stack(x):
-        x = x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:])
-        return x if layout is None else layout.rows(x, 1)
-
-    return jax.tree.map(stack, whole)
+    return jax.tree.map(
+        lambda x: s.constrain(x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), 1), whole
+    )
 
 
 def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
@@ -361,7 +359,7 @@ def ppo_updates(
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
         functools.partial(minibatch_update, s=settings),
         (params, opt_state),
-        minibatches(batch, prep, rng, plan, layout),
+        minibatches(batch, prep, rng, settings),
     )
     return params, opt_state, stats, mb_valid
 
