@@ -102,9 +102,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the non-finite guard checks the loss only: a NaN/inf gradient is applied",
     ),
     Mutant(
-        "step_math-kl-ctl-zero",
-        "m2po_jax/learner/step_math.py",
-        "kl_ctl=actor.kl_ctl if ref_logp is not None else 0.0,",
+        "advantages-kl-ctl-zero",
+        "m2po_jax/algorithm/advantages.py",
+        "kl_ctl=s.kl_ctl if with_kl else 0.0,",
         "kl_ctl=0.0,",
         (T("tests/learner/train_step_test.py", "kl"), T("tests/trainer/trainer_test.py", "kl")),
         "kl_ctl forced to 0 inside the step: the reference log-probs are computed, unused",
@@ -120,7 +120,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "train_step-kept-count-is-valid",
         "m2po_jax/learner/train_step.py",
-        'count = jnp.sum(mb.mask_BxT if s.actor.loss_denominator == "kept" else mb.loss_mask_BxT)',
+        'count = jnp.sum(mb.mask_BxT if s.loss.denominator == "kept" else mb.loss_mask_BxT)',
         "count = jnp.sum(mb.loss_mask_BxT)",
         (T("tests/learner/train_step_test.py", "kept_denominator"),),
         "the step's 'kept' loss denominator counts valid tokens (before M2PO) instead",
@@ -283,7 +283,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "losses-kept-denominator-is-valid",
         "m2po_jax/algorithm/losses.py",
-        'count = mask.sum() if denominator == "kept" else valid_mask.astype(bool).sum()',
+        'count = mask.sum() if o.denominator == "kept" else valid_mask.astype(bool).sum()',
         "count = valid_mask.astype(bool).sum() if valid_mask is not None else mask.sum()",
         (T("tests/algorithm/losses_test.py", "denominator"), T("tests/algorithm/variants_test.py")),
         "the 'kept' loss denominator counts the valid tokens (before M2PO)",

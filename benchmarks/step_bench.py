@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from m2po_jax import config as config_lib
-from m2po_jax.common.types import TrainBatch  # noqa: E402
+from m2po_jax.common.types import PromptGroups, TrainBatch  # noqa: E402
 from m2po_jax.configs import arith  # noqa: E402
 from m2po_jax.learner import logprobs, optim
 from m2po_jax.learner import train_step as step_lib
@@ -102,7 +102,7 @@ def main() -> None:
     paths = {
         "reference": dict(fuse_prox=False),
         "fused": dict(),
-        "fast": dict(prompt_len=args.prompt, group_size=args.group),
+        "fast": dict(groups=PromptGroups(args.prompt, args.group)),
     }
     steps, states = {}, {}
     for name, kwargs in paths.items():

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from m2po_jax import config as config_lib  # noqa: E402
-from m2po_jax.common.types import TrainBatch  # noqa: E402
+from m2po_jax.common.types import PromptGroups, TrainBatch  # noqa: E402
 from m2po_jax.configs import arith  # noqa: E402
 from m2po_jax.learner import optim  # noqa: E402
 from m2po_jax.learner import train_step as step_lib  # noqa: E402
@@ -66,7 +66,7 @@ def fingerprint(changes: dict, shared: bool) -> str:
     tx, schedule = optim.make_optimizer(a.optimizer, 10)
     params = model_lib.init_params(MODEL, jax.random.key(0))
     state = step_lib.init_train_state(params, tx)
-    kwargs = dict(prompt_len=PROMPT, group_size=GROUP) if shared else {}
+    kwargs = dict(groups=PromptGroups(PROMPT, GROUP)) if shared else {}
     step = step_lib.make_train_step(MODEL, a, tx, schedule, **kwargs)
     batch = TrainBatch(
         tokens_BxT=jnp.zeros((ROWS, SEQ), jnp.int32),

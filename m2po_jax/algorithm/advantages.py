@@ -16,6 +16,7 @@ overlong penalty live in `penalties.py` (importable from here too).
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax
@@ -352,3 +353,67 @@ def grpo_token_advantages(
     if adv_norm:
         adv = normalize_advantages(adv, mask)
     return adv
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+    """The options of `transform_rewards` and `grpo_token_advantages` as one frozen,
+    hashable record (AReaL's `actor.reward_*`, `actor.reward_norm.*`, `actor.kl_ctl`,
+    `actor.kl_estimator`, `actor.adv_norm`); checked when built."""
+
+    group_size: int
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = 20.0
+    mean_level: str | None = "group"
+    std_level: str | None = "group"
+    mean_leave1out: bool = False
+    std_unbiased: bool = True
+    eps: float = 1e-5
+    kl_ctl: float = 0.0
+    kl_estimator: str = "k1"
+    kl_clamp: float | None = 10.0
+    adv_norm: bool = False
+
+    def __post_init__(self):
+        check_choice("mean_level", self.mean_level, NORM_LEVELS)
+        check_choice("std_level", self.std_level, NORM_LEVELS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.reward_clip < 0:
+            raise ValueError(f"reward_clip must be >= 0, got {self.reward_clip}")
+
+
+def token_advantages(
+    settings: AdvantageSettings,
+    rewards_B: ArrayLike,
+    loss_mask_BxT: ArrayLike,
+    logp_BxT: ArrayLike | None = None,
+    ref_logp_BxT: ArrayLike | None = None,
+) -> jax.Array:
+    """Raw task rewards to per-token advantages: `transform_rewards`, then
+    `grpo_token_advantages`. The KL penalty applies only where reference log-probs are
+    given (`ref_logp_BxT`, with `logp_BxT` the policy's: AReaL uses the behaviour's)."""
+    s = settings
+    rewards = transform_rewards(
+        rewards_B,
+        reward_bias=s.reward_bias,
+        reward_scaling=s.reward_scaling,
+        reward_clip=s.reward_clip,
+    )
+    with_kl = ref_logp_BxT is not None
+    return grpo_token_advantages(
+        rewards,
+        loss_mask_BxT,
+        group_size=s.group_size,
+        mean_level=s.mean_level,
+        std_level=s.std_level,
+        mean_leave1out=s.mean_leave1out,
+        std_unbiased=s.std_unbiased,
+        eps=s.eps,
+        kl_ctl=s.kl_ctl if with_kl else 0.0,
+        logp_BxT=logp_BxT if with_kl else None,
+        ref_logp_BxT=ref_logp_BxT,
+        kl_estimator=s.kl_estimator,
+        kl_clamp=s.kl_clamp,
+        adv_norm=s.adv_norm,
+    )

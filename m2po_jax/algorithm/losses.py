@@ -17,6 +17,8 @@ Deliberate differences from AReaL, all documented where they apply:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -112,6 +114,38 @@ def _sapo_objective(r, adv, tau_pos, tau_neg):
     return -(4.0 / tau) * jax.nn.sigmoid(tau * (r - 1.0)) * adv, no_clip, no_clip, no_clip
 
 
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The options of `policy_loss` as one frozen record, checked when built (its Args say
+    what each means). Hashable, so a jitted step can take it as a static argument; only
+    `eps_clip` / `eps_clip_higher` may be traced scalars (the capped-mean rule's range),
+    and a record holding one is not hashed."""
+
+    eps_clip: float | jax.Array | None = 0.2
+    eps_clip_higher: float | jax.Array | None = None
+    c_clip: float | None = None
+    use_decoupled_loss: bool = True
+    importance_sampling_level: str = "token"
+    rejection_sampling: RejectionSampling | None = RejectionSampling()  # noqa: B008 (frozen)
+    use_sapo_loss: bool = False
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    denominator: str = "kept"
+
+    def __post_init__(self):
+        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        check_choice("denominator", self.denominator, DENOMINATORS)
+        taus = (self.sapo_tau_pos, self.sapo_tau_neg)
+        _check_options(
+            self.eps_clip, self.eps_clip_higher, self.c_clip, taus, self.rejection_sampling
+        )
+        if self.use_sapo_loss and self.use_decoupled_loss:
+            raise ValueError(
+                "use_sapo_loss=True is not compatible with use_decoupled_loss=True; "
+                "pass use_decoupled_loss=False (AReaL: actor.use_decoupled_loss=false)"
+            )
+
+
 def policy_loss(
     logp_BxT: ArrayLike,
     prox_logp_BxT: ArrayLike,
@@ -189,16 +223,44 @@ def policy_loss(
       "actor/kept_tokens", "actor/rejected_tokens" (mask tokens dropped by the
       correction), "actor/clamped_tokens" (kept tokens whose rho was clamped).
     """
-    check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
-    check_choice("denominator", denominator, DENOMINATORS)
-    taus = (sapo_tau_pos, sapo_tau_neg)
-    _check_options(eps_clip, eps_clip_higher, c_clip, taus, rejection_sampling)
-    if use_sapo_loss and use_decoupled_loss:
-        raise ValueError(
-            "use_sapo_loss=True is not compatible with use_decoupled_loss=True; "
-            "pass use_decoupled_loss=False (AReaL: actor.use_decoupled_loss=false)"
-        )
-    if denominator == "valid" and valid_mask_BxT is None and count is None:
+    settings = LossSettings(
+        eps_clip=eps_clip,
+        eps_clip_higher=eps_clip_higher,
+        c_clip=c_clip,
+        use_decoupled_loss=use_decoupled_loss,
+        importance_sampling_level=importance_sampling_level,
+        rejection_sampling=rejection_sampling,
+        use_sapo_loss=use_sapo_loss,
+        sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg,
+        denominator=denominator,
+    )
+    return policy_loss_with(
+        settings,
+        logp_BxT,
+        prox_logp_BxT,
+        behav_logp_BxT,
+        advantages_BxT,
+        mask_BxT,
+        valid_mask_BxT=valid_mask_BxT,
+        count=count,
+    )
+
+
+def policy_loss_with(
+    settings: LossSettings,
+    logp_BxT: ArrayLike,
+    prox_logp_BxT: ArrayLike,
+    behav_logp_BxT: ArrayLike,
+    advantages_BxT: ArrayLike,
+    mask_BxT: ArrayLike,
+    *,
+    valid_mask_BxT: ArrayLike | None = None,
+    count: ArrayLike | None = None,
+) -> tuple[jax.Array, dict]:
+    """`policy_loss` with its options in one `LossSettings` (what the train step calls)."""
+    o = settings
+    if o.denominator == "valid" and valid_mask_BxT is None and count is None:
         raise ValueError("denominator='valid' needs valid_mask_BxT (the mask before M2PO)")
     logp, prox, behav, adv, mask, valid_mask = _checked_inputs(
         logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, valid_mask_BxT
@@ -206,56 +268,58 @@ def policy_loss(
     logp = logp.astype(jnp.float32)
     behav = jax.lax.stop_gradient(behav.astype(jnp.float32))
     prox = jax.lax.stop_gradient(prox.astype(jnp.float32))
-    if use_sapo_loss or not use_decoupled_loss:
+    if o.use_sapo_loss or not o.use_decoupled_loss:
         prox = behav
     adv = jax.lax.stop_gradient(adv.astype(jnp.float32))
 
-    if use_sapo_loss:
+    if o.use_sapo_loss:
         rho, keep, clamped = jnp.where(mask, 1.0, 0.0), mask, jnp.zeros_like(mask)
     else:
-        rho, keep, clamped = behaviour_correction(prox, behav, mask, rejection_sampling)
+        rho, keep, clamped = behaviour_correction(prox, behav, mask, o.rejection_sampling)
 
-    # Outside `keep` the log-ratio is replaced by 0 so that padding (e.g. -inf
-    # log-probs) can produce neither inf in the forward pass nor NaN gradients.
-    log_r = jnp.where(keep, logp - prox, 0.0)
-    adv = jnp.where(keep, adv, 0.0)
-    if importance_sampling_level == "sequence":
-        r = jnp.broadcast_to(jnp.exp(row_mean(log_r, keep)), keep.shape)
-        adv = jnp.broadcast_to(row_mean(adv, keep), keep.shape)
-    else:
-        r = jnp.exp(log_r)
+    log_r, r, adv = _ratio_and_advantage(logp, prox, adv, keep, o.importance_sampling_level)
 
-    if use_sapo_loss:
-        per_token, clip_low, clip_high, dual = _sapo_objective(r, adv, *taus)
+    if o.use_sapo_loss:
+        per_token, clip_low, clip_high, dual = _sapo_objective(
+            r, adv, o.sapo_tau_pos, o.sapo_tau_neg
+        )
     else:
         per_token, clip_low, clip_high, dual = _clipped_objective(
-            r, adv, eps_clip, eps_clip_higher, c_clip
+            r, adv, o.eps_clip, o.eps_clip_higher, o.c_clip
         )
         per_token = per_token * rho
 
     if count is None:
-        count = mask.sum() if denominator == "kept" else valid_mask.astype(bool).sum()
+        count = mask.sum() if o.denominator == "kept" else valid_mask.astype(bool).sum()
     loss = jnp.where(keep, per_token, 0.0).sum() / jnp.maximum(count, 1)
 
-    stats = _stats(
-        loss=loss,
-        mask=mask,
-        keep=keep,
-        clamped=clamped,
-        r=jax.lax.stop_gradient(r),
-        rho=rho,
-        token_log_r=jax.lax.stop_gradient(log_r),
-        flags={
-            "actor/clip_fraction": clip_low | clip_high,
-            "actor/clip_low_fraction": clip_low,
-            "actor/clip_high_fraction": clip_high,
-            "actor/dual_clip_fraction": dual,
-        },
-    )
-    return loss, stats
+    flags = {
+        "actor/clip_fraction": clip_low | clip_high,
+        "actor/clip_low_fraction": clip_low,
+        "actor/clip_high_fraction": clip_high,
+        "actor/dual_clip_fraction": dual,
+    }
+    return loss, _stats(loss, mask, keep, clamped, r, rho, log_r, flags)
 
 
-def _stats(*, loss, mask, keep, clamped, r, rho, token_log_r, flags) -> dict:
+def _ratio_and_advantage(logp, prox, adv, keep, level: str):
+    """(token log-ratio, r, A) as the loss takes them: per token, or (GSPO, `level`
+    "sequence") r = exp(mean log-ratio) and A = mean A over each row's kept tokens."""
+    # Outside `keep` the log-ratio is replaced by 0 so that padding (e.g. -inf
+    # log-probs) can produce neither inf in the forward pass nor NaN gradients.
+    log_r = jnp.where(keep, logp - prox, 0.0)
+    adv = jnp.where(keep, adv, 0.0)
+    if level == "sequence":
+        r = jnp.broadcast_to(jnp.exp(row_mean(log_r, keep)), keep.shape)
+        adv = jnp.broadcast_to(row_mean(adv, keep), keep.shape)
+    else:
+        r = jnp.exp(log_r)
+    return log_r, r, adv
+
+
+def _stats(loss, mask, keep, clamped, r, rho, log_r, flags) -> dict:
+    r = jax.lax.stop_gradient(r)
+    token_log_r = jax.lax.stop_gradient(log_r)
     n_mask = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
     n_keep = keep.sum()
     any_kept = n_keep > 0

@@ -18,6 +18,7 @@ boundary); see `masking_stats.py` for the schema.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -30,12 +31,62 @@ from jax.typing import ArrayLike
 
 from m2po_jax.algorithm import masking
 from m2po_jax.algorithm import masking_stats as masking_stats_lib
+from m2po_jax.common.checks import check_choice
 from m2po_jax.common.mesh_axes import BATCH_AXES
 
 M2PO_SCOPES = ("global", "shard", "minibatch", "row", "microbatch")
 # masking's rules, plus the authors' capped mean, which masks nothing and sets a clip range
 # (`masking.m2po_clip_bound`) instead.
 M2PO_STOP_RULES = (*masking.STOP_RULES, "capped_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSettings:
+    """The options of `m2po_mask_scoped` besides its arrays, as one frozen, hashable record
+    (`actor.m2_threshold` and `actor.m2po_*`); checked when built. `threshold=None` masks
+    nothing and still reports the second moment's statistics."""
+
+    threshold: float | None
+    scope: str = "global"
+    method: str = "sort"
+    second_moment: str = "behav_prox"
+    stop_rule: str = "lt"
+    candidates: str = "all"
+
+    def __post_init__(self):
+        check_choice("scope", self.scope, M2PO_SCOPES)
+        check_choice("method", self.method, masking.METHODS)
+        check_choice("second_moment", self.second_moment, masking.SECOND_MOMENTS)
+        check_choice("stop_rule", self.stop_rule, M2PO_STOP_RULES)
+        check_choice("candidates", self.candidates, masking.CANDIDATES)
+
+
+def mask_block(
+    settings: MaskSettings,
+    behav_logp: ArrayLike,
+    prox_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    advantages: ArrayLike | None = None,
+    logp: ArrayLike | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`m2po_mask_scoped` of one block with the options of `settings`."""
+    s = settings
+    on = s.threshold is not None
+    return m2po_mask_scoped(
+        behav_logp,
+        prox_logp,
+        loss_mask,
+        jnp.float32(s.threshold) if on else None,
+        scope=s.scope,
+        method=s.method,
+        second_moment=s.second_moment,
+        stop_rule=s.stop_rule,
+        candidates=s.candidates,
+        logp=logp if on else None,
+        advantages=advantages,
+        mesh=mesh,
+    )
 
 
 def m2po_mask_scoped(

@@ -8,13 +8,27 @@ width, completions follow, then right padding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax
 import jax
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptGroups:
+    """Rows come in consecutive groups of `group_size` completions sharing their first
+    `prompt_len` columns (the left-padded prompt), as the sampler writes them.
+    `prompt_len=0` promises whole groups only (no shared columns)."""
+
+    prompt_len: int
+    group_size: int
+
+
 @flax.struct.dataclass
 class RolloutBatch:
-    """What the sampler produced, tagged with the policy version that produced it."""
+    """What the sampler produced and the task scored, tagged with the policy version that
+    produced it: the one record rollouts travel in (sampler -> stale queue -> checkpoint ->
+    train step). On the host its fields are numpy arrays."""
 
     tokens_BxT: jax.Array  # int32
     valid_BxT: jax.Array  # bool: real tokens (prompt or completion), not padding
@@ -25,6 +39,21 @@ class RolloutBatch:
     stopped_B: jax.Array  # bool: the row ended with a stop token
     version_B: jax.Array  # int32: policy version (update count) that generated the row
     group_id_B: jax.Array  # int32: rows with equal ids answer the same prompt
+    rewards_B: jax.Array  # float32: the task's reward of each completion
+
+    def arrays(self) -> dict:
+        """The fields by name (how checkpoints store a rollout)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_arrays(cls, arrays, where: str = "rollout batch") -> RolloutBatch:
+        """The record of `arrays` (a mapping with every field's name); `where` names the
+        source in the error when fields are missing."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise ValueError(f"{where}: lacks {missing} (a rollout batch has {names})")
+        return cls(**{n: arrays[n] for n in names})
 
 
 @flax.struct.dataclass

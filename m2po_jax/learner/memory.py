@@ -142,61 +142,17 @@ def memory_plan(
     params = param_items * pbytes
     gradients = params + (param_items * 4 if micro_batch < batch else 0)
 
-    tensor = mesh.shape.get("tensor", 1)
-
-    def split(n: int) -> int:  # per-device share of a tensor-parallel dim
-        return n // tensor if n % tensor == 0 else n
-
-    shards = sharding.batch_shards(mesh)
-    b, t, e = _per_device(micro_batch, shards), seq_len, c.hidden_size
-    h, k, d, f = (
-        split(c.num_heads),
-        split(c.num_kv_heads),
-        c.dim_per_head,
-        split(c.intermediate_size),
-    )
-    dense_attention = attention_kind(c) in _DENSE_ATTENTION
-    per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
-    policy = c.remat_policy if remat else "everything_saveable"
-
-    def trunk(rows: int, queries: int, keys: int) -> int:
-        """Bytes one trunk pass over `rows` rows keeps for the backward pass."""
-        scores = rows * h * queries * keys if dense_attention else 0
-        layer = (rows * queries * per_token + scores) * cbytes
-        if policy == "everything_saveable":
-            return c.num_layers * layer
-        # Each layer's input and what the policy saves, plus one layer recomputed and its
-        # gradients in the backward pass.
-        saved = rows * queries * _SAVED_PER_TOKEN[policy](e, h, k, d, f) * cbytes
-        if policy == "dots_saveable":
-            saved += scores * cbytes  # the attention matmuls are dots too
-        return c.num_layers * (rows * queries * e * cbytes + saved) + 2 * layer
-
-    if shared_prompt is None:
-        activations = trunk(b, t, t)
-    else:
-        p = shared_prompt.prompt_len
-        groups = micro_batch // shared_prompt.group_size
-        g = groups // shards if groups % shards == 0 else groups
-        prompt_kv = 2 * 2 * c.num_layers * g * k * p * d * cbytes  # k, v and their gradients
-        activations = trunk(g, p, p) + prompt_kv
-        blocks = shared_prompt.length_blocks
-        if blocks == 1:
-            activations += trunk(b, t - p, t)
-        else:
-            # The blocks run one after another, yet XLA keeps about half of what whole rows
-            # would (tests/learner/memory_test.py); and the branches' head buffers.
-            activations += trunk(max(b // 2, 1), t - p, t) + _branch_head_bytes(
-                c, mesh, micro_batch, t - p, blocks, logp_chunk
-            )
+    trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")
+    b = _per_device(micro_batch, sharding.batch_shards(mesh))
+    activations = _activation_bytes(trunk, mesh, micro_batch, seq_len, shared_prompt, logp_chunk)
     # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows (the
     # shared-prompt pass runs the head on completion columns only).
-    scored = t - 1 if shared_prompt is None else t - shared_prompt.prompt_len
+    scored = seq_len - 1 if shared_prompt is None else seq_len - shared_prompt.prompt_len
     columns = max(1, min(logp_chunk // micro_batch, scored))
-    logits = 3 * b * columns * split(c.vocab_size) * 4
+    logits = 3 * b * columns * trunk.split(c.vocab_size) * 4
 
-    kv_b = _per_device(kv_cache_batch, shards)
-    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * split(c.num_kv_heads) * d * cbytes
+    kv_b = _per_device(kv_cache_batch, sharding.batch_shards(mesh))
+    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * cbytes
     return MemoryPlan(
         params=params,
         optimizer=_OPT_MOMENTS[optimizer] * params,
@@ -207,6 +163,80 @@ def memory_plan(
         mesh_shape=tuple(mesh.shape.items()),
         micro_batch=micro_batch,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trunk:
+    """Per-device sizes of the model's trunk (heads and MLP split over tensor when they
+    divide) and what one pass keeps for the backward pass under a remat policy."""
+
+    config: model_config_lib.ModelConfig
+    tensor: int
+    h: int
+    k: int
+    d: int
+    f: int
+    cbytes: int
+    dense_attention: bool
+    policy: str
+
+    @classmethod
+    def of(cls, c, mesh: Mesh, cbytes: int, policy: str) -> _Trunk:
+        tensor = mesh.shape.get("tensor", 1)
+        split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731
+        return cls(
+            config=c,
+            tensor=tensor,
+            h=split(c.num_heads),
+            k=split(c.num_kv_heads),
+            d=c.dim_per_head,
+            f=split(c.intermediate_size),
+            cbytes=cbytes,
+            dense_attention=attention_kind(c) in _DENSE_ATTENTION,
+            policy=policy,
+        )
+
+    def split(self, n: int) -> int:
+        """The per-device share of a tensor-parallel dim."""
+        return n // self.tensor if n % self.tensor == 0 else n
+
+    def __call__(self, rows: int, queries: int, keys: int) -> int:
+        """Bytes one trunk pass over `rows` rows keeps for the backward pass."""
+        c, e, h, k, d, f = self.config, self.config.hidden_size, self.h, self.k, self.d, self.f
+        per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
+        scores = rows * h * queries * keys if self.dense_attention else 0
+        layer = (rows * queries * per_token + scores) * self.cbytes
+        if self.policy == "everything_saveable":
+            return c.num_layers * layer
+        # Each layer's input and what the policy saves, plus one layer recomputed and its
+        # gradients in the backward pass.
+        saved = rows * queries * _SAVED_PER_TOKEN[self.policy](e, h, k, d, f) * self.cbytes
+        if self.policy == "dots_saveable":
+            saved += scores * self.cbytes  # the attention matmuls are dots too
+        return c.num_layers * (rows * queries * e * self.cbytes + saved) + 2 * layer
+
+
+def _activation_bytes(
+    trunk: _Trunk, mesh: Mesh, micro_batch: int, t: int, shared_prompt, logp_chunk: int
+) -> int:
+    """What the loss pass over one micro-batch of `t` columns keeps, per device: whole rows,
+    or each group's prompt once and then the completion columns (`memory_plan`)."""
+    shards = sharding.batch_shards(mesh)
+    b = _per_device(micro_batch, shards)
+    if shared_prompt is None:
+        return trunk(b, t, t)
+    c, p = trunk.config, shared_prompt.prompt_len
+    groups = micro_batch // shared_prompt.group_size
+    g = groups // shards if groups % shards == 0 else groups
+    prompt_kv = 2 * 2 * c.num_layers * g * trunk.k * p * trunk.d * trunk.cbytes  # k, v, grads
+    activations = trunk(g, p, p) + prompt_kv
+    blocks = shared_prompt.length_blocks
+    if blocks == 1:
+        return activations + trunk(b, t - p, t)
+    # The blocks run one after another, yet XLA keeps about half of what whole rows would
+    # (tests/learner/memory_test.py); and the branches' head buffers.
+    head = _branch_head_bytes(c, mesh, micro_batch, t - p, blocks, logp_chunk)
+    return activations + trunk(max(b // 2, 1), t - p, t) + head
 
 
 # Vocabulary-wide buffers one length-block branch of `logprobs.shared_prompt_logp` keeps

@@ -1,5 +1,5 @@
-"""The train step's per-block math: advantages, the M2PO mask and statistics of a block
-under `actor.m2po_scope`, the clip range, the behaviour correction's settings.
+"""The train step's per-block math: the M2PO mask and statistics of a block under
+`actor.m2po_scope`, the clip range, the proximal log-probs of a loss pass.
 
 `train_step` calls these on the batch, a minibatch or a micro-batch as `step_plan` says.
 """
@@ -9,90 +9,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m2po_jax.algorithm import advantages as adv_lib
 from m2po_jax.algorithm import masking, proximal, scopes
-from m2po_jax.algorithm import rejection as rejection_lib
-from m2po_jax.common.config_schema import ActorSection
 from m2po_jax.common.types import Minibatch
-from m2po_jax.learner.step_plan import StepPlan, m2po_masks
+from m2po_jax.learner.actor_settings import ActorSettings
+from m2po_jax.learner.step_plan import StepPlan
 
 
-def m2po_block(
-    actor: ActorSection, behav, prox, loss_mask, adv, logp=None, threshold=None, layout=None
-):
+def m2po_block(s: ActorSettings, behav, prox, loss_mask, adv, logp=None, layout=None):
     """M2PO mask and statistics parts (`masking.M2PO_PART_KEYS`) of one block: the batch,
-    a minibatch or a micro-batch (`step_plan.m2po_level`), under `actor.m2po_scope`.
-
-    With M2PO off or the capped-clip rule (which clips instead of masking) the mask is
-    `loss_mask` and the parts are those of m2 = (behav - prox)^2 over all valid tokens:
-    the second moment is still reported, it is what staleness does.
-    """
-    on = m2po_masks(actor)
-    return scopes.m2po_mask_scoped(
-        behav,
-        prox,
-        loss_mask,
-        threshold if on else None,
-        scope=actor.m2po_scope,
-        method=actor.m2po_method,
-        second_moment=actor.m2po_second_moment if on else "behav_prox",
-        stop_rule=actor.m2po_stop_rule if on else "lt",
-        candidates=actor.m2po_candidates if on else "all",
-        logp=logp if on else None,
-        advantages=adv,
-        mesh=None if layout is None else layout.mesh,
-    )
+    a minibatch or a micro-batch (`step_plan.m2po_level`), under `actor.m2po_scope`
+    (`actor_settings.block_mask_settings`: without a mask, the statistics only)."""
+    mesh = None if layout is None else layout.mesh
+    return scopes.mask_block(s.mask, behav, prox, loss_mask, adv, logp, mesh)
 
 
-def threshold(actor: ActorSection):
-    return None if actor.m2_threshold is None else jnp.float32(actor.m2_threshold)
-
-
-def clip_range(actor: ActorSection, behav, prox, loss_mask, adv):
+def clip_range(s: ActorSettings, behav, prox, loss_mask, adv):
     """(eps_clip, eps_clip_higher); the authors' capped-mean rule turns tau into [e^-t, e^t].
 
     The budget applies to m2 = (behav - prox)^2 at the start of the step (in the authors'
     code prox equals behaviour and the ratio is taken against it; here the bound clips
     the decoupled ratio exp(logp - prox)).
     """
-    if actor.m2_threshold is not None and actor.m2po_stop_rule == "capped_clip":
+    if s.clip_budget is not None:
         m2 = masking.m2po_second_moment(behav, prox)
         candidates = loss_mask
-        if actor.m2po_candidates == "harmful":
+        if s.clip_candidates == "harmful":
             candidates = loss_mask & masking.m2po_harmful_tokens(behav, prox, adv)
-        bound = masking.m2po_clip_bound(m2, candidates, threshold(actor))
+        bound = masking.m2po_clip_bound(m2, candidates, jnp.float32(s.clip_budget))
         return 1.0 - jnp.exp(-bound), jnp.exp(bound) - 1.0
-    return actor.eps_clip, actor.eps_clip_higher
-
-
-def token_advantages(actor: ActorSection, rewards_B, loss_mask, behav, ref_logp):
-    rewards = adv_lib.transform_rewards(
-        rewards_B,
-        reward_bias=actor.reward_bias,
-        reward_scaling=actor.reward_scaling,
-        reward_clip=actor.reward_clip,
-    )
-    rn = actor.reward_norm
-    return adv_lib.grpo_token_advantages(
-        rewards,
-        loss_mask,
-        group_size=rn.group_size,
-        mean_level=rn.mean_level,
-        std_level=rn.std_level,
-        mean_leave1out=rn.mean_leave1out,
-        std_unbiased=rn.std_unbiased,
-        eps=rn.eps,
-        kl_ctl=actor.kl_ctl if ref_logp is not None else 0.0,
-        logp_BxT=behav if ref_logp is not None else None,
-        ref_logp_BxT=ref_logp,
-        kl_estimator=actor.kl_estimator,
-        adv_norm=actor.adv_norm,
-    )
-
-
-def rejection(actor: ActorSection) -> rejection_lib.RejectionSampling | None:
-    # The one builder config.validate runs too: what it accepts, this accepts.
-    return rejection_lib.build_rejection_sampling(actor.rejection_sampling)
+    return s.loss.eps_clip, s.loss.eps_clip_higher
 
 
 def loss_pass_prox(plan: StepPlan, mb: Minibatch, logp_now, entropy, version) -> tuple:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from m2po_jax.common.config_schema import ActorSection
+from m2po_jax.common.types import PromptGroups
 from m2po_jax.learner import batching, logprobs
 
 
@@ -90,16 +91,15 @@ def plan_step(
     rows: int,
     seq_len: int,
     *,
-    prompt_len: int | None = None,
-    group_size: int | None = None,
+    groups: PromptGroups | None = None,
     fuse_prox: bool = True,
     batch_shards: int = 1,
     blocks_pay=None,
 ) -> StepPlan:
     """The plan for a batch of `rows` x `seq_len` (see the module doc).
 
-    `prompt_len` / `group_size`: the batch's rows come in groups of `group_size` sharing
-    their first `prompt_len` columns (the sampler's layout); None: no such promise.
+    `groups`: the batch's rows come in groups sharing their prompt columns (the sampler's
+    layout); None: no such promise.
     `fuse_prox=False` keeps the separate proximal pass wherever the method recomputes
     (the reference the fused paths are tested against). `batch_shards`: the devices the
     rows are split over (data x fsdp); length blocks run only where every block splits
@@ -110,6 +110,34 @@ def plan_step(
     n_mb = actor.ppo_n_minibatches
     mb = actor.mb_spec
     n_micro = batching.micro_batch_count(rows // n_mb, seq_len, mb.n_mbs, mb.max_tokens_per_mb)
+    source, mask_at = prox_and_mask(actor, n_micro, fuse_prox)
+    group_size = 1 if groups is None else groups.group_size
+    perm_block = group_size if group_size > 1 and rows % (n_mb * group_size) == 0 else 1
+    micro_rows = rows // n_mb
+    micro_block = perm_block if micro_rows % (n_micro * perm_block) == 0 else 1
+    rows_micro = micro_rows // n_micro
+    prompt = shared_prompt(groups, rows_micro, seq_len, batch_shards, blocks_pay)
+    shared = (
+        perm_block > 1
+        and (n_micro == 1 or micro_block > 1)
+        and logprobs.shares_prompts(rows_micro, prompt)
+    )
+    return StepPlan(
+        n_minibatches=n_mb,
+        n_micro=n_micro,
+        prox_source=source,
+        mask_at=mask_at,
+        perm_block=perm_block,
+        micro_block=micro_block,
+        loss_prompt=prompt if shared else None,
+        approx_metrics=actor.prox_logp_method == "metrics" and source != "behav",
+        batch_prompt=prompt,
+    )
+
+
+def prox_and_mask(actor: ActorSection, n_micro: int, fuse_prox: bool) -> tuple[str, str]:
+    """(`prox_source`, `mask_at`) for minibatches of `n_micro` micro-batches."""
+    n_mb = actor.ppo_n_minibatches
     level = m2po_level(actor)
     masks = m2po_masks(actor)
     capped = actor.m2_threshold is not None and actor.m2po_stop_rule == "capped_clip"
@@ -119,12 +147,11 @@ def plan_step(
         or level == "microbatch"
         or (n_micro == 1 and (level == "minibatch" or n_mb == 1 or actor.m2po_scope == "row"))
     )
-    method = actor.prox_logp_method
     if not actor.recompute_logprob:
         source = "behav"
     elif capped or not mask_in_loss_ok:
         source = "pass"
-    elif method == "loglinear":
+    elif actor.prox_logp_method == "loglinear":
         source = "loglinear"
     elif fuse_prox and n_mb == 1:
         source = "loss"
@@ -138,33 +165,21 @@ def plan_step(
         mask_at = "loss" if n_micro == 1 else "minibatch"
     else:
         mask_at = "prepare"
-    groups = bool(group_size) and group_size > 1
-    perm_block = group_size if groups and rows % (n_mb * group_size) == 0 else 1
-    micro_rows = rows // n_mb
-    micro_block = perm_block if micro_rows % (n_micro * perm_block) == 0 else 1
-    prompt = None
-    if prompt_len and group_size:
-        rows_micro = micro_rows // n_micro
-        blocks = length_blocks(rows_micro, seq_len - prompt_len, batch_shards)
-        if blocks > 1 and blocks_pay is not None:
-            blocks = blocks if blocks_pay(rows_micro, seq_len, prompt_len, blocks) else 1
-        prompt = logprobs.SharedPrompt(prompt_len, group_size, blocks)
-    shared = (
-        perm_block > 1
-        and (n_micro == 1 or micro_block > 1)
-        and logprobs.shares_prompts(micro_rows // n_micro, prompt)
-    )
-    return StepPlan(
-        n_minibatches=n_mb,
-        n_micro=n_micro,
-        prox_source=source,
-        mask_at=mask_at,
-        perm_block=perm_block,
-        micro_block=micro_block,
-        loss_prompt=prompt if shared else None,
-        approx_metrics=method == "metrics" and source != "behav",
-        batch_prompt=prompt,
-    )
+    return source, mask_at
+
+
+def shared_prompt(
+    groups: PromptGroups | None, rows: int, seq_len: int, batch_shards: int, blocks_pay
+) -> logprobs.SharedPrompt | None:
+    """How a pass over `rows` rows of a micro-batch shares prompts (None: rows carry no
+    group promise), with the length blocks that split evenly and pay (`plan_step`)."""
+    if groups is None or not (groups.prompt_len and groups.group_size):
+        return None
+    prompt_len = groups.prompt_len
+    blocks = length_blocks(rows, seq_len - prompt_len, batch_shards)
+    if blocks > 1 and blocks_pay is not None:
+        blocks = blocks if blocks_pay(rows, seq_len, prompt_len, blocks) else 1
+    return logprobs.SharedPrompt(prompt_len, groups.group_size, blocks)
 
 
 LENGTH_BLOCKS = 8

@@ -1,8 +1,8 @@
 """The pure RL train step: proximal log-probs, advantages, M2PO mask, PPO minibatch updates.
 
 `train_step(state, batch, rng, ref_params) -> (state, metrics)` is pure; the static
-settings (model config, actor section, optimizer) are bound with `functools.partial`
-and the result is compiled once with `jax.jit` (see `make_train_step`).
+settings (model config, the actor's `ActorSettings`, optimizer) are bound with
+`functools.partial` and the result is compiled once with `jax.jit` (see `make_train_step`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from m2po_jax.algorithm import advantages as adv_lib
 from m2po_jax.algorithm import losses
 from m2po_jax.common.config_schema import ActorSection
-from m2po_jax.common.types import Minibatch, TrainBatch
+from m2po_jax.common.types import Minibatch, PromptGroups, TrainBatch
 from m2po_jax.learner import batching, logprobs, memory, step_math
+from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.learner.step_metrics import combine_stats, step_metrics
 from m2po_jax.learner.step_plan import StepPlan, plan_step
 from m2po_jax.models import model_config as model_config_lib
@@ -64,7 +66,7 @@ def prepare(
     ref_params=None,
     *,
     model_config: model_config_lib.ModelConfig,
-    actor: ActorSection,
+    actor: ActorSettings,
     plan: StepPlan,
     layout=None,
     shared: logprobs.SharedPrompt | None = None,
@@ -88,22 +90,18 @@ def prepare(
     if plan.prox_source == "behav":
         prox = behav
     ref_logp = None
-    if ref_params is not None and actor.kl_ctl > 0:
+    if ref_params is not None and actor.advantages.kl_ctl > 0:
         ref_logp, _ = logp_pass(ref_params)
-    advantages = step_math.token_advantages(actor, batch.rewards_B, loss_mask, behav, ref_logp)
+    advantages = adv_lib.token_advantages(
+        actor.advantages, batch.rewards_B, loss_mask, behav, ref_logp
+    )
     mask, m2_parts = loss_mask, {}
     # Without a mask the second moment is still reported, from wherever prox is known.
     if plan.mask_at == "prepare" or (plan.mask_at == "none" and prox is not None):
         mask, m2_parts = step_math.m2po_block(
-            actor,
-            behav,
-            prox,
-            loss_mask,
-            advantages,
-            threshold=step_math.threshold(actor),
-            layout=layout,
+            actor, behav, prox, loss_mask, advantages, layout=layout
         )
-    eps_clip, eps_clip_higher = actor.eps_clip, actor.eps_clip_higher
+    eps_clip, eps_clip_higher = actor.loss.eps_clip, actor.loss.eps_clip_higher
     if prox is not None:
         eps_clip, eps_clip_higher = step_math.clip_range(actor, behav, prox, loss_mask, advantages)
     return Prepared(
@@ -130,16 +128,13 @@ class UpdateSettings:
     """What every minibatch update of one step reads besides its params and rows."""
 
     model_config: model_config_lib.ModelConfig
-    actor: ActorSection
+    actor: ActorSettings
     tx: optax.GradientTransformation
     plan: StepPlan
     layout: Any  # placement.Layout or None
     version: Any  # int32: the policy version of the params the step starts from
-    eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
-    eps_clip_higher: Any
+    loss: losses.LossSettings  # the actor's, with the step's clip range (traced when capped)
     with_entropy: bool  # the loss pass reports the entropy (no earlier pass did)
-    threshold: Any  # the M2PO tau, or None
-    rejection: Any  # the behaviour correction (losses.RejectionSampling) or None
 
     def constrain(self, x, row_axis=0):
         """Keep regrouped rows on their devices (no-op without a layout)."""
@@ -196,27 +191,17 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
             mb.loss_mask_BxT,
             mb.advantages_BxT,
             logp=logp_now,
-            threshold=s.threshold,
             layout=s.layout,
         )
         mask = kept if plan.mask_at == "loss" else mask
         stats.update(m2_parts)
-    loss, loss_stats = losses.policy_loss(
+    loss, loss_stats = losses.policy_loss_with(
+        s.loss,
         logp,
         prox,
         mb.behav_BxT,
         mb.advantages_BxT,
         mask,
-        eps_clip=s.eps_clip,
-        eps_clip_higher=s.eps_clip_higher,
-        c_clip=actor.c_clip,
-        use_decoupled_loss=actor.use_decoupled_loss,
-        importance_sampling_level=actor.importance_sampling_level,
-        rejection_sampling=s.rejection,
-        use_sapo_loss=actor.use_sapo_loss,
-        sapo_tau_pos=actor.sapo_tau_pos,
-        sapo_tau_neg=actor.sapo_tau_neg,
-        denominator=actor.loss_denominator,
         valid_mask_BxT=mb.loss_mask_BxT,
         count=count,
     )
@@ -228,7 +213,7 @@ def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch,
     `mask_at == "minibatch"`: the scope or the current-policy second moment needs it)."""
     actor, plan = s.actor, s.plan
     logp_now = None
-    if actor.m2po_second_moment != "behav_prox":
+    if actor.mask.second_moment != "behav_prox":
         logp_now, _ = logprobs.micro_batched_logp(
             params,
             s.model_config,
@@ -241,14 +226,7 @@ def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch,
             plan.loss_prompt,
         )
     mask, m2_parts = step_math.m2po_block(
-        actor,
-        mb.behav_BxT,
-        mb.prox_BxT,
-        mb.loss_mask_BxT,
-        mb.advantages_BxT,
-        logp_now,
-        s.threshold,
-        s.layout,
+        actor, mb.behav_BxT, mb.prox_BxT, mb.loss_mask_BxT, mb.advantages_BxT, logp_now, s.layout
     )
     return mb.replace(mask_BxT=mask), m2_parts
 
@@ -267,7 +245,7 @@ def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
     n_valid = jnp.sum(mb.loss_mask_BxT)
     count = None
     if not mask_in_loss:
-        count = jnp.sum(mb.mask_BxT if s.actor.loss_denominator == "kept" else mb.loss_mask_BxT)
+        count = jnp.sum(mb.mask_BxT if s.loss.denominator == "kept" else mb.loss_mask_BxT)
     grad_fn = jax.value_and_grad(minibatch_loss, has_aux=True)
     if plan.n_micro == 1:  # no accumulator: one gradient-sized buffer less
         (loss, stats), grads = grad_fn(params, mb, count, 1.0, s)
@@ -328,7 +306,7 @@ def ppo_updates(
     rng: jax.Array,
     *,
     model_config: model_config_lib.ModelConfig,
-    actor: ActorSection,
+    actor: ActorSettings,
     tx: optax.GradientTransformation,
     plan: StepPlan,
     version: jax.Array | int = 0,
@@ -350,11 +328,10 @@ def ppo_updates(
         plan=plan,
         layout=layout,
         version=version,
-        eps_clip=prep.eps_clip,
-        eps_clip_higher=prep.eps_clip_higher,
+        loss=dataclasses.replace(
+            actor.loss, eps_clip=prep.eps_clip, eps_clip_higher=prep.eps_clip_higher
+        ),
         with_entropy=prep.entropy_BxT is None,
-        threshold=step_math.threshold(actor),
-        rejection=step_math.rejection(actor),
     )
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
         functools.partial(minibatch_update, s=settings),
@@ -365,17 +342,16 @@ def ppo_updates(
 
 
 def batch_plan(
-    batch: TrainBatch, model_config, actor: ActorSection, layout, prompt_len, group_size, fuse_prox
+    batch: TrainBatch, model_config, actor: ActorSettings, layout, groups, fuse_prox
 ) -> StepPlan:
     """`step_plan.plan_step` for the batch's static shape on the layout's mesh."""
     rows, seq_len = batch.tokens_BxT.shape
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1]) if layout is None else layout.mesh
     return plan_step(
-        actor,
+        actor.section,
         rows,
         seq_len,
-        prompt_len=prompt_len,
-        group_size=group_size,
+        groups=groups,
         fuse_prox=fuse_prox,
         batch_shards=sharding.batch_shards(mesh),
         blocks_pay=memory.blocks_pay_fn(model_config, mesh, actor.logp_chunk_size),
@@ -389,12 +365,11 @@ def train_step(
     ref_params=None,
     *,
     model_config: model_config_lib.ModelConfig,
-    actor: ActorSection,
+    actor: ActorSettings,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     layout=None,
-    prompt_len: int | None = None,
-    group_size: int | None = None,
+    groups: PromptGroups | None = None,
     fuse_prox: bool = True,
 ) -> tuple[TrainState, dict]:
     """One RL update of `state` on `batch`: `prepare`, `ppo_updates`, `step_metrics`.
@@ -402,13 +377,13 @@ def train_step(
     What runs follows `step_plan.plan_step` for the batch's static shape: micro-batches
     per minibatch (`actor.mb_spec`), where the proximal log-probs come from
     (metric `train/prox_pass` is 1 when a separate forward pass computed them) and where
-    the M2PO mask is taken. `prompt_len` / `group_size`: the rows come in groups of
-    `group_size` sharing their first `prompt_len` columns (as the sampler writes them);
+    the M2PO mask is taken. `groups`: the rows come in groups of `groups.group_size`
+    sharing their first `groups.prompt_len` columns (as the sampler writes them);
     minibatches and micro-batches then hold whole groups and each prompt runs once.
     `fuse_prox=False` keeps the separate proximal pass (the reference path). `layout`
     (`placement.Layout`) keeps rows and weights laid out for the mesh and gives the mesh of
     the "shard" M2PO scope (without it that scope is one shard: "global")."""
-    plan = batch_plan(batch, model_config, actor, layout, prompt_len, group_size, fuse_prox)
+    plan = batch_plan(batch, model_config, actor, layout, groups, fuse_prox)
     prep = prepare(
         state.params,
         batch,
@@ -445,26 +420,25 @@ def train_step(
 
 def make_train_step(
     model_config,
-    actor: ActorSection,
+    actor: ActorSection | ActorSettings,
     tx,
     schedule,
     *,
     jit_kwargs=None,
     layout=None,
-    prompt_len: int | None = None,
-    group_size: int | None = None,
+    groups: PromptGroups | None = None,
     fuse_prox: bool = True,
 ):
-    """`train_step` with static settings bound, under one `jax.jit` (state donated)."""
+    """`train_step` with static settings bound, under one `jax.jit` (state donated). The
+    actor section's settings are built here, once (`ActorSettings.build`)."""
     step = functools.partial(
         train_step,
         model_config=model_config,
-        actor=actor,
+        actor=ActorSettings.build(actor),
         tx=tx,
         schedule=schedule,
         layout=layout,
-        prompt_len=prompt_len,
-        group_size=group_size,
+        groups=groups,
         fuse_prox=fuse_prox,
     )
     return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))

@@ -9,28 +9,19 @@ that generated it, so staleness is measured, not assumed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from m2po_jax.common.types import TrainBatch
+from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.rollout import sampling
 
-# Host-side rollout: a dict of numpy arrays (see ROLLOUT_KEYS) so it checkpoints as-is.
-ROLLOUT_KEYS = (
-    "tokens_BxT",
-    "valid_BxT",
-    "behav_logp_BxT",
-    "loss_mask_BxT",
-    "prompt_len_B",
-    "completion_len_B",
-    "stopped_B",
-    "version_B",
-    "group_id_B",
-    "rewards_B",
-)
+# Host-side rollouts are `RolloutBatch` records of numpy arrays; checkpoints store their
+# fields by these names.
+ROLLOUT_KEYS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,10 +35,10 @@ def encode_prompts(prompts: Sequence[str], tokenizer, width: int) -> tuple[np.nd
     return sampling.pad_prompts(ids, tokenizer.pad_id, width=width)
 
 
-def completion_texts(out: dict, tokenizer, stop_ids: Sequence[int]) -> list[str]:
-    """Decoded completions without the stop token."""
+def completion_texts(tokens_BxT, loss_mask_BxT, tokenizer, stop_ids: Sequence[int]) -> list[str]:
+    """Decoded completions (the `loss_mask_BxT` tokens) without the stop token."""
     texts = []
-    for tokens_T, mask_T in zip(out["tokens_BxT"], out["loss_mask_BxT"], strict=True):
+    for tokens_T, mask_T in zip(tokens_BxT, loss_mask_BxT, strict=True):
         ids = [int(t) for t in tokens_T[mask_T] if int(t) not in stop_ids]
         texts.append(tokenizer.decode(ids))
     return texts
@@ -66,7 +57,7 @@ def generate_rollout(
     version: int,
     max_prompt_len: int,
     placement=None,
-) -> tuple[dict, list[str]]:
+) -> tuple[RolloutBatch, list[str]]:
     """Samples `n_samples` completions per example and scores them on the host.
 
     With a `placement` (multi-device or multi-process), each process encodes only its
@@ -85,64 +76,71 @@ def generate_rollout(
     )
     host = jax.device_get(out) if placement is None else placement.to_host(out)
     rows = len(examples) * n_samples
-    batch = {
-        "tokens_BxT": np.asarray(host.tokens_BxT, np.int32),
-        "valid_BxT": np.asarray(host.valid_BxT, bool),
-        "behav_logp_BxT": np.asarray(host.behav_logp_BxT, np.float32),
-        "loss_mask_BxT": np.asarray(host.completion_mask_BxT, bool),
-        "prompt_len_B": np.asarray(host.prompt_len_B, np.int32),
-        "completion_len_B": np.asarray(host.completion_len_B, np.int32),
-        "stopped_B": np.asarray(host.stopped_B, bool),
-        "version_B": np.full((rows,), version, np.int32),
-        "group_id_B": np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
-    }
-    texts = completion_texts(batch, tokenizer, sampling_config.stop_token_ids)
+    tokens, loss_mask = (
+        np.asarray(host.tokens_BxT, np.int32),
+        np.asarray(host.completion_mask_BxT, bool),
+    )
+    texts = completion_texts(tokens, loss_mask, tokenizer, sampling_config.stop_token_ids)
     rewards = [float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)]
-    batch["rewards_B"] = np.asarray(rewards, np.float32)
+    batch = RolloutBatch(
+        tokens_BxT=tokens,
+        valid_BxT=np.asarray(host.valid_BxT, bool),
+        behav_logp_BxT=np.asarray(host.behav_logp_BxT, np.float32),
+        loss_mask_BxT=loss_mask,
+        prompt_len_B=np.asarray(host.prompt_len_B, np.int32),
+        completion_len_B=np.asarray(host.completion_len_B, np.int32),
+        stopped_B=np.asarray(host.stopped_B, bool),
+        version_B=np.full((rows,), version, np.int32),
+        group_id_B=np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
+        rewards_B=np.asarray(rewards, np.float32),
+    )
     return batch, texts
 
 
-def train_batch(host: dict) -> TrainBatch:
+def train_batch(host: RolloutBatch) -> TrainBatch:
     """The fields of a host rollout batch that a train step reads (still on the host).
 
     Raises ValueError if a completion token's behaviour log-prob is not finite.
     """
-    behav = host["behav_logp_BxT"]
-    bad = ~np.isfinite(behav) & host["loss_mask_BxT"]
+    behav = host.behav_logp_BxT
+    bad = ~np.isfinite(behav) & host.loss_mask_BxT
     if bad.any():
         raise ValueError(
             f"behaviour log-probs: {int(bad.sum())} non-finite values on completion tokens "
-            f"(batch of policy version {int(host['version_B'][0])})"
+            f"(batch of policy version {int(host.version_B[0])})"
         )
     return TrainBatch(
-        tokens_BxT=host["tokens_BxT"],
-        valid_BxT=host["valid_BxT"],
+        tokens_BxT=host.tokens_BxT,
+        valid_BxT=host.valid_BxT,
         behav_logp_BxT=behav,
-        loss_mask_BxT=host["loss_mask_BxT"],
-        rewards_B=host["rewards_B"],
-        version_B=host["version_B"],
+        loss_mask_BxT=host.loss_mask_BxT,
+        rewards_B=host.rewards_B,
+        version_B=host.version_B,
     )
 
 
 class StaleQueue:
     """FIFO of host rollout batches: push the newest, pop the one made k steps ago."""
 
-    def __init__(self, staleness: int, batches: Sequence[dict] = ()):
+    def __init__(self, staleness: int, batches: Sequence[RolloutBatch] = ()):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.staleness = staleness
-        self._batches = collections.deque(batches)
+        self._batches = collections.deque()
+        for batch in batches:
+            self.push(batch)
 
     def __len__(self) -> int:
         return len(self._batches)
 
-    def push(self, batch: dict) -> None:
-        missing = [k for k in ROLLOUT_KEYS if k not in batch]
-        if missing:
-            raise ValueError(f"rollout batch lacks {missing}")
+    def push(self, batch: RolloutBatch) -> None:
+        if not isinstance(batch, RolloutBatch):
+            raise TypeError(
+                f"the stale queue holds RolloutBatch records, got {type(batch).__name__}"
+            )
         self._batches.append(batch)
 
-    def pop(self) -> dict:
+    def pop(self) -> RolloutBatch:
         """The oldest batch; after a push the queue holds k + 1 and this returns the stale one."""
         if len(self._batches) <= self.staleness:
             raise RuntimeError(
@@ -151,6 +149,6 @@ class StaleQueue:
             )
         return self._batches.popleft()
 
-    def state(self) -> list[dict]:
-        """The batches, oldest first, as a checkpointable list of numpy dicts."""
+    def state(self) -> list[RolloutBatch]:
+        """The batches, oldest first (what a checkpoint stores)."""
         return list(self._batches)

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils.epath import Path
 
 from m2po_jax.common.errors import CheckpointError, WriterError, describe_os_error
+from m2po_jax.common.types import RolloutBatch
 from m2po_jax.trainer import paths
 
 MANIFEST = "m2po_manifest.json"
@@ -185,7 +186,7 @@ class Checkpointer:
         *,
         state: Any,
         rng: jax.Array,
-        queue: list[dict],
+        queue: list[RolloutBatch],
         meta: dict,
         ref_params: Any = None,
     ) -> None:
@@ -200,7 +201,9 @@ class Checkpointer:
             "meta": ocp.args.JsonSave({**meta, "queue_len": len(queue)}),
         }
         if queue:
-            items["queue"] = ocp.args.StandardSave({str(i): b for i, b in enumerate(queue)})
+            items["queue"] = ocp.args.StandardSave(
+                {str(i): b.arrays() for i, b in enumerate(queue)}
+            )
         if ref_params is not None:
             items["ref_params"] = ocp.args.StandardSave(ref_params)
         try:
@@ -293,7 +296,8 @@ class Checkpointer:
     def restore(self, step: int | None, *, state_like: Any, ref_like: Any = None) -> dict:
         """Restores a checkpoint into the structure, dtypes and shardings of `state_like`.
 
-        Returns a dict with state, rng, queue (list of numpy dicts), meta, ref_params.
+        Returns a dict with state, rng, queue (`RolloutBatch` records of numpy arrays,
+        oldest first), meta, ref_params.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -324,7 +328,10 @@ class Checkpointer:
         if meta["queue_len"]:
             raw = restored["queue"]
             queue = [
-                {k: np.asarray(v) for k, v in raw[str(i)].items()} for i in range(meta["queue_len"])
+                RolloutBatch.from_arrays(
+                    {k: np.asarray(v) for k, v in raw[str(i)].items()}, f"queue item {i}"
+                )
+                for i in range(meta["queue_len"])
             ]
         key_data = np.asarray(restored["rng"]["key"])
         return {

@@ -41,5 +41,5 @@ def evaluate(run: RunSetup, params, rng: jax.Array) -> float:
             max_prompt_len=cfg.task.max_prompt_len,
             placement=run.placement,
         )
-        correct.extend((batch["rewards_B"][: len(chunk)] >= 1.0).tolist())
+        correct.extend((batch.rewards_B[: len(chunk)] >= 1.0).tolist())
     return float(np.mean(correct))

@@ -21,7 +21,7 @@ from absl import logging
 
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.errors import M2poError, WorkdirError, WriterError, describe_os_error
-from m2po_jax.common.types import TrainBatch
+from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
@@ -297,7 +297,7 @@ class Trainer:
             f"{self.checkpointer.directory}"
         )
 
-    def _rollout(self, rng, version: int) -> tuple[dict, int]:
+    def _rollout(self, rng, version: int) -> tuple[RolloutBatch, int]:
         """The next prompts' rollout batch and how many of its prompts were cut to fit."""
         cfg = self.cfg
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
@@ -336,32 +336,31 @@ class Trainer:
         # Train on the columns that were generated: the longest completion, rounded up to
         # a bucket so that only a few shapes are ever compiled.
         trimmed, width = batching.trim_completions(
-            host, self.cfg.task.max_prompt_len, self.cfg.gconfig.max_new_tokens
+            host.arrays(), self.cfg.task.max_prompt_len, self.cfg.gconfig.max_new_tokens
         )
         batching.check_prompt_groups(
-            host["tokens_BxT"],
-            host["valid_BxT"],
+            host.tokens_BxT,
+            host.valid_BxT,
             self.cfg.task.max_prompt_len,
             self.cfg.gconfig.n_samples,
         )
-        batch = self.placement.to_global(rollout_lib.train_batch(trimmed))
+        batch = self.placement.to_global(rollout_lib.train_batch(host.replace(**trimmed)))
         train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
         self.state, device_metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
         t2 = time.perf_counter()
-        rewards = host["rewards_B"]
-        record = metrics_lib.staleness_stats(host["version_B"], step)
-        tokens = int(host["loss_mask_BxT"].sum()) + int(fresh["loss_mask_BxT"].sum())
+        rewards = host.rewards_B
+        record = metrics_lib.staleness_stats(host.version_B, step)
+        tokens = int(host.loss_mask_BxT.sum()) + int(fresh.loss_mask_BxT.sum())
         record.update(
             {
                 "reward/mean": float(rewards.mean()),
                 "reward/std": float(rewards.std()),
-                "rollout/fresh_reward_mean": float(fresh["rewards_B"].mean()),
-                "rollout/completion_len_mean": float(host["completion_len_B"].mean()),
-                "rollout/stopped_fraction": float(host["stopped_B"].mean()),
+                "rollout/fresh_reward_mean": float(fresh.rewards_B.mean()),
+                "rollout/completion_len_mean": float(host.completion_len_B.mean()),
+                "rollout/stopped_fraction": float(host.stopped_B.mean()),
                 "train/completion_width": width,
                 "train/padding_fraction": 1.0
-                - float(host["loss_mask_BxT"].sum())
-                / max(host["loss_mask_BxT"].shape[0] * width, 1),
+                - float(host.loss_mask_BxT.sum()) / max(host.loss_mask_BxT.shape[0] * width, 1),
                 "rollout/prompts_truncated": truncated,
                 "time/rollout_s": t1 - t0,
                 "time/train_s": t2 - t1,

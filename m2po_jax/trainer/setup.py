@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from m2po_jax.common.config_schema import Config
+from m2po_jax.common.types import PromptGroups
 from m2po_jax.learner import batching, memory
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
@@ -252,7 +253,6 @@ def build_train_step(
     sequence), the benchmarks' baseline.
     """
     a = cfg.actor
-    prompt = dict(prompt_len=cfg.task.max_prompt_len, group_size=cfg.gconfig.n_samples)
     return step_lib.make_train_step(
         model_config,
         a,
@@ -260,8 +260,14 @@ def build_train_step(
         schedule,
         jit_kwargs=placement.train_step_shardings(state, with_ref=a.kl_ctl > 0),
         layout=placement.layout,
-        **(prompt if share_prompts else {}),
+        groups=prompt_groups(cfg) if share_prompts else None,
     )
+
+
+def prompt_groups(cfg: Config) -> PromptGroups:
+    """How the sampler lays out a rollout batch: `gconfig.n_samples` completions of each
+    prompt, left-padded to `task.max_prompt_len` columns."""
+    return PromptGroups(cfg.task.max_prompt_len, cfg.gconfig.n_samples)
 
 
 def step_plan(cfg: Config, placement: placement_lib.Placement, seq_len: int | None = None):
@@ -272,8 +278,7 @@ def step_plan(cfg: Config, placement: placement_lib.Placement, seq_len: int | No
         a,
         rows,
         full if seq_len is None else seq_len,
-        prompt_len=cfg.task.max_prompt_len,
-        group_size=cfg.gconfig.n_samples,
+        groups=prompt_groups(cfg),
         batch_shards=placement.batch_shards,
         blocks_pay=memory.blocks_pay_fn(placement.model_config, placement.mesh, a.logp_chunk_size),
     )

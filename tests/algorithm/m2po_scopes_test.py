@@ -26,6 +26,7 @@ from m2po_jax.algorithm import masking, scopes
 from m2po_jax.algorithm import masking_stats as masking_stats_lib
 from m2po_jax.configs import arith
 from m2po_jax.learner import batching, step_math, step_metrics, step_plan
+from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
 
@@ -219,17 +220,12 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
         ("behav_prox", "all", "lt") if tau is None else (second_moment, candidates, stop_rule)
     )
     got_parts, ref = [], {"mask": [], "part": [], "m2": [], "valid": []}
+    settings = ActorSettings.build(actor)
     for rows in blocks(level):
         arrays = tuple(x[rows] for x in (behav, prox, logp, adv, loss_mask))
         block_logp = None if level == "batch" else arrays[2]  # prepare has no current logp
         mask, parts = step_math.m2po_block(
-            actor,
-            *arrays[:2],
-            arrays[4],
-            arrays[3],
-            logp=block_logp,
-            threshold=step_math.threshold(actor),
-            layout=layout(),
+            settings, *arrays[:2], arrays[4], arrays[3], logp=block_logp, layout=layout()
         )
         sm, cand, rule = ref_options
         want, part, m2 = ref_block(arrays, tau, scope, rule, cand, sm)
@@ -247,7 +243,7 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
     if tau is not None:
         assert 0 < int(stats["m2po/masked_tokens"]) < loss_mask.sum()
     else:  # the capped-mean rule clips instead: its bound against the reference
-        eps = step_math.clip_range(actor, behav, prox, loss_mask, adv)
+        eps = step_math.clip_range(settings, behav, prox, loss_mask, adv)
         want = ref_clip_range(behav, prox, adv, loss_mask, TAU, candidates)
         np.testing.assert_allclose(np.asarray(eps, np.float64), want, rtol=1e-5)
 
@@ -257,7 +253,8 @@ def test_m2po_off_reports_the_unmasked_second_moment_on_every_scope(scope):
     actor = config_lib.from_configdict(config_dict(m2po_scope=scope, m2_threshold=None)).actor
     assert step_plan.m2po_level(actor) == "batch"
     behav, prox, logp, adv, loss_mask = data()
-    mask, parts = step_math.m2po_block(actor, behav, prox, loss_mask, adv, layout=layout())
+    settings = ActorSettings.build(actor)
+    mask, parts = step_math.m2po_block(settings, behav, prox, loss_mask, adv, layout=layout())
     np.testing.assert_array_equal(mask, loss_mask)
     want, part, m2 = ref_block(data(), None, scope, "lt", "all", "behav_prox")
     stats = masking_stats_lib.finalize_stats(parts)

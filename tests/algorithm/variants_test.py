@@ -1,5 +1,7 @@
 """The published M2PO (`paper_final`) against a plain numpy transcription of its rule."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from m2po_jax.algorithm import losses, masking, variants
 from m2po_jax.config import from_configdict
 from m2po_jax.configs import arith
 from m2po_jax.learner import step_math
+from m2po_jax.learner.actor_settings import ActorSettings
 
 TAU = 0.04
 
@@ -74,9 +77,10 @@ def test_mask_and_loss_match_the_numpy_rule(seed):
     # and must not matter: the ratio is against the behaviour policy.
     actor = from_configdict(arith.get_config("paper_final")).actor
     prox = behav + np.random.default_rng(seed).normal(0, 0.3, behav.shape).astype(np.float32)
+    settings = ActorSettings.build(dataclasses.replace(actor, m2_threshold=TAU))
     step_mask, _ = step_math.m2po_block(
-        actor, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
-        logp=jnp.asarray(logp), threshold=jnp.float32(TAU),
+        settings, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
+        logp=jnp.asarray(logp),
     )  # fmt: skip
     np.testing.assert_array_equal(step_mask, ref_mask)
     loss, _ = _preset_loss(actor, logp, prox, behav, adv, ref_mask, valid)
@@ -85,22 +89,8 @@ def test_mask_and_loss_match_the_numpy_rule(seed):
 
 def _preset_loss(actor, logp, prox, behav, adv, mask, valid):
     """`losses.policy_loss` with the settings the train step takes from `actor`."""
-    return losses.policy_loss(
-        logp,
-        prox,
-        behav,
-        adv,
-        mask,
-        eps_clip=actor.eps_clip,
-        eps_clip_higher=actor.eps_clip_higher,
-        c_clip=actor.c_clip,
-        use_decoupled_loss=actor.use_decoupled_loss,
-        importance_sampling_level=actor.importance_sampling_level,
-        rejection_sampling=step_math.rejection(actor),
-        use_sapo_loss=actor.use_sapo_loss,
-        denominator=actor.loss_denominator,
-        valid_mask_BxT=valid,
-    )
+    settings = ActorSettings.build(actor).loss
+    return losses.policy_loss_with(settings, logp, prox, behav, adv, mask, valid_mask_BxT=valid)
 
 
 def test_paper_final_by_hand():
@@ -121,9 +111,10 @@ def test_paper_final_by_hand():
     valid = np.array([[True, True, True], [True, True, False]])
     prox = behav - 0.7  # ignored: no proximal policy in the published rule
     actor = from_configdict(arith.get_config("paper_final")).actor
+    settings = ActorSettings.build(dataclasses.replace(actor, m2_threshold=tau))
     mask, _ = step_math.m2po_block(
-        actor, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
-        logp=jnp.asarray(logp), threshold=jnp.float32(tau),
+        settings, jnp.asarray(behav), jnp.asarray(prox), jnp.asarray(valid), jnp.asarray(adv),
+        logp=jnp.asarray(logp),
     )  # fmt: skip
     want = np.array([[True, True, True], [False, True, False]])
     np.testing.assert_array_equal(mask, want)

@@ -346,13 +346,13 @@ def test_rejection_sampling_ranges_are_the_librarys():
 
 
 def test_library_objects_are_built_by_the_runs_builders():
-    from m2po_jax.learner import step_math
+    from m2po_jax.learner.actor_settings import ActorSettings
     from m2po_jax.rollout import sampling
 
     cfg = build(**{"actor.rejection_sampling.lower": 0.5, "gconfig.top_k": 5})
     built = config_lib.build_library_objects(cfg)
     assert built["rejection_sampling"] == rejection_lib.RejectionSampling(upper=5.0, lower=0.5)
-    assert step_math.rejection(cfg.actor) == built["rejection_sampling"]
+    assert ActorSettings.build(cfg.actor).loss.rejection_sampling == built["rejection_sampling"]
     assert built["sampling"] == sampling.SamplingConfig(max_new_tokens=4, temperature=1.0, top_k=5)
     off = build(**{"actor.rejection_sampling.enabled": False})
     assert config_lib.build_library_objects(off)["rejection_sampling"] is None

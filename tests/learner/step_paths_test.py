@@ -13,7 +13,7 @@ import pytest
 
 from m2po_jax import config as config_lib
 from m2po_jax.common.errors import ConfigError
-from m2po_jax.common.types import TrainBatch
+from m2po_jax.common.types import PromptGroups, TrainBatch
 from m2po_jax.configs import arith
 from m2po_jax.learner import batching, logprobs, optim, step_plan
 from m2po_jax.learner import train_step as step_lib
@@ -29,6 +29,7 @@ MODEL = model_config.ModelConfig(
     num_kv_heads=1,
 )
 GROUP, PROMPT, NEW, ROWS = 4, 5, 6, 16
+SHARED = PromptGroups(PROMPT, GROUP)
 
 
 def actor(**changes):
@@ -119,11 +120,11 @@ def test_fast_path_equals_the_reference_step(changes, stale):
     # With one minibatch of one micro-batch the reference is the old step exactly (rows
     # permuted one by one); with several, minibatches and micro-batches of whole prompt
     # groups on both sides (which rows share a block matters to a per-block mask).
-    ref_group = GROUP if n_mb > 1 or a.mb_spec.n_mbs > 1 else None
-    ref, ref_m = run(a, b, stale, group_size=ref_group, fuse_prox=False)
-    fast, fast_m = run(a, b, stale, prompt_len=PROMPT, group_size=GROUP)
+    ref_groups = PromptGroups(0, GROUP) if n_mb > 1 or a.mb_spec.n_mbs > 1 else None
+    ref, ref_m = run(a, b, stale, groups=ref_groups, fuse_prox=False)
+    fast, fast_m = run(a, b, stale, groups=SHARED)
     assert_close_params(fast, ref)
-    plan = step_plan.plan_step(a, ROWS, PROMPT + NEW, prompt_len=PROMPT, group_size=GROUP)
+    plan = step_plan.plan_step(a, ROWS, PROMPT + NEW, groups=SHARED)
     assert (plan.loss_prompt.prompt_len, plan.loss_prompt.group_size) == (PROMPT, GROUP)
     assert int(fast_m[0]["train/shared_prompt"]) == 1
     assert int(ref_m[0]["train/prox_pass"]) == 1
@@ -180,9 +181,9 @@ def test_length_blocks_only_where_every_block_splits_over_the_devices():
     assert step_plan.length_blocks(64, logprobs.MIN_BLOCKED_WIDTH - 1) == 1
     # The plan of a 7B-preset-like minibatch: 128 rows in 16 micro-batches of one group.
     a = actor(n_mbs=16)
-    wide = step_plan.plan_step(a, 128, 512 + 1024, prompt_len=512, group_size=8, batch_shards=8)
+    wide = step_plan.plan_step(a, 128, 512 + 1024, groups=PromptGroups(512, 8), batch_shards=8)
     assert wide.loss_prompt == logprobs.SharedPrompt(512, 8, 1) and wide.length_blocks == 1
-    one = step_plan.plan_step(a, 128, 512 + 1024, prompt_len=512, group_size=8)
+    one = step_plan.plan_step(a, 128, 512 + 1024, groups=PromptGroups(512, 8))
     assert one.length_blocks == 8 and one.loss_prompt.length_blocks == 8
 
 
@@ -198,8 +199,9 @@ def test_loglinear_is_exact_on_policy(changes):
     """On-policy rows (version == the state's): alpha = 0 and the behaviour log-probs are
     the proximal ones, so the approximation's two updates equal the recomputed ones."""
     b = batch(params0(), 0)
-    ref, _ = run(actor(**changes), b, 0, steps=1, group_size=GROUP)
-    approx, m = run(actor(prox_logp_method="loglinear", **changes), b, 0, steps=1, group_size=GROUP)
+    ref, _ = run(actor(**changes), b, 0, steps=1, groups=PromptGroups(0, GROUP))
+    loglinear = actor(prox_logp_method="loglinear", **changes)
+    approx, m = run(loglinear, b, 0, steps=1, groups=PromptGroups(0, GROUP))
     assert int(m[0]["train/prox_loglinear"]) == 1 and int(m[0]["train/prox_pass"]) == 0
     assert_close_params(approx, ref)
 
@@ -210,7 +212,7 @@ def test_loglinear_error_is_reported_against_the_recomputed_values():
     stale = 2
     b = batch(params0(), stale).replace(version_B=jnp.zeros(ROWS, jnp.int32))
     a = actor(prox_logp_method="metrics", m2_threshold=None)
-    _, m = run(a, b, stale, steps=1, prompt_len=PROMPT, group_size=GROUP)
+    _, m = run(a, b, stale, steps=1, groups=SHARED)
     prox, _ = _sequence_logp(params0(), b.tokens_BxT, b.valid_BxT)
     mask = np.asarray(b.loss_mask_BxT)
     gap = np.abs(np.asarray(prox) - np.asarray(b.behav_logp_BxT))[mask]
@@ -248,7 +250,7 @@ def test_trimmed_batches_compile_one_program_per_bucket():
     a = actor()
     tx, schedule = optim.make_optimizer(a.optimizer, 10)
     state = step_lib.init_train_state(params0(), tx)
-    step = step_lib.make_train_step(MODEL, a, tx, schedule, prompt_len=PROMPT, group_size=GROUP)
+    step = step_lib.make_train_step(MODEL, a, tx, schedule, groups=SHARED)
     rng = np.random.default_rng(0)
     widths = []
     for longest in (5, 12, 20, 30, 17, 40, 3):

@@ -13,8 +13,9 @@ from m2po_jax.algorithm import advantages as adv_lib
 from m2po_jax.algorithm import losses, masking, masking_stats
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.configs import arith
-from m2po_jax.learner import logprobs, optim, step_math
+from m2po_jax.learner import logprobs, optim
 from m2po_jax.learner import train_step as step_lib
+from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.learner.step_plan import plan_step
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
@@ -113,13 +114,13 @@ def _assert_trees_equal(x, y, atol=0.0):
 
 def test_finite_loss_with_a_non_finite_gradient_is_skipped(monkeypatch):
     # The real step, whose policy loss keeps its value but has a NaN gradient.
-    policy_loss = losses.policy_loss
+    policy_loss = losses.policy_loss_with
 
     def nan_gradient_loss(*args, **kwargs):
         loss, stats = policy_loss(*args, **kwargs)
         return _nan_gradient(loss), stats
 
-    monkeypatch.setattr(losses, "policy_loss", nan_gradient_loss)
+    monkeypatch.setattr(losses, "policy_loss_with", nan_gradient_loss)
     # One minibatch: its loss is finite whatever the guard did with its update.
     params, state, step = setup(actor(ppo_n_minibatches=1))
     before = _copy(state)
@@ -299,7 +300,8 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
 
     tx, _ = optim.make_optimizer(a.optimizer, 10)
     prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
-    adv = step_math.token_advantages(a, b.rewards_B, b.loss_mask_BxT, b.behav_logp_BxT, None)
+    settings = ActorSettings.build(a)
+    adv = adv_lib.token_advantages(settings.advantages, b.rewards_B, b.loss_mask_BxT)
     rows = b.tokens_BxT.shape[0]
     perm = np.asarray(jax.random.permutation(jax.random.key(3), rows))
     ref_params, opt_state = params, tx.init(params)
@@ -332,7 +334,7 @@ def test_microbatch_scope_masks_and_weights_each_micro_batch_like_areal():
                     adv[part],
                     mask,
                     eps_clip=a.eps_clip,
-                    rejection_sampling=step_math.rejection(a),
+                    rejection_sampling=settings.loss.rejection_sampling,
                 )
                 total = total + part_loss * jnp.sum(b.loss_mask_BxT[part]) / n_valid
             return total
@@ -471,7 +473,8 @@ def test_kl_penalty_reaches_the_step_advantages():
     np.testing.assert_allclose(metrics["train/adv_abs_mean"], abs_mean(with_kl), rtol=1e-5)
     # Token by token, from the step's own `prepare` under the step's plan.
     plan = plan_step(a, *b.tokens_BxT.shape)
-    prepare = functools.partial(step_lib.prepare, model_config=MODEL, actor=a, plan=plan)
+    settings = ActorSettings.build(a)
+    prepare = functools.partial(step_lib.prepare, model_config=MODEL, actor=settings, plan=plan)
     prep = jax.jit(prepare)(params, b, ref_params)
     np.testing.assert_allclose(prep.advantages_BxT, with_kl, atol=1e-5)
     assert float(jnp.max(jnp.abs(with_kl - without_kl))) > 0.1

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from m2po_jax import trainer as trainer_lib
+from m2po_jax.common.types import RolloutBatch
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.rollout import batches as rollout_lib
@@ -60,29 +61,34 @@ def test_encode_prompts_through_the_prompt_encoder_drops_the_head_with_bos():
 
 def _batch(i, rows=2, width=6):
     """A host rollout batch whose every field says which batch it is (i)."""
-    return {
-        "tokens_BxT": np.full((rows, width), 10 * i + 1, np.int32),
-        "valid_BxT": np.tile(np.arange(width) >= i, (rows, 1)),
-        "behav_logp_BxT": np.full((rows, width), -0.5 * (i + 1), np.float32),
-        "loss_mask_BxT": np.tile(np.arange(width) >= i + 1, (rows, 1)),
-        "prompt_len_B": np.full((rows,), i + 2, np.int32),
-        "completion_len_B": np.full((rows,), 5 - i, np.int32),
-        "stopped_B": np.full((rows,), i % 2 == 0),
-        "version_B": np.full((rows,), i, np.int32),
-        "group_id_B": np.arange(rows, dtype=np.int32) + 100 * i,
-        "rewards_B": np.full((rows,), 0.25 * i, np.float32),
-    }
+    return RolloutBatch(
+        tokens_BxT=np.full((rows, width), 10 * i + 1, np.int32),
+        valid_BxT=np.tile(np.arange(width) >= i, (rows, 1)),
+        behav_logp_BxT=np.full((rows, width), -0.5 * (i + 1), np.float32),
+        loss_mask_BxT=np.tile(np.arange(width) >= i + 1, (rows, 1)),
+        prompt_len_B=np.full((rows,), i + 2, np.int32),
+        completion_len_B=np.full((rows,), 5 - i, np.int32),
+        stopped_B=np.full((rows,), i % 2 == 0),
+        version_B=np.full((rows,), i, np.int32),
+        group_id_B=np.arange(rows, dtype=np.int32) + 100 * i,
+        rewards_B=np.full((rows,), 0.25 * i, np.float32),
+    )
 
 
 def test_stale_queue_is_fifo():
     queue = rollout_lib.StaleQueue(2, [_batch(0), _batch(1)])
     queue.push(_batch(2))
-    assert int(queue.pop()["version_B"][0]) == 0
-    assert [int(b["version_B"][0]) for b in queue.state()] == [1, 2]  # oldest first
+    assert int(queue.pop().version_B[0]) == 0
+    assert [int(b.version_B[0]) for b in queue.state()] == [1, 2]  # oldest first
     with pytest.raises(RuntimeError, match="popping needs more than k=2"):
         queue.pop()
-    with pytest.raises(ValueError, match="lacks"):
-        queue.push({"tokens_BxT": np.zeros((1, 1))})
+    with pytest.raises(TypeError, match="RolloutBatch records, got dict"):
+        queue.push(_batch(3).arrays())
+    with pytest.raises(ValueError, match=r"queue item 2: lacks \['rewards_B'\]"):
+        arrays = _batch(2).arrays()
+        del arrays["rewards_B"]
+        RolloutBatch.from_arrays(arrays, "queue item 2")
+    assert rollout_lib.ROLLOUT_KEYS == tuple(_batch(0).arrays())
 
 
 def _stand_in(tmp_path, queue):
@@ -123,15 +129,15 @@ def test_the_queue_resumes_in_fifo_order_through_the_trainers_checkpoint(tmp_pat
     assert resumed.queue is not queue and len(resumed.queue) == k
     restored = resumed.queue.state()
     for i, batch in enumerate(restored):
-        want = _batch(i)
-        assert sorted(batch) == sorted(want)
-        for key, value in want.items():
-            np.testing.assert_array_equal(batch[key], value, err_msg=f"batch {i} {key}")
-            assert batch[key].dtype == value.dtype, key
+        assert isinstance(batch, RolloutBatch)
+        got = batch.arrays()
+        for key, value in _batch(i).arrays().items():
+            np.testing.assert_array_equal(got[key], value, err_msg=f"batch {i} {key}")
+            assert got[key].dtype == value.dtype, key
     # The next steps (push the fresh batch, pop the stale one) train on the batches in the
     # order they were generated.
     popped = []
     for step in range(k + 1):
         resumed.queue.push(_batch(k + step))
-        popped.append(int(resumed.queue.pop()["version_B"][0]))
+        popped.append(int(resumed.queue.pop().version_B[0]))
     assert popped == [0, 1, 2, 3]
