@@ -45,12 +45,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Not copied: the virtualenv, git, run outputs and caches (ignored by .gitignore too).
+# Run outputs only at the top: m2po_jax/trainer/workdir.py is code.
+TOP_IGNORE = ("runs", "workdir*", "build")
 COPY_IGNORE = (
     ".git",
     ".venv*",
-    "runs",
-    "workdir*",
-    "build",
     "__pycache__",
     ".pytest_cache",
     ".ruff_cache",
@@ -450,7 +449,13 @@ def print_list(mutants: list[Mutant], root: Path = REPO) -> int:
 
 
 def copy_repo(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*COPY_IGNORE), symlinks=True)
+    everywhere, top = shutil.ignore_patterns(*COPY_IGNORE), shutil.ignore_patterns(*TOP_IGNORE)
+
+    def ignore(directory, names):
+        skipped = everywhere(directory, names)
+        return skipped | top(directory, names) if Path(directory) == src else skipped
+
+    shutil.copytree(src, dst, ignore=ignore, symlinks=True)
     return dst
 
 

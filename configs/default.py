@@ -173,6 +173,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # steps between orbax checkpoints (0 = only at the end)
     c.checkpoint.keep = 2  # checkpoints kept
+    # Hugging Face exports of the policy (only when model.path is a HF directory):
+    # <workdir>/hf/step_<N>/ at the end of the run and every hf_every steps (0 = only the end)
+    c.checkpoint.hf_every = 0
+    c.checkpoint.hf_keep = 1  # exports kept
+    c.checkpoint.hf_dtype = "bfloat16"  # dtype of the exported tensors: bfloat16 | float32
 
     c.logging = ml_collections.ConfigDict()
     c.logging.tensorboard = True  # TensorBoard event files in the workdir

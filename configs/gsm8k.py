@@ -17,6 +17,7 @@ README shows the memory plan of each (`python benchmarks/scale_bench.py --plans`
   qwen2.5-0.5b   Qwen2.5-0.5B(-Instruct) on one 80 GB GPU
   qwen2.5-7b     Qwen2.5-7B(-Instruct) on 8 GPUs (fsdp=8), 512 rows in 4 minibatches
   qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=16)
+  smollm2-135m-cpu  SmolLM2-135M-Instruct on a CPU (benchmarks/real_model.py)
 """
 
 import ml_collections
@@ -56,7 +57,33 @@ def _qwen3_8b(c):
     c.actor.mb_spec.max_tokens_per_mb = 16 * 1536
 
 
-PRESETS = {"qwen2.5-0.5b": _qwen25_05b, "qwen2.5-7b": _qwen25_7b, "qwen3-8b": _qwen3_8b}
+def _smollm2_135m_cpu(c):
+    """SmolLM2-135M-Instruct on a laptop CPU (`benchmarks/real_model.py`): short word
+    problems, 4 prompts x 4 samples of <= 48 tokens per step, a float32 policy, a
+    learning rate that moves a 135M model in a dozen steps."""
+    c.total_steps = 12
+    c.mesh.data, c.mesh.fsdp = 1, 1
+    c.model.dtype = "float32"
+    c.model.remat = False
+    c.task.max_prompt_len = 128
+    c.task.eval_size = 32
+    c.gconfig.n_samples = 4
+    c.gconfig.max_new_tokens = 48
+    c.rollout.batch_size = 4
+    c.rollout.max_head_offpolicyness = 2
+    c.actor.optimizer.lr = 5e-6
+    c.eval.every = 6
+    c.eval.num_examples = 32
+    c.eval.batch_size = 32
+    c.checkpoint.every = 6
+
+
+PRESETS = {
+    "qwen2.5-0.5b": _qwen25_05b,
+    "qwen2.5-7b": _qwen25_7b,
+    "qwen3-8b": _qwen3_8b,
+    "smollm2-135m-cpu": _smollm2_135m_cpu,
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

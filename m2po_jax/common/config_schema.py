@@ -161,6 +161,9 @@ class EvalSection:
 class CheckpointSection:
     every: int
     keep: int
+    hf_every: int
+    hf_keep: int
+    hf_dtype: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,6 +281,9 @@ def validate(cfg: Config) -> Config:
     _check_range("eval.batch_size", cfg.eval.batch_size, 1)
     _check_range("checkpoint.every", cfg.checkpoint.every, 0)
     _check_range("checkpoint.keep", cfg.checkpoint.keep, 1)
+    _check_range("checkpoint.hf_every", cfg.checkpoint.hf_every, 0)
+    _check_range("checkpoint.hf_keep", cfg.checkpoint.hf_keep, 1)
+    _check_choice("checkpoint.hf_dtype", cfg.checkpoint.hf_dtype, PARAM_DTYPES)
     _check_range("sft.max_steps", cfg.sft.max_steps, 0)
     _check_range("sft.stop_at_accuracy", cfg.sft.stop_at_accuracy, 0.0, 1.0)
     m = cfg.model

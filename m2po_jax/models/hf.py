@@ -291,8 +291,14 @@ def save_pretrained(
     hf_config: Mapping[str, Any] | None = None,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
+    source_dir: PathLike | None = None,
+    fetch=None,
+    write: bool = True,
 ) -> None:
     """Writes a checkpoint `transformers.AutoModelForCausalLM.from_pretrained` can load.
+
+    Tensors reach the host one at a time and each safetensors file is written when it is
+    full, so the host holds at most one file's worth of weights.
 
     Args:
       model_or_params: a `PretrainedModel`, or a param tree (then `config` is required).
@@ -303,13 +309,17 @@ def save_pretrained(
       dtype: dtype of the stored tensors; None keeps each param's dtype.
       max_shard_size: bytes per file (int or '5GB'); larger models are sharded with an
         index.
+      source_dir: a Hugging Face directory whose tokenizer, chat template and generation
+        files (`TOKENIZER_FILES`) are copied; defaults to the model's.
+      fetch: brings one param to the host as a numpy array (default `jax.device_get`; a
+        multi-host run passes an all-gather that every process takes part in).
+      write: False takes part in the fetches and writes nothing (processes other than 0).
     """
-    source_dir = None
     if isinstance(model_or_params, PretrainedModel):
         params = model_or_params.params
         config = config or model_or_params.config
         hf_config = hf_config if hf_config is not None else model_or_params.hf_config
-        source_dir = model_or_params.path
+        source_dir = source_dir if source_dir is not None else model_or_params.path
     else:
         params = nn.meta.unbox(model_or_params)
         if config is None:
@@ -317,6 +327,39 @@ def save_pretrained(
     limit = _parse_size(max_shard_size)
     hf = config_to_hf(config, hf_config)
     layout = tensor_layout(config)
+    flat = _checked_flat(params, layout)
+    fetch = fetch or jax.device_get
+    path = os.fspath(path)
+    if write:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):  # weights of an earlier save would shadow or confuse
+            if (
+                name in (SINGLE_FILE, INDEX_FILE)
+                or _SHARD_NAME.fullmatch(name)
+                or name.startswith(".part-")
+            ):
+                os.remove(os.path.join(path, name))
+    shards = _ShardWriter(path, limit, write)
+    for t in layout:
+        array = np.asarray(fetch(flat[t.param_path]))
+        if dtype is not None:
+            array = array.astype(as_dtype(dtype))
+        shards.add(t.hf_name, t.to_hf(array))
+    stored = shards.close()
+    if not write:
+        return
+    hf["torch_dtype"] = stored.pop() if len(stored) == 1 else "float32"
+    with open(os.path.join(path, CONFIG_FILE), "w") as fh:
+        json.dump(hf, fh, indent=2, sort_keys=True)
+    if source_dir is not None and os.path.abspath(source_dir) != os.path.abspath(path):
+        for name in TOKENIZER_FILES:
+            src = os.path.join(source_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+
+
+def _checked_flat(params, layout) -> dict:
+    """The param tree by path, after checking it holds exactly the layout's shapes."""
     flat = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_leaves_with_path(params)}
     names = {t.param_path for t in layout}
     if set(flat) != names:
@@ -330,43 +373,54 @@ def save_pretrained(
                 f"{'/'.join(t.param_path)}: shape {tuple(flat[t.param_path].shape)} != "
                 f"{t.shape} expected from config"
             )
+    return flat
 
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    shard_bytes = 0
-    for t in layout:
-        array = np.asarray(jax.device_get(flat[t.param_path]))
-        if dtype is not None:
-            array = array.astype(as_dtype(dtype))
-        hf_array = t.to_hf(array)
-        if shards[-1] and shard_bytes + hf_array.nbytes > limit:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][t.hf_name] = hf_array
-        shard_bytes += hf_array.nbytes
-    stored = {a.dtype.name for s in shards for a in s.values()}
-    hf["torch_dtype"] = stored.pop() if len(stored) == 1 else "float32"
 
-    for name in os.listdir(path):  # weights of an earlier save would shadow or confuse
-        if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name):
-            os.remove(os.path.join(path, name))
-    metadata = {"format": "pt"}  # transformers refuses safetensors without it
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)
-    else:
+class _ShardWriter:
+    """Safetensors files of at most `limit` bytes, each written as soon as it is full;
+    `close` names them (one `model.safetensors`, or numbered shards with an index)."""
+
+    def __init__(self, path: str, limit: int, write: bool):
+        self.path, self.limit, self.write = path, limit, write
+        self.current: dict[str, np.ndarray] = {}
+        self.files: list[tuple[str, list[str], int]] = []  # (temporary name, tensors, bytes)
+        self.dtypes: set[str] = set()
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if (
+            self.current
+            and sum(a.nbytes for a in self.current.values()) + array.nbytes > self.limit
+        ):
+            self._flush()
+        self.current[name] = array
+        self.dtypes.add(array.dtype.name)
+
+    def _flush(self) -> None:
+        part = f".part-{len(self.files):05d}.safetensors"
+        if self.write:  # transformers refuses safetensors without the format metadata
+            save_file(self.current, os.path.join(self.path, part), metadata={"format": "pt"})
+        size = sum(a.nbytes for a in self.current.values())
+        self.files.append((part, list(self.current), size))
+        self.current = {}
+
+    def close(self) -> set[str]:
+        """Names the files; returns the stored dtypes."""
+        if self.current or not self.files:
+            self._flush()
+        if not self.write:
+            return self.dtypes
+        n = len(self.files)
+        if n == 1:
+            os.replace(
+                os.path.join(self.path, self.files[0][0]), os.path.join(self.path, SINGLE_FILE)
+            )
+            return self.dtypes
         weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, name))
-            total += sum(a.nbytes for a in shard.values())
-        with open(os.path.join(path, INDEX_FILE), "w") as fh:
+        for i, (part, tensors, size) in enumerate(self.files):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.path, part), os.path.join(self.path, name))
+            weight_map.update(dict.fromkeys(tensors, name))
+            total += size
+        with open(os.path.join(self.path, INDEX_FILE), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-    with open(os.path.join(path, CONFIG_FILE), "w") as fh:
-        json.dump(hf, fh, indent=2, sort_keys=True)
-    if source_dir is not None and os.path.abspath(source_dir) != os.path.abspath(path):
-        for name in TOKENIZER_FILES:
-            src = os.path.join(source_dir, name)
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(path, name))
+        return self.dtypes

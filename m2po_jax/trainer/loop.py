@@ -28,6 +28,7 @@ from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import evaluate as evaluate_lib
+from m2po_jax.trainer import export as export_lib
 from m2po_jax.trainer import metrics as metrics_lib
 from m2po_jax.trainer import paths, plots, run_record, sft
 from m2po_jax.trainer import setup as setup_lib
@@ -257,7 +258,10 @@ class Trainer:
                 record["eval/accuracy"] = accuracy
                 accuracies.append((step, accuracy))
             save = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-            if not (save or accuracy is not None or self._stop_requested or step + 1 == end):
+            export = cfg.checkpoint.hf_every and (step + 1) % cfg.checkpoint.hf_every == 0
+            if not (
+                save or export or accuracy is not None or self._stop_requested or step + 1 == end
+            ):
                 pending = (step, record, device_metrics)
                 continue
             self._finish(writer, progress, step, record, device_metrics)
@@ -266,8 +270,28 @@ class Trainer:
                 return True
             if save:
                 self.save(writer)
+            if export and step + 1 < cfg.total_steps:
+                self.export_hf()
         self.save(writer)
+        if int(self.state.step) >= cfg.total_steps:
+            self.export_hf()
         return False
+
+    def export_hf(self):
+        """`<workdir>/hf/step_<N>` for the current params (`trainer.export`), when the model
+        came from a Hugging Face directory; returns its path, or None."""
+        c = self.cfg.checkpoint
+        if not self.cfg.model.path:
+            return None
+        return export_lib.export_run_step(
+            self.workdir,
+            int(self.state.step),
+            self.state.params,
+            self.model_config,
+            self.cfg.model.path,
+            dtype=c.hf_dtype,
+            keep=c.hf_keep,
+        )
 
     def _finish(self, writer, progress, step, record, device_metrics, current=None) -> None:
         """Writes `step`'s row with its device metrics; stops the run after too many

@@ -16,7 +16,9 @@ import os
 
 import jax
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.errors import WorkdirError
+from m2po_jax.configs import default
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.trainer import paths
@@ -98,3 +100,31 @@ def check_and_record(
 
 def _shape(entry) -> str:
     return "absent" if entry is None else f"{entry[1]}{entry[0]}"
+
+
+def read_record(workdir: str | os.PathLike) -> dict:
+    """The workdir's `config.json`; WorkdirError (one line) if it is missing or unreadable."""
+    path = paths.as_path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise WorkdirError(f"{path}: missing; {workdir} is not a workdir m2po-train has run in")
+    try:
+        record = json.loads(path.read_text())
+        record["config"], record["params"]  # noqa: B018 (both must be there)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WorkdirError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    return record
+
+
+def recorded_config(record: dict, where: str):
+    """The run's `Config` from a record: the built-in defaults, then every recorded setting
+    (settings added since the record was written keep their defaults)."""
+    tree = default.get_config().to_dict()
+    for key, value in record["config"].items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise WorkdirError(f"{where}: unknown setting {key} (written by another version?)")
+        node[leaf] = value
+    return config_lib.from_configdict(tree)

@@ -53,4 +53,6 @@ def test_notebook_runs_end_to_end(notebook, tmp_path):
     assert "max |logit difference| vs transformers:" in out
     assert "max |recorded - recomputed| log-prob:" in out
     assert "held-out accuracy by step:" in out
+    assert "max |logit difference| export vs trained params:" in out
+    assert (tmp_path / "real_m2po" / "hf" / "step_2" / "config.json").exists()
     assert (tmp_path / "arith_m2po" / "metrics.jsonl").exists()

@@ -1,0 +1,119 @@
+"""`m2po-export`: a Hugging Face directory from a workdir's checkpoint.
+
+  m2po-export runs/gsm8k --out /tmp/policy                 # the newest verified checkpoint
+  m2po-export runs/gsm8k --step 40 --out /tmp/policy_40 --dtype float32
+
+Works on a finished or an interrupted run: the model is rebuilt from the config the
+workdir recorded (`config.json`) and its Hugging Face source (`model.path`), the params
+come from the checkpoint (verified against its manifest), and the directory is written as
+the trainer writes `<workdir>/hf/step_<N>` (`trainer.export`). Errors a user can fix (no
+such workdir or step, a damaged checkpoint, a run without a Hugging Face source, an
+existing output) print one line, `m2po-export: <problem>`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+
+from m2po_jax.common.errors import CheckpointError, M2poError, WorkdirError
+from m2po_jax.learner import optim
+from m2po_jax.learner import train_step as step_lib
+from m2po_jax.models import model as model_lib
+from m2po_jax.trainer import checkpoint as ckpt_lib
+from m2po_jax.trainer import export as export_lib
+from m2po_jax.trainer import paths, run_record
+from m2po_jax.trainer import setup as setup_lib
+
+
+def export_workdir(workdir, out, *, step: int | None = None, dtype: str = "bfloat16"):
+    """Writes checkpoint `step` (None: the newest that verifies) of `workdir` to `out` as a
+    Hugging Face directory; returns (the step, the path)."""
+    workdir = paths.workdir(workdir)
+    record = run_record.read_record(workdir)
+    where = os.fspath(workdir / run_record.CONFIG_FILE)
+    cfg = run_record.recorded_config(record, where)
+    source = cfg.model.path
+    if not source:
+        raise WorkdirError(
+            f"{where}: model.path is empty: the run trained a new model, not a Hugging Face "
+            "checkpoint, so there is no config.json or tokenizer to export with"
+        )
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise WorkdirError(
+            f"{where}: model.path={source} has no config.json any more; the export needs "
+            "the run's Hugging Face source directory"
+        )
+    model_config, _ = setup_lib.build_model(cfg, 0)
+    if run_record.describe(cfg, model_config)["params"] != record["params"]:
+        raise WorkdirError(
+            f"{where}: the checkpoints' params differ from {source}'s architecture now"
+        )
+    checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    chosen = _verified_step(checkpointer, step)
+    restored = checkpointer.restore(chosen, state_like=_abstract_state(cfg, model_config))
+    path = export_lib.export_params(
+        restored["state"].params, model_config, source, out, dtype=dtype
+    )
+    return chosen, path
+
+
+def _verified_step(checkpointer: ckpt_lib.Checkpointer, step: int | None) -> int:
+    """`step`, or the newest checkpoint, after checking it against its manifest; unlike a
+    resume, nothing in the workdir is moved."""
+    steps = checkpointer.all_steps()
+    if step is not None and step not in steps:
+        raise CheckpointError(
+            f"{checkpointer.step_dir(step)}: no such checkpoint (available: {steps or 'none'})"
+        )
+    problems = []
+    for candidate in [step] if step is not None else reversed(steps):
+        problem = checkpointer.verify(candidate)
+        if problem is None:
+            return candidate
+        problems.append(f"{checkpointer.step_dir(candidate)}: {problem}")
+    if not problems:
+        raise CheckpointError(f"{checkpointer.directory}: no checkpoint to export")
+    raise CheckpointError("; ".join(problems))
+
+
+def _abstract_state(cfg, model_config):
+    """The shapes of the run's `TrainState`, on one device."""
+    tx, _ = optim.make_optimizer(cfg.actor.optimizer, cfg.total_steps)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def init():
+        params = model_lib.init_params(model_config, jax.random.key(0))
+        return step_lib.init_train_state(params, tx)
+
+    shapes = jax.eval_shape(init)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="m2po-export", description="Write a workdir's checkpoint as a Hugging Face directory."
+    )
+    parser.add_argument("workdir", help="the m2po-train workdir")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = parser.parse_args(argv)
+    try:
+        step, path = export_workdir(args.workdir, args.out, step=args.step, dtype=args.dtype)
+    except M2poError as e:
+        print(f"m2po-export: {e}", file=sys.stderr)
+        return 2
+    print(f"m2po-export: step {step} of {args.workdir} -> {path}")
+    return 0
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
