@@ -361,6 +361,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/rollout/sampling_test.py", "behav_logp"),),
         "the recorded behaviour log-prob ignores the temperature",
     ),
+    # ------------------------------------------------------------------ the export
+    Mutant(
+        "export-fetch-without-gather",
+        "m2po_jax/trainer/export.py",
+        'if jax.process_count() == 1 or getattr(x, "is_fully_addressable", True):',
+        "if True:",
+        (T("tests/e2e/export_test.py", "two_processes"),),
+        "a multi-host export fetches each process's shards instead of gathering the tensor",
+    ),
+    Mutant(
+        "export-tokenizer-files-not-copied",
+        "m2po_jax/models/hf.py",
+        "    if source_dir is not None and os.path.abspath(source_dir) != os.path.abspath(path):",
+        "    if False:",
+        (T("tests/e2e/export_test.py", "transformers"),),
+        "the export leaves out the source's tokenizer, chat template and generation config",
+    ),
 )
 
 

@@ -4,6 +4,9 @@ back by transformers; interrupted exports; the CLI's one-line errors."""
 import dataclasses
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +24,7 @@ from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import export as export_lib
 from m2po_jax.trainer import export_main
 
+REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
 
 
@@ -173,3 +177,56 @@ def test_m2po_export_errors_are_one_line(run, source, tmp_path, capsys):
     assert "model.path is empty" in error(other, "--out", tmp_path / "w")
     with pytest.raises(CheckpointError, match="already exists"):
         export_lib.export_params({}, None, str(source), workdir)
+
+
+def test_two_processes_export_the_params_they_shard(source, tmp_path):
+    """Two processes of one CPU device each, params sharded over both (fsdp=2): the export
+    gathers each tensor and process 0 writes it; it equals a one-process `m2po-export` of
+    the same checkpoint, tensor for tensor."""
+    workdir = tmp_path / "run"
+    port = _free_port()
+    args = [
+        sys.executable, "-m", "m2po_jax.trainer.main", "--config=configs/gsm8k.py",
+        f"--workdir={workdir}", f"--config.model.path={source}",
+        f"--config.task.train_path={source / 'train.jsonl'}", "--config.task.eval_size=8",
+        "--config.model.dtype=float32", "--config.model.remat=False",
+        "--config.task.max_prompt_len=32", "--config.task.chat_template=off",
+        "--config.total_steps=1", "--config.gconfig.n_samples=2",
+        "--config.gconfig.max_new_tokens=4", "--config.rollout.batch_size=2",
+        "--config.rollout.max_head_offpolicyness=1", "--config.eval.num_examples=8",
+        "--config.eval.batch_size=8", "--config.mesh.data=1", "--config.mesh.fsdp=2",
+        "--config.checkpoint.hf_dtype=float32", "--config.logging.progress=False",
+        "--config.logging.tensorboard=False", "--config.logging.plots=False",
+    ]  # fmt: skip
+    procs = []
+    for pid in range(2):
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"{os.environ['M2PO_TEST_XLA_FLAGS']} --xla_force_host_platform_device_count=1",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(pid),
+        )
+        procs.append(
+            subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    exported = workdir / "hf" / "step_1"
+    export_lib.verify_export(exported)
+    out = tmp_path / "one_process"
+    assert export_main.main([str(workdir), "--out", str(out), "--dtype", "float32"]) == 0
+    ours, theirs = _tensors(exported), _tensors(out)
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
