@@ -364,9 +364,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ the export
     Mutant(
         "export-fetch-without-gather",
-        "m2po_jax/trainer/export.py",
-        'if jax.process_count() == 1 or getattr(x, "is_fully_addressable", True):',
-        "if True:",
+        "m2po_jax/parallel/placement.py",
+        "    return multihost_utils.process_allgather(tree, tiled=True)",
+        "    return jax.device_get(tree)",
         (T("tests/e2e/export_test.py", "two_processes"),),
         "a multi-host export fetches each process's shards instead of gathering the tensor",
     ),

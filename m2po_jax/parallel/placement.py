@@ -145,6 +145,12 @@ class Placement:
 
     def to_host(self, tree):
         """Full numpy copies of (possibly multi-process) global arrays, on every process."""
-        if jax.process_count() == 1:
-            return jax.device_get(tree)
-        return multihost_utils.process_allgather(tree, tiled=True)
+        return to_host(tree)
+
+
+def to_host(tree):
+    """Full numpy copies of (possibly multi-process) global arrays, on every process (an
+    all-gather every process takes part in when there are several)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)

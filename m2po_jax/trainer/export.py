@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from m2po_jax.common.errors import CheckpointError, WriterError, describe_os_error
 from m2po_jax.models import hf
 from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.parallel import placement
 from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import paths
 
@@ -55,13 +56,6 @@ def _agree(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
-
-
-def _fetch(x):
-    """One param on the host as numpy (an all-gather across processes when sharded so)."""
-    if jax.process_count() == 1 or getattr(x, "is_fully_addressable", True):
-        return jax.device_get(x)
-    return multihost_utils.process_allgather(x, tiled=True)
 
 
 def export_params(
@@ -98,7 +92,7 @@ def export_params(
             dtype=dtype,
             max_shard_size="2GB",
             source_dir=source_dir,
-            fetch=_fetch,
+            fetch=placement.to_host,
             write=primary,
         )
         if not primary:

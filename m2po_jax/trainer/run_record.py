@@ -17,7 +17,7 @@ import os
 import jax
 
 from m2po_jax import config as config_lib
-from m2po_jax.common.errors import WorkdirError
+from m2po_jax.common.errors import ConfigError, WorkdirError
 from m2po_jax.configs import default
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
@@ -118,13 +118,9 @@ def read_record(workdir: str | os.PathLike) -> dict:
 def recorded_config(record: dict, where: str):
     """The run's `Config` from a record: the built-in defaults, then every recorded setting
     (settings added since the record was written keep their defaults)."""
-    tree = default.get_config().to_dict()
-    for key, value in record["config"].items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or leaf not in node:
-            raise WorkdirError(f"{where}: unknown setting {key} (written by another version?)")
-        node[leaf] = value
-    return config_lib.from_configdict(tree)
+    config = default.get_config()
+    try:
+        config_lib.apply_dotted(config, record["config"])
+    except ConfigError as e:
+        raise WorkdirError(f"{where}: {e} (written by another version?)") from e
+    return config_lib.from_configdict(config)
