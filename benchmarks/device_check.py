@@ -44,6 +44,9 @@ What the numbers mean:
       step_s: rollout + train seconds of each step (metrics.jsonl; the first includes the
       compiles); time_to_first_step_s: from the checkpoint on disk to the end of step 0
       (trainer init, eval compile and run, rollout, train); the trainer's memory plan.
+  async  the rl_step run sync, then async (`rollout.mode=async`, half the devices roll
+      out, k = 2 in both), `--rl-steps` + 3 steps each: updates/s after two warm-up steps,
+      async / sync, and the weight publication seconds per step. Skipped with one device.
 
 Exit status 0 when every section measured, 1 otherwise (the report is written either way).
 """
@@ -92,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="device_check.json", help="JSON report path")
     p.add_argument("--budget-s", type=float, default=420.0, help="global time budget")
     p.add_argument("--section-timeout-s", type=float, default=240.0, help="cap per section")
-    p.add_argument("--sections", default="train,sampler,rl_step", help="which to run")
+    p.add_argument("--sections", default="train,sampler,rl_step,async", help="which to run")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the MFU peak")
     p.add_argument("--remat-policy", default="nothing_saveable")
     p.add_argument("--sample-attention", default="auto")
@@ -112,7 +115,7 @@ def plan_sections(args) -> list[tuple[str, str, str]]:
     wanted = set(args.sections.split(","))
     paths = [a for a in args.attention.split(",") if a]
     train = [(f"train/{a}", "train", a) for a in paths] if "train" in wanted else []
-    rest = [(n, n, "") for n in ("sampler", "rl_step") if n in wanted]
+    rest = [(n, n, "") for n in ("sampler", "rl_step", "async") if n in wanted]
     return train[:1] + rest + train[1:]
 
 
@@ -188,6 +191,16 @@ def summarize(name: str, r: dict) -> list[str]:
             f"attention {r['attention_resolved']}, "
             f"{r['decoded_steps']} decoded steps: {r['tokens_per_s']:.0f} tokens/s, "
             f"{r['ms_per_decode_step']:.2f} ms/step (first call {r['first_call_s']:.1f} s)",
+        ]
+    if name == "async":
+        if "skipped" in r:
+            return [f"  skipped: {r['skipped']}"]
+        a, b = r["sync"], r["async"]
+        return [
+            f"  {r['devices']} devices (async: half roll out): sync {a['steps_per_s']:.2f} "
+            f"steps/s, async {b['steps_per_s']:.2f} steps/s "
+            f"({r['async_over_sync_steps_per_s']:.2f}x); publish s "
+            + ", ".join(f"{x:.3f}" for x in b["publish_s"] if x is not None)
         ]
     return [
         f"  {r['rows']} rows x {r['seq_len']} tokens, checkpoint by {r['checkpoint_writer']} "

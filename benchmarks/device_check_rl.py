@@ -1,4 +1,5 @@
-"""Section 4 of benchmarks/device_check.py: full RL steps of the GSM8K trainer.
+"""Sections 4 and 5 of benchmarks/device_check.py: full RL steps of the GSM8K trainer,
+sync, then sync against async rollouts.
 
 A random checkpoint of the benchmarked architecture (transformers when installed, else
 `m2po_jax.models.hf.save_pretrained`), the fixture tokenizer and GSM8K-format data go to a temp
@@ -7,6 +8,7 @@ dir; `Trainer(configs/gsm8k.py:qwen2.5-0.5b + overrides).run()` trains on them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -159,5 +161,51 @@ def _run(s: dict, work: Path) -> dict:
         "plan_total_bytes": plan.total,
         "plan_train_step_bytes": plan.train_step,
         "plan": plan.format(),
+        **peak_memory(),
+    }
+
+
+def run_async(s: dict) -> dict:
+    """Section 5: the RL steps of section 4, sync then async (`rollout.mode`), on the same
+    devices: async gives half of them to the rollout worker. k = 2 in both. Needs at
+    least 2 devices (a GPU host: its GPUs); reports `skipped` on one."""
+    devices = len(jax.local_devices())
+    if devices < 2:
+        return {
+            "device": device_info(s["peak_tflops"]),
+            "skipped": f"async rollouts split the devices; this host has {devices}",
+        }
+    work = Path(tempfile.mkdtemp(prefix="device_check_async_"))
+    try:
+        write_checkpoint(work / "model", s)
+        steps = s["rl_steps"] + 3  # the first two compile
+        fixtures.write_gsm8k(work / "train.jsonl", max(64, 4 * s["rl_prompts"] * steps))
+        fixtures.write_gsm8k(work / "eval.jsonl", s["rl_eval"], seed=1)
+        out = {"device": device_info(s["peak_tflops"]), "devices": devices}
+        for mode in ("sync", "async"):
+            out[mode] = _timed_run(s, work, mode, steps)
+        out["async_over_sync_steps_per_s"] = (
+            out["async"]["steps_per_s"] / out["sync"]["steps_per_s"]
+        )
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _timed_run(s: dict, work: Path, mode: str, steps: int) -> dict:
+    cfg = rl_config(s, work)
+    rollout = dataclasses.replace(cfg.rollout, mode=mode, max_head_offpolicyness=2)
+    cfg = dataclasses.replace(cfg, rollout=rollout, total_steps=steps)
+    trainer = TimedTrainer(cfg, work / f"run_{mode}")
+    trainer.run()
+    rows = [json.loads(line) for line in open(work / f"run_{mode}" / "metrics.jsonl")]
+    ends = trainer.step_ends[2:]
+    rate = (len(ends) - 1) / (ends[-1] - ends[0])
+    return {
+        "steps_per_s": rate,
+        "samples_per_s": rate * cfg.rollout.batch_size * cfg.gconfig.n_samples,
+        "publish_s": [r.get("time/publish_s") for r in rows],
+        "wait_s": [r.get("time/wait_s") for r in rows],
+        "train_s": [r["time/train_s"] for r in rows],
         **peak_memory(),
     }

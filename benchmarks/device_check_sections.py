@@ -346,7 +346,14 @@ def run_rl_step(s: dict, _arg: str = "") -> dict:
     return device_check_rl.run_rl_step(s)
 
 
-SECTIONS = {"train": run_train, "sampler": run_sampler, "rl_step": run_rl_step}
+def run_async(s: dict, _arg: str = "") -> dict:
+    """Section 5, in device_check_rl.py: sync against async rollouts."""
+    import device_check_rl
+
+    return device_check_rl.run_async(s)
+
+
+SECTIONS = {"train": run_train, "sampler": run_sampler, "rl_step": run_rl_step, "async": run_async}
 
 
 def main(argv: list[str]) -> None:

@@ -138,8 +138,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batching-trim-drops-last-column",
         "m2po_jax/learner/batching.py",
-        "longest = int(used.nonzero()[0].max()) + 1 if used.any() else 0",
-        "longest = int(used.nonzero()[0].max()) if used.any() else 0",
+        "return int(used.nonzero()[0].max()) + 1 if used.any() else 0",
+        "return int(used.nonzero()[0].max()) if used.any() else 0",
         (T("tests/learner/batching_test.py"),),
         "off-by-one in the longest completion: a completion ending at a bucket edge loses "
         "its last column",

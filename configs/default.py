@@ -87,6 +87,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict()
     c.rollout.batch_size = 64  # prompts per step (rows = batch_size * n_samples)
     c.rollout.max_head_offpolicyness = 4  # staleness k: train on the batch made k updates ago
+    # sync: each step generates a batch, then trains on the one made k steps ago (the same
+    # devices, deterministic) | async: a rollout worker on its own devices (mesh.rollout_devices)
+    # generates with the newest published weights while the learner trains; a batch starts
+    # only while no sample would be trained more than k updates stale (m2po_jax/rollout/staleness.py)
+    c.rollout.mode = "sync"
+    # completions scored at once on host threads (rewards that wait on I/O: sandboxes,
+    # remote verifiers; a pure-Python reward gains nothing), in both modes; 1 = one by one
+    c.rollout.reward_workers = 1
+    c.rollout.worker_timeout_s = 600.0  # async: fail (naming what it was doing) after this wait
+    c.rollout.publish_dtype = (
+        ""  # async: weights sent to the rollout devices as: "" (as trained) | bfloat16
+    )
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)
@@ -189,6 +201,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
     c.mesh.fsdp = 1  # fully sharded data-parallel axis (params and optimizer state)
     c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP)
+    # rollout.mode=async: devices of each process given to rollouts (0 = half of them); the
+    # mesh above spans the rest of every process's devices
+    c.mesh.rollout_devices = 0
     c.mesh.device_memory_gib = 0.0  # memory per device for the start-up check (0 = ask the device)
     # Deprecated alias, removed in the next release: True means actor.m2po_scope = "shard".
     c.mesh.m2po_per_shard = False

@@ -74,6 +74,10 @@ class GenerationSection:
 class RolloutSection:
     batch_size: int
     max_head_offpolicyness: int
+    mode: str  # sync | async
+    reward_workers: int
+    worker_timeout_s: float
+    publish_dtype: str  # "" (the params' dtype) | bfloat16 | float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,7 @@ class MeshSection:
     data: int
     fsdp: int
     tensor: int
+    rollout_devices: int  # async: each process's devices for rollouts (0 = half)
     m2po_per_shard: bool
     device_memory_gib: float
 

@@ -250,6 +250,11 @@ def validate(cfg: Config) -> Config:
     _check_range("gconfig.top_k", g.top_k, 0)
     _check_range("rollout.batch_size", r.batch_size, 1)
     _check_range("rollout.max_head_offpolicyness", r.max_head_offpolicyness, 0)
+    _check_choice("rollout.mode", r.mode, ROLLOUT_MODES)
+    _check_range("rollout.reward_workers", r.reward_workers, 1)
+    _check_range("rollout.worker_timeout_s", r.worker_timeout_s, 0.0, low_open=True)
+    _check_choice("rollout.publish_dtype", r.publish_dtype, ("", *PARAM_DTYPES))
+    _check_range("mesh.rollout_devices", cfg.mesh.rollout_devices, 0)
     rows = r.batch_size * g.n_samples
     if rows % a.ppo_n_minibatches:
         raise ConfigError(
@@ -299,6 +304,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
     build_library_objects(cfg)
     return cfg
+
+
+ROLLOUT_MODES = ("sync", "async")
 
 
 def build_library_objects(cfg: Config) -> dict:

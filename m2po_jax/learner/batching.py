@@ -73,12 +73,22 @@ def completion_width(longest: int, max_new_tokens: int) -> int:
     return min(width, max_new_tokens)
 
 
-def trim_completions(arrays: dict, prompt_len: int, max_new_tokens: int) -> tuple[dict, int]:
+def longest_completion(valid_BxT, prompt_len: int) -> int:
+    """Columns after `prompt_len` up to the last one holding a real token in any row."""
+    used = np.asarray(valid_BxT)[:, prompt_len:].any(axis=0)
+    return int(used.nonzero()[0].max()) + 1 if used.any() else 0
+
+
+def trim_completions(
+    arrays: dict, prompt_len: int, max_new_tokens: int, longest: int | None = None
+) -> tuple[dict, int]:
     """Cuts every [B, prompt_len + max_new_tokens] array of `arrays` to the bucket of the
     longest completion (`completion_width`); other arrays pass through.
 
     `arrays["valid_BxT"]` marks real tokens; completion columns past the bucket must hold
-    none. Returns (trimmed arrays, completion width).
+    none. `longest`: the longest completion when the rows are one process's share of a
+    batch (every process must cut to the same width); default: these rows' own.
+    Returns (trimmed arrays, completion width).
     """
     valid = arrays["valid_BxT"]
     total = prompt_len + max_new_tokens
@@ -87,8 +97,8 @@ def trim_completions(arrays: dict, prompt_len: int, max_new_tokens: int) -> tupl
             f"valid_BxT has {valid.shape[1]} columns; expected prompt_len + max_new_tokens = "
             f"{prompt_len} + {max_new_tokens}"
         )
-    used = valid[:, prompt_len:].any(axis=0)
-    longest = int(used.nonzero()[0].max()) + 1 if used.any() else 0
+    if longest is None:
+        longest = longest_completion(valid, prompt_len)
     width = completion_width(longest, max_new_tokens)
     end = prompt_len + width
     trimmed = {

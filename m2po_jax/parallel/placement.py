@@ -55,12 +55,13 @@ class Placement:
         self.layout = Layout(mesh)
 
     @classmethod
-    def from_shape(cls, shape: dict, model_config) -> Placement:
-        """A mesh of `shape`; a fixed shape smaller than the host's devices uses the first ones.
+    def from_shape(cls, shape: dict, model_config, devices=None) -> Placement:
+        """A mesh of `shape` over `devices` (default: all); a fixed shape smaller than the
+        devices uses the first ones.
 
         (Single process only: a multi-process mesh must span every device.)
         """
-        devices = jax.devices()
+        devices = jax.devices() if devices is None else list(devices)
         size = int(np.prod([v for v in shape.values()]))
         if -1 not in shape.values() and size < len(devices) and jax.process_count() == 1:
             devices = devices[:size]
@@ -150,7 +151,79 @@ class Placement:
 
 def to_host(tree):
     """Full numpy copies of (possibly multi-process) global arrays, on every process (an
-    all-gather every process takes part in when there are several)."""
-    if jax.process_count() == 1:
+    all-gather every process takes part in when there are several; none for arrays on
+    this process's devices only, such as an async run's rollouts)."""
+    local = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
+    if jax.process_count() == 1 or local:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def split_devices(rollout_per_process: int) -> tuple[list, list]:
+    """(this process's rollout devices, every process's train devices) of an async run.
+
+    Each process gives its last `rollout_per_process` local devices (0: half of them) to
+    rollouts and the rest to training, so the train mesh spans every process and each
+    process's rollout devices sit next to the train shards it holds: publishing weights
+    is a copy inside each process, and the rollout programs involve no other process.
+    """
+    local = jax.local_devices()
+    n = rollout_per_process or len(local) // 2
+    if not 0 < n < len(local):
+        raise ValueError(
+            f"mesh.rollout_devices={rollout_per_process}: each process has {len(local)} "
+            f"devices; rollouts need at least one and training at least one"
+        )
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    counts = {p: len(ds) for p, ds in by_process.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"async rollouts need as many devices on every process, got {counts}")
+    train = [d for p in sorted(by_process) for d in by_process[p][: len(local) - n]]
+    return local[len(local) - n :], train
+
+
+class WeightPublisher:
+    """Copies the learner's params to the rollout devices (`rollout.mode = "async"`).
+
+    Params that a process holds whole on one of its train devices (data-parallel training:
+    every train device holds a full copy) go straight from that device to the rollout
+    devices of the same process. Params split over several processes (fsdp or tensor
+    axes) are first gathered on the train mesh, one all-gather every process takes part
+    in, in the learner's program order. `dtype` (e.g. "bfloat16") casts them first, on
+    the train devices, which halves the bytes copied.
+    """
+
+    def __init__(self, rollout_shardings, dtype: str = ""):
+        self.rollout_shardings = rollout_shardings
+        self.dtype = dtype
+        self._cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t))
+        self._gather = {}
+
+    def __call__(self, params):
+        if self.dtype:
+            params = self._cast(params)
+        whole = [_local_whole_copy(x) for x in jax.tree.leaves(params)]
+        if any(w is None for w in whole):
+            params = self._gathered(params)
+            whole = [_local_whole_copy(x) for x in jax.tree.leaves(params)]
+        targets = jax.tree.leaves(self.rollout_shardings)
+        copies = [jax.device_put(w, s) for w, s in zip(whole, targets, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(params), copies)
+
+    def _gathered(self, params):
+        key = jax.tree.structure(params)
+        if key not in self._gather:
+            mesh = jax.tree.leaves(params)[0].sharding.mesh
+            replicated = jax.tree.map(lambda _: sharding.replicated(mesh), params)
+            self._gather[key] = jax.jit(lambda t: t, out_shardings=replicated)
+        return self._gather[key](params)
+
+
+def _local_whole_copy(x: jax.Array):
+    """A single-device array of the whole of `x` on one of this process's devices, or None."""
+    for shard in x.addressable_shards:
+        if shard.data.shape == x.shape:
+            return shard.data
+    return None

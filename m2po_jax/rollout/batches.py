@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent import futures
 
 import jax
 import numpy as np
@@ -57,13 +58,55 @@ def generate_rollout(
     version: int,
     max_prompt_len: int,
     placement=None,
+    reward_workers: int = 1,
 ) -> tuple[RolloutBatch, list[str]]:
     """Samples `n_samples` completions per example and scores them on the host.
 
     With a `placement` (multi-device or multi-process), each process encodes only its
     share of the prompts; the generated rows are gathered so every process scores the
-    whole batch and holds identical host rollouts.
+    whole batch and holds identical host rollouts. (`sample_rollout` then
+    `score_rollout`: an async run scores one batch while it generates the next.)
     """
+    sampled = sample_rollout(
+        params,
+        model_config,
+        sampling_config,
+        examples,
+        tokenizer,
+        rng,
+        n_samples=n_samples,
+        version=version,
+        max_prompt_len=max_prompt_len,
+        placement=placement,
+    )
+    return score_rollout(sampled, reward_fn, reward_workers), sampled.texts
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRollout:
+    """A generated rollout before its rewards: the batch (rewards NaN), the decoded
+    completions and the examples they answer (`n_samples` rows each)."""
+
+    batch: RolloutBatch
+    texts: list[str]
+    examples: Sequence
+    n_samples: int
+
+
+def sample_rollout(
+    params,
+    model_config: ModelConfig,
+    sampling_config: sampling.SamplingConfig,
+    examples: Sequence,
+    tokenizer,
+    rng: jax.Array,
+    *,
+    n_samples: int,
+    version: int,
+    max_prompt_len: int,
+    placement=None,
+) -> SampledRollout:
+    """The device half of `generate_rollout`: samples and decodes, scores nothing."""
     if placement is None:
         texts_in = [e.prompt for e in examples]
         prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)
@@ -81,7 +124,6 @@ def generate_rollout(
         np.asarray(host.completion_mask_BxT, bool),
     )
     texts = completion_texts(tokens, loss_mask, tokenizer, sampling_config.stop_token_ids)
-    rewards = [float(reward_fn(examples[i // n_samples], text)) for i, text in enumerate(texts)]
     batch = RolloutBatch(
         tokens_BxT=tokens,
         valid_BxT=np.asarray(host.valid_BxT, bool),
@@ -92,9 +134,25 @@ def generate_rollout(
         stopped_B=np.asarray(host.stopped_B, bool),
         version_B=np.full((rows,), version, np.int32),
         group_id_B=np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
-        rewards_B=np.asarray(rewards, np.float32),
+        rewards_B=np.full((rows,), np.nan, np.float32),
     )
-    return batch, texts
+    return SampledRollout(batch, texts, examples, n_samples)
+
+
+def score_rollout(sampled: SampledRollout, reward_fn: Callable, workers: int = 1) -> RolloutBatch:
+    """The host half of `generate_rollout`: the batch with `reward_fn(example, text)` of
+    every completion. `workers` > 1 scores that many completions at once on threads
+    (for rewards that wait on I/O: sandboxes, remote verifiers); the rewards are the same
+    and in the same order."""
+    n = sampled.n_samples
+    one = lambda i: float(reward_fn(sampled.examples[i // n], sampled.texts[i]))
+    rows = range(len(sampled.texts))
+    if workers > 1:
+        with futures.ThreadPoolExecutor(workers, thread_name_prefix="m2po-reward") as pool:
+            rewards = list(pool.map(one, rows))
+    else:
+        rewards = [one(i) for i in rows]
+    return sampled.batch.replace(rewards_B=np.asarray(rewards, np.float32))
 
 
 def train_batch(host: RolloutBatch) -> TrainBatch:

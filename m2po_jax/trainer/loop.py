@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from m2po_jax.common.config_schema import Config
@@ -26,6 +27,8 @@ from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.rollout import batches as rollout_lib
+from m2po_jax.rollout.worker import RolloutWorkerError
+from m2po_jax.trainer import async_rollouts as async_lib
 from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import evaluate as evaluate_lib
 from m2po_jax.trainer import export as export_lib
@@ -101,6 +104,8 @@ class Trainer:
         self.sft_steps = 0
         self.sft_log: list[dict] = []
         self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
+        # rollout.mode="async": the worker side, made when the run starts (`_start_async`)
+        self.async_rollouts: async_lib.AsyncRollouts | None = None
         self._stop_requested = False
         self._stop_signal = None
 
@@ -128,7 +133,9 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------
 
-    def save(self, writer: metrics_lib.MetricsWriter | None = None) -> None:
+    def save(
+        self, writer: metrics_lib.MetricsWriter | None = None, *, pause_worker: bool = True
+    ) -> None:
         """Checkpoints the state unless its step is committed already (never rewritten)."""
         step = int(self.state.step)
         if step in self.checkpointer.all_steps():
@@ -136,14 +143,23 @@ class Trainer:
         if writer is not None:
             # The rows (and events) of the steps before the checkpoint reach the disk first.
             writer.flush()
-        self.checkpointer.save(
-            step,
-            state=self.state,
-            rng=self.rng,
-            queue=self.queue.state(),
-            meta={"data_position": self.data_position, "sft_steps": self.sft_steps},
-            ref_params=self.ref_params,
-        )
+        queue, position = self.queue.state(), self.data_position
+        if self.async_rollouts is not None and self.async_rollouts.worker is not None:
+            # The worker pauses; its buffer (every process's rows) is what the queue holds.
+            batches, next_index = self.async_rollouts.checkpoint_view(pause=pause_worker)
+            queue, position = batches, next_index * self.cfg.rollout.batch_size
+        try:
+            self.checkpointer.save(
+                step,
+                state=self.state,
+                rng=self.rng,
+                queue=queue,
+                meta={"data_position": position, "sft_steps": self.sft_steps},
+                ref_params=self.ref_params,
+            )
+        finally:
+            if self.async_rollouts is not None:
+                self.async_rollouts.resume()
 
     def try_resume(self, restore_step: int | None = None) -> bool:
         """Restores the newest checkpoint that verifies (or `restore_step`); False if none."""
@@ -211,6 +227,9 @@ class Trainer:
                     self._begin()
                 end = cfg.total_steps if stop_after is None else start + stop_after
                 end = min(end, cfg.total_steps)
+                if cfg.rollout.mode == "async":
+                    stack.callback(self._stop_async)
+                    self._start_async()
                 interrupted = self._loop(writer, progress, start, end, accuracies)
             if cfg.logging.plots and primary:
                 try:
@@ -219,6 +238,10 @@ class Trainer:
                         self.workdir,
                         tau=self.cfg.actor.m2_threshold,
                     )
+                    if self.async_rollouts is not None:
+                        plots.plot_timeline(
+                            self.async_rollouts.timeline.spans(), self.workdir / "timeline.png"
+                        )
                 except OSError as e:
                     raise WriterError(describe_os_error(e, self.workdir)) from e
         signum = self._stop_signal if interrupted else None
@@ -229,9 +252,23 @@ class Trainer:
         self.supervised_warmup()
         if self.cfg.actor.kl_ctl > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+        if self.cfg.rollout.mode == "async":
+            return  # the worker fills its buffer as soon as it starts
         for i in range(self.cfg.rollout.max_head_offpolicyness):
             rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
             self.queue.push(self._rollout(rng, version=0)[0])
+
+    def _start_async(self) -> None:
+        """Starts the rollout worker with the buffered batches of the queue (a resume)."""
+        a = self.async_rollouts = async_lib.AsyncRollouts(self.setup, self.rng, _GEN)
+        buffered = [a.local_share(b) for b in self.queue.state()]
+        self.queue = rollout_lib.StaleQueue(0)
+        next_index = self.data_position // self.cfg.rollout.batch_size
+        a.start(self.state.params, int(self.state.step), buffered, next_index)
+
+    def _stop_async(self) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.stop()
 
     def _loop(self, writer, progress, start: int, end: int, accuracies: list) -> bool:
         """Steps `start` .. `end - 1`, then a checkpoint; True if a signal stopped them.
@@ -247,7 +284,12 @@ class Trainer:
         for step in range(start, end):
             # Step 0 evaluates the initial policy; later evaluations follow the update.
             accuracy = self.evaluate() if step == 0 else None
-            record, device_metrics = self._step(step)
+            try:
+                record, device_metrics = self._step(step)
+            except RolloutWorkerError:
+                # The learner's state so far; the worker's unfinished batch is made again.
+                self.save(writer, pause_worker=False)
+                raise
             if pending is not None:
                 self._finish(writer, progress, *pending, current=(step, record, device_metrics))
                 pending = None
@@ -340,6 +382,7 @@ class Trainer:
             version=version,
             max_prompt_len=cfg.task.max_prompt_len,
             placement=self.placement,
+            reward_workers=cfg.rollout.reward_workers,
         )
         return batch, truncated
 
@@ -351,6 +394,8 @@ class Trainer:
         previous update (the sampler needs its params); "time/train_s" is preparing and
         dispatching this one.
         """
+        if self.async_rollouts is not None:
+            return self._step_async(step)
         t0 = time.perf_counter()
         gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
         fresh, truncated = self._rollout(gen_rng, version=step)
@@ -395,6 +440,77 @@ class Trainer:
         if filtered is not None:
             record["data/prompts_filtered"] = filtered["train"]
             record["data/eval_prompts_filtered"] = filtered["eval"]
+        return record, device_metrics
+
+    def _step_async(self, step: int) -> tuple[dict, dict]:
+        """One learner step of an async run: take the oldest finished batch (waiting if
+        none is), train on it, publish the new weights to the rollout devices.
+
+        Unlike the sync step, it waits for the update to finish, so "time/train_s" is the
+        update's time and the busy fractions are measured, not guessed.
+        """
+        a, cfg = self.async_rollouts, self.cfg
+        prompt_len = cfg.task.max_prompt_len
+        t0 = time.perf_counter()
+        local = a.take(step)
+        t1 = time.perf_counter()
+        rows = local.rewards_B.shape[0]
+        shared = a.gather(
+            {
+                "version_B": local.version_B,
+                "rewards_B": local.rewards_B,
+                "completion_len_B": local.completion_len_B,
+                "stopped_B": local.stopped_B,
+                "group_id_B": local.group_id_B,
+                "tokens_B": local.loss_mask_BxT.sum(axis=1),
+                "longest_B": np.full(
+                    (rows,), batching.longest_completion(local.valid_BxT, prompt_len)
+                ),
+            }
+        )
+        trimmed, width = batching.trim_completions(
+            local.arrays(),
+            prompt_len,
+            cfg.gconfig.max_new_tokens,
+            longest=int(shared["longest_B"].max()),
+        )
+        batching.check_prompt_groups(
+            local.tokens_BxT, local.valid_BxT, prompt_len, cfg.gconfig.n_samples
+        )
+        batch = self.placement.from_local(rollout_lib.train_batch(local.replace(**trimmed)), a.rows)
+        train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
+        self.state, device_metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
+        jax.block_until_ready(self.state)
+        t2 = time.perf_counter()
+        a.timeline.add("learner/train", t1, t2)
+        publish_s = a.publish(self.state.params, step + 1)
+        t3 = time.perf_counter()
+        wall = max(t3 - t0, 1e-9)
+        tokens = int(shared["tokens_B"].sum())
+        record = metrics_lib.staleness_stats(shared["version_B"], step)
+        record.update(
+            {
+                "reward/mean": float(shared["rewards_B"].mean()),
+                "reward/std": float(shared["rewards_B"].std()),
+                "rollout/completion_len_mean": float(shared["completion_len_B"].mean()),
+                "rollout/stopped_fraction": float(shared["stopped_B"].mean()),
+                "rollout/buffer_batches": len(a.buffer),
+                # the prompts trained on: batch i holds prompts i * B .. (i + 1) * B - 1
+                "data/first_prompt": int(shared["group_id_B"].min()),
+                "data/prompts": int(np.unique(shared["group_id_B"]).size),
+                "train/completion_width": width,
+                "train/padding_fraction": 1.0 - tokens / max(len(shared["tokens_B"]) * width, 1),
+                "time/wait_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/publish_s": publish_s,
+                "time/rollout_s": a.timeline.busy("rollout", t0, t3),
+                "time/tokens_per_s": tokens / wall,
+                "busy/learner": (t3 - t1) / wall,
+                "busy/rollout": a.timeline.busy("rollout", t0, t3) / wall,
+            }
+        )
+        for reason, prompts in a.admission.counts().discarded.items():
+            record[f"rollout/discarded/{reason.replace(' ', '_')}"] = prompts
         return record, device_metrics
 
     @contextlib.contextmanager

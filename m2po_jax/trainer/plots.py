@@ -168,3 +168,52 @@ def _save(fig, path: str) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     paths.write_atomic(path, buffer.getvalue())
+
+
+# Colours of the timeline's span kinds (lane "learner/train" is kind "train").
+TIMELINE_COLOURS = {
+    "generate": "tab:blue",
+    "score": "tab:purple",
+    "train": "tab:orange",
+    "publish": "tab:green",
+    "wait": "lightgrey",
+}
+TIMELINE_ROWS = {
+    "learner": "learner devices",
+    "rollout": "rollout devices",
+    "host": "host: rewards",
+}
+
+
+def plot_timeline(spans: Sequence[tuple[str, float, float]], out_path: str) -> str:
+    """Who was busy when in an async run: one row per device group, a bar per interval.
+
+    `spans` are (lane, start s, end s) as `rollout.worker.Timeline` records them: lanes
+    "rollout/generate" (the worker sampling), "host/score" (its rewards) and
+    "learner/<kind>" (wait, train, publish). Returns the PNG's path.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.4))
+    ax = fig.add_subplot(1, 1, 1)
+    rows = {group: i for i, group in enumerate(TIMELINE_ROWS)}
+    seen = set()
+    for lane, start, end in spans:
+        group, _, kind = lane.partition("/")
+        kind = kind or group
+        label = None if kind in seen else kind
+        seen.add(kind)
+        ax.broken_barh(
+            [(start, max(end - start, 1e-4))],
+            (rows.get(group, len(rows)) - 0.4, 0.8),
+            color=TIMELINE_COLOURS.get(kind, "tab:red"),
+            label=label,
+        )
+    ax.set_yticks(list(rows.values()), list(TIMELINE_ROWS.values()))
+    ax.set_xlabel("seconds since the rollout worker started")
+    ax.set_title("async run: who was busy when")
+    if seen:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncol=len(seen))
+    fig.tight_layout()
+    _save(fig, str(out_path))
+    return str(out_path)

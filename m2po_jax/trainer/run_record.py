@@ -28,6 +28,7 @@ CONFIG_FILE = "config.json"
 MAY_CHANGE = (
     "total_steps", "logging.", "eval.", "checkpoint.", "mesh.", "model.path",
     "task.train_path", "task.eval_path", "max_nonfinite_steps",
+    "rollout.worker_timeout_s", "rollout.reward_workers",
 )  # fmt: skip
 
 

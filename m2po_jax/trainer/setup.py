@@ -44,6 +44,8 @@ class RunSetup:
     placement: placement_lib.Placement
     sampling_config: sampling.SamplingConfig
     memory_plan: memory.MemoryPlan
+    # rollout.mode="async": this process's rollout devices (a mesh of them alone), else None
+    rollout_placement: placement_lib.Placement | None = None
 
 
 def build(cfg: Config) -> RunSetup:
@@ -57,8 +59,17 @@ def build(cfg: Config) -> RunSetup:
         model_config, _ = build_model(cfg, task.tokenizer.vocab_size)
         prompts = build_prompts(cfg, task.tokenizer)
     mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
-    check_rows(cfg, placement)
+    rollout_placement = None
+    if cfg.rollout.mode == "async":
+        rollout_devices, train_devices = placement_lib.split_devices(cfg.mesh.rollout_devices)
+        placement = placement_lib.Placement.from_shape(mesh_shape, model_config, train_devices)
+        tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
+        rollout_placement = placement_lib.Placement(
+            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), model_config
+        )
+    else:
+        placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
+    check_rows(cfg, placement, rollout_placement)
     return RunSetup(
         cfg=cfg,
         task=task,
@@ -68,6 +79,7 @@ def build(cfg: Config) -> RunSetup:
         placement=placement,
         sampling_config=sampling_config(cfg, task.tokenizer),
         memory_plan=check_memory(cfg, model_config, placement),
+        rollout_placement=rollout_placement,
     )
 
 
@@ -194,9 +206,24 @@ def _train_shapes(cfg: Config) -> tuple[int, int, int, int]:
     return rows, rows_mb, n_micro, seq_len
 
 
-def check_rows(cfg: Config, placement: placement_lib.Placement) -> None:
-    """Every batch the run makes must split evenly over the mesh's batch shards."""
+def check_rows(
+    cfg: Config,
+    placement: placement_lib.Placement,
+    rollout_placement: placement_lib.Placement | None = None,
+) -> None:
+    """Every batch the run makes must split evenly over the mesh's batch shards (and, in
+    an async run, each process's share of the prompts over its rollout devices)."""
     check = placement.check_rows
+    if rollout_placement is not None:
+        processes = jax.process_count()
+        if cfg.rollout.batch_size % processes:
+            raise ValueError(
+                f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by the "
+                f"{processes} processes (each generates its share of the prompts)"
+            )
+        rollout_placement.check_rows(
+            "rollout.batch_size per process", cfg.rollout.batch_size // processes
+        )
     check("rollout.batch_size", cfg.rollout.batch_size)
     _, rows_mb, n_micro, _ = _train_shapes(cfg)
     check("rows per minibatch", rows_mb)

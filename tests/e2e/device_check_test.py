@@ -61,6 +61,7 @@ def test_tiny_run_measures_every_section(tmp_path):
         "train/xla",
         "sampler",
         "rl_step",
+        "async",
         "train/chunked",
     ]
     for name, entry in sections.items():
@@ -79,4 +80,6 @@ def test_tiny_run_measures_every_section(tmp_path):
     assert rl["steps"] == 2
     for key in ("step_s", "rollout_s", "train_s", "tokens_per_s"):
         _positive("rl_step", dict(enumerate(rl[key])), range(2))
+    # One CPU device: the async section says why it cannot split the devices.
+    assert "this host has 1" in sections["async"]["result"]["skipped"]
     assert report["meta"]["backend"] == "cpu" and report["total_s"] > 0

@@ -6,6 +6,7 @@ are cheaper).
 """
 
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import sampling
+from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import metrics as metrics_lib
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,7 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(workdir, steps, env_extra, n_procs):
+def _train(workdir, steps, env_extra, n_procs, extra=()):
     args = [
         sys.executable,
         "-m",
@@ -217,6 +219,7 @@ def _train(workdir, steps, env_extra, n_procs):
         "--config.rollout.batch_size=8",
         "--config.task.format_reward=0.5",
         "--config.logging.tensorboard=False",
+        *extra,
     ]
     port = _free_port()
     procs = []
@@ -232,14 +235,22 @@ def _train(workdir, steps, env_extra, n_procs):
         assert p.returncode == 0, out[-3000:]
 
 
-def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
-    def multi(pid, port):
+def _two_processes(devices_each):
+    """`_train`'s environment of one of two processes with `devices_each` CPU devices."""
+
+    def env(pid, port):
         return {
-            "XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count={devices_each}",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(pid),
         }
+
+    return env
+
+
+def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
+    multi = _two_processes(2)
 
     def single(pid, port):
         return {"XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=4"}
@@ -253,3 +264,26 @@ def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
     for a, b in zip(multi_records, single_records, strict=True):
         for key in ("train/param_norm", "loss", "reward/mean", "m2po/masked_fraction"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_two_processes_train_async_checkpoint_and_resume_without_losing_a_prompt(tmp_path):
+    """2 processes x 4 CPU devices: each gives 2 devices to rollouts and 2 to training (a
+    train mesh over both processes); a resume from a checkpoint taken while the workers
+    ran ahead neither loses nor repeats a prompt, and no sample is staler than k = 2."""
+
+    multi = _two_processes(4)
+    extra = ("--config.rollout.mode=async", "--config.checkpoint.every=2")
+    workdir = tmp_path / "async"
+    _train(workdir, 6, multi, 2, extra)
+    checkpointer = ckpt_lib.Checkpointer(workdir)
+    assert checkpointer.all_steps() == [4, 6]
+    meta = json.loads((checkpointer.step_dir(4) / "meta" / "metadata").read_text())
+    assert meta["queue_len"] >= 1 and meta["data_position"] == (4 + meta["queue_len"]) * 8
+    _train(workdir, 6, multi, 2, (*extra, "--restore_step=4"))  # 4 -> 6 again, from the buffer
+    records = metrics_lib.read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    for r in records:
+        assert r["data/first_prompt"] == 8 * r["step"] and r["data/prompts"] == 8, r
+        assert 0 <= r["staleness/max"] <= 2 and sum(r["staleness/hist_k"]) == 8 * 4, r
+        assert np.isfinite(r["loss"])
+    assert records[4]["staleness/max"] >= 1  # a batch made before the checkpoint

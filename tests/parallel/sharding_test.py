@@ -354,3 +354,35 @@ def test_load_pretrained_sharded(tmp_path, ref_params, batch):
     wrong = CFG.replace(intermediate_size=32)
     with pytest.raises(ValueError):
         sharding.load_pretrained_sharded(tmp_path, wrong, mesh, sharding.TRAIN_RULES)
+
+
+# ----------------------------------------------------------------------------- async publish
+
+
+@pytest.mark.parametrize("train_shape", [{"data": 4}, {"data": 1, "fsdp": 2, "tensor": 2}])
+def test_weights_publish_to_the_rollout_devices_unchanged(ref_params, train_shape):
+    """`placement.WeightPublisher`: the learner's params (data-parallel: a copy per train
+    device; fsdp x tensor: split) reach the other 4 devices in the sampling layout, equal."""
+    from m2po_jax.parallel import placement as placement_lib
+
+    rollout_devices, train_devices = placement_lib.split_devices(4)
+    assert [d.id for d in rollout_devices] == [4, 5, 6, 7]
+    train = placement_lib.Placement.from_shape(train_shape, CFG, train_devices)
+    rollout = placement_lib.Placement(
+        sharding.make_mesh({"data": -1, "tensor": 1}, rollout_devices), CFG
+    )
+    params = train.put_params(jax.device_get(ref_params))
+    for dtype in ("", "bfloat16"):
+        copies = placement_lib.WeightPublisher(rollout.sample_params, dtype)(params)
+        for got, want, target in zip(
+            jax.tree.leaves(copies),
+            jax.tree.leaves(ref_params),
+            jax.tree.leaves(rollout.sample_params),
+            strict=True,
+        ):
+            assert got.sharding == target
+            assert {d.id for d in got.devices()} == {4, 5, 6, 7}
+            assert got.dtype == (dtype or want.dtype)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(got.dtype)))
+    with pytest.raises(ValueError, match="mesh.rollout_devices=8: each process has 8 devices"):
+        placement_lib.split_devices(8)

@@ -112,6 +112,7 @@ def _stand_in(tmp_path, queue):
         sft_steps=0,
         ref_params=None,
         checkpointer=ckpt_lib.Checkpointer(tmp_path, keep=2),
+        async_rollouts=None,
     )
 
 
@@ -141,3 +142,25 @@ def test_the_queue_resumes_in_fifo_order_through_the_trainers_checkpoint(tmp_pat
         resumed.queue.push(_batch(k + step))
         popped.append(int(resumed.queue.pop().version_B[0]))
     assert popped == [0, 1, 2, 3]
+
+
+def test_scoring_on_several_threads_gives_the_same_rewards_in_order():
+    import threading
+    import time
+
+    examples = [types.SimpleNamespace(answer=i) for i in range(6)]
+    texts = [f"{i}" for i in range(12)]
+    threads = set()
+
+    def reward(example, text):
+        threads.add(threading.get_ident())
+        time.sleep(0.01 * (int(text) % 3))  # later rows may finish first
+        return example.answer * 100 + int(text)
+
+    sampled = rollout_lib.SampledRollout(_batch(0, rows=12), texts, examples, n_samples=2)
+    serial = rollout_lib.score_rollout(sampled, reward).rewards_B
+    threads.clear()
+    pooled = rollout_lib.score_rollout(sampled, reward, workers=4).rewards_B
+    np.testing.assert_array_equal(serial, [(i // 2) * 100 + i for i in range(12)])
+    np.testing.assert_array_equal(pooled, serial)
+    assert len(threads) > 1

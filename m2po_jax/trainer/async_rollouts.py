@@ -1,0 +1,187 @@
+"""The rollout side of an async run (`rollout.mode = "async"`), as the trainer drives it.
+
+Each process gives some of its devices to rollouts (`setup.build`: `mesh.rollout_devices`)
+and runs a `rollout.worker.RolloutWorker` thread on them. The worker generates this
+process's share of each batch's prompts (the rows the process feeds to the train step)
+with the newest weights published, under `rollout.staleness.Admission`; the learner
+takes the oldest finished batch, trains, and publishes its new weights
+(`placement.WeightPublisher`: a copy inside each process). The rollout programs use this
+process's devices only, so no collective of theirs can interleave with the train step's
+across processes (two programs with collectives, run by two threads on a `jax.distributed`
+CPU cluster, hang).
+
+Batch `i` holds the prompts `i * B .. (i + 1) * B - 1` of the task's stream: its rows'
+`group_id_B` are those prompt ids, which is how a checkpoint keeps a resumed run from
+losing or repeating prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from m2po_jax.common.types import RolloutBatch
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.rollout import batches as rollout_lib
+from m2po_jax.rollout import staleness
+from m2po_jax.rollout import worker as worker_lib
+from m2po_jax.trainer.setup import RunSetup
+
+
+class AsyncRollouts:
+    """Worker, buffer, admission counters and weight publication of one async run.
+
+    Args:
+      run: the run's setup (`run.rollout_placement` set).
+      rng: the run's base key; batch `i` samples with `fold_in(gen_stream, i)`, folded
+        with the process index.
+      gen_stream: the key stream of rollouts (the trainer's `_GEN`).
+    """
+
+    def __init__(self, run: RunSetup, rng: jax.Array, gen_stream: int):
+        cfg = self.cfg = run.cfg
+        self.run = run
+        self.batch_size = cfg.rollout.batch_size
+        self.k = cfg.rollout.max_head_offpolicyness
+        self.timeout = cfg.rollout.worker_timeout_s
+        n = cfg.gconfig.n_samples
+        self.rows = self.batch_size * n
+        local = run.placement.local_rows(self.rows)
+        self.prompts = slice(local.start // n, local.stop // n)
+        self.rng = jax.random.fold_in(jax.random.fold_in(rng, gen_stream), 0)
+        self.publisher = placement_lib.WeightPublisher(
+            run.rollout_placement.sample_params, cfg.rollout.publish_dtype
+        )
+        self.timeline = worker_lib.Timeline()
+        self.buffer = worker_lib.RolloutBuffer()
+        self.worker: worker_lib.RolloutWorker | None = None
+        self.admission: staleness.Admission | None = None
+        self.weights: worker_lib.WeightSlot | None = None
+
+    # ---- the worker's batches -----------------------------------------------------------
+
+    def generate(self, index: int, version: int, params) -> rollout_lib.SampledRollout:
+        """This process's share of batch `index`, sampled with `params`, not scored yet."""
+        run = self.run
+        examples = run.task.train_examples(index * self.batch_size, self.batch_size)
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, index), jax.process_index())
+        sampled = rollout_lib.sample_rollout(
+            params,
+            run.model_config,
+            run.sampling_config,
+            examples[self.prompts],
+            run.prompts,
+            rng,
+            n_samples=self.cfg.gconfig.n_samples,
+            version=version,
+            max_prompt_len=self.cfg.task.max_prompt_len,
+            placement=run.rollout_placement,
+        )
+        first = index * self.batch_size + self.prompts.start
+        batch = sampled.batch.replace(group_id_B=sampled.batch.group_id_B + np.int32(first))
+        return dataclasses.replace(sampled, batch=batch)
+
+    def score(self, sampled: rollout_lib.SampledRollout) -> RolloutBatch:
+        """The rewards of a sampled batch (the task's reward function, on the host)."""
+        workers = self.cfg.rollout.reward_workers
+        return rollout_lib.score_rollout(sampled, self.run.task.reward, workers)
+
+    # ---- start, publish, take -----------------------------------------------------------
+
+    def start(self, params, version: int, buffered: list[RolloutBatch], next_index: int) -> None:
+        """Starts the worker at batch `next_index` with `buffered` batches (this process's
+        rows) waiting and the counters of a run at `version`."""
+        self.buffer = worker_lib.RolloutBuffer(buffered)
+        self.admission = staleness.Admission.restored(
+            self.k, self.batch_size, version, len(buffered) * self.batch_size
+        )
+        self.weights = worker_lib.WeightSlot(version, self.publisher(params))
+        self.worker = worker_lib.RolloutWorker(
+            self.generate,
+            self.score,
+            self.admission,
+            self.weights,
+            self.buffer,
+            batch_size=self.batch_size,
+            first_index=next_index,
+            end_index=self.cfg.total_steps,
+            timeline=self.timeline,
+        )
+        self.worker.start()
+
+    def publish(self, params, version: int) -> float:
+        """Publishes `params` (policy `version`) to the worker; returns the seconds taken
+        (the copy waited for, so the time is the copy's)."""
+        t0 = time.perf_counter()
+        copy = jax.block_until_ready(self.publisher(params))
+        self.weights.publish(version, copy)
+        t1 = time.perf_counter()
+        self.timeline.add("learner/publish", t0, t1)
+        return t1 - t0
+
+    def take(self, step: int) -> RolloutBatch:
+        """The oldest finished batch (this process's rows) for update `step`; waits for it.
+
+        Raises RolloutWorkerError (the worker's traceback, or what it was stuck in after
+        `rollout.worker_timeout_s`), and RuntimeError if a row is staler than k (the
+        admission rule makes that impossible; training on it would break the bound).
+        """
+        t0 = time.perf_counter()
+        batch = self.buffer.get(self.timeout, self.worker.describe)
+        self.timeline.add("learner/wait", t0, time.perf_counter())
+        oldest = int(batch.version_B.min())
+        if step - oldest > self.k:
+            raise RuntimeError(
+                f"async rollouts: batch {int(batch.group_id_B[0]) // self.batch_size} "
+                f"(policy version {oldest}) is {step - oldest} updates stale at step {step}; "
+                f"rollout.max_head_offpolicyness={self.k}"
+            )
+        return batch
+
+    # ---- checkpoints and the end --------------------------------------------------------
+
+    def checkpoint_view(self, pause: bool = True) -> tuple[list[RolloutBatch], int]:
+        """(the buffered batches with every process's rows, the next batch to generate):
+        what a checkpoint stores. Pauses the worker (its batch in flight finishes first);
+        `resume()` lets it go on. Batches that some process has not finished yet are
+        left out (a resumed run generates them again). `pause=False`: a failed or stuck
+        worker, whose buffer no longer changes."""
+        if pause and self.worker.is_alive():
+            self.worker.pause(self.timeout)
+        local = self.buffer.state()
+        mine = self.worker.next_index
+        agreed = int(self.gather({"n": np.full((self.rows_local,), mine)})["n"].min())
+        kept = [b for b in local if self.index_of(b) < agreed]
+        return [self.gather(b) for b in kept], agreed
+
+    def resume(self) -> None:
+        if self.worker is not None and self.worker.is_alive():
+            self.worker.resume()
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop(self.timeout)
+
+    def local_share(self, full: RolloutBatch) -> RolloutBatch:
+        """This process's rows of a batch with every process's rows."""
+        rows = self.run.placement.local_rows(self.rows)
+        return jax.tree.map(lambda x: x[rows], full)
+
+    def index_of(self, batch: RolloutBatch) -> int:
+        return int(batch.group_id_B[0]) // self.batch_size
+
+    @property
+    def rows_local(self) -> int:
+        r = self.run.placement.local_rows(self.rows)
+        return r.stop - r.start
+
+    def gather(self, tree):
+        """Every process's rows of `tree` (arrays of this process's rows), on every
+        process: one small all-gather over the train mesh (none with one process)."""
+        if jax.process_count() == 1:
+            return tree
+        placement = self.run.placement
+        return placement.to_host(placement.from_local(tree, self.rows))
