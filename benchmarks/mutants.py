@@ -144,6 +144,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "off-by-one in the longest completion: a completion ending at a bucket edge loses "
         "its last column",
     ),
+    # ------------------------------------------------------------------ async rollouts
+    Mutant(
+        "staleness-one-batch-too-many",
+        "m2po_jax/rollout/staleness.py",
+        "return (version + max_staleness + 1) * batch_size - (accepted + running)",
+        "return (version + max_staleness + 2) * batch_size - (accepted + running)",
+        (T("tests/rollout/staleness_test.py"), T("tests/rollout/worker_test.py")),
+        "admission lets the worker one batch further ahead: samples trained k + 1 stale",
+    ),
+    Mutant(
+        "staleness-resume-counts-from-zero",
+        "m2po_jax/rollout/staleness.py",
+        "return cls(max_staleness, batch_size, accepted=version * batch_size + buffered)",
+        "return cls(max_staleness, batch_size, accepted=buffered)",
+        (T("tests/rollout/staleness_test.py", "resume"),),
+        "AReaL's issue 1388: a resumed run's counters forget the consumed prompts",
+    ),
+    Mutant(
+        "worker-error-before-earlier-batches",
+        "m2po_jax/rollout/worker.py",
+        'self._to_score.put(("failed", self._next, e, traceback.format_exc()))',
+        "self._fail(e, self._next, traceback.format_exc())",
+        (T("tests/rollout/worker_test.py", "exception"),),
+        "a generator error overtakes the batches made before it (they are lost)",
+    ),
     # ------------------------------------------------------------------ optimizer
     Mutant(
         "optim-clip-sign",

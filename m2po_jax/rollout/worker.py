@@ -179,6 +179,7 @@ class RolloutWorker(threading.Thread):
         self._idle = threading.Event()
         self._lock = threading.Lock()
         self._activity = ("starting", first_index, weights.version, time.perf_counter())
+        self._scoring: tuple[int, float] | None = None  # (batch, since) being scored
         self._to_score: queue.Queue = queue.Queue(maxsize=1)
         self._scorer = threading.Thread(target=self._score_loop, name="m2po-scorer", daemon=True)
         self.error: BaseException | None = None
@@ -196,11 +197,16 @@ class RolloutWorker(threading.Thread):
         """What the worker is doing now (for timeout errors)."""
         with self._lock:
             what, index, version, since = self._activity
+            scoring = self._scoring
+        now = time.perf_counter()
         state = "alive" if self.is_alive() else "not running"
-        return (
+        text = (
             f"the rollout worker ({state}) is {what} batch {index} (policy version {version}) "
-            f"for {time.perf_counter() - since:.1f} s"
+            f"for {now - since:.1f} s"
         )
+        if scoring is not None:
+            text += f"; its scorer is scoring batch {scoring[0]} for {now - scoring[1]:.1f} s"
+        return text
 
     def pause(self, timeout: float) -> None:
         """Lets the batches in flight finish (into the buffer), then holds the worker."""
@@ -232,7 +238,7 @@ class RolloutWorker(threading.Thread):
         with self._lock:
             self._activity = (what, index, version, time.perf_counter())
 
-    def _fail(self, error: BaseException, index: int) -> None:
+    def _fail(self, error: BaseException, index: int, trace: str) -> None:
         with self._lock:
             first = self._failed_at is None
             self._failed_at = index if first else min(self._failed_at, index)
@@ -240,15 +246,16 @@ class RolloutWorker(threading.Thread):
             self.error = error
             self.buffer.fail(
                 f"rollout worker: {type(error).__name__}: {error} (batch {index}); its "
-                f"traceback:\n{traceback.format_exc()}"
+                f"traceback:\n{trace}"
             )
 
     def run(self) -> None:
         self._scorer.start()
         try:
             self._loop()
-        except BaseException as e:  # noqa: BLE001: everything reaches the learner
-            self._fail(e, self.next_index)
+        except BaseException as e:  # noqa: BLE001 (everything reaches the learner)
+            # Reported once the batches made before it are scored and buffered, in order.
+            self._to_score.put(("failed", self._next, e, traceback.format_exc()))
         finally:
             self._to_score.put(None)
             self._scorer.join()
@@ -284,7 +291,7 @@ class RolloutWorker(threading.Thread):
                 raise
             self.timeline.add("rollout/generate", t0, time.perf_counter())
             self._set("waiting to score", index, version)
-            self._to_score.put((index, version, pending))
+            self._to_score.put(("batch", index, version, pending))
             with self._lock:
                 self._next = index + 1
         self._drained()
@@ -295,17 +302,26 @@ class RolloutWorker(threading.Thread):
             try:
                 if item is None:
                     return
-                index, version, pending = item
-                if self.error is not None:
+                kind, index, *rest = item
+                if kind == "failed":
+                    self._fail(rest[0], index, rest[1])
+                    continue
+                version, pending = rest
+                if self.error is not None:  # a later batch than the one that failed
                     self.admission.discard(self.batch_size, "worker error")
                     continue
                 t0 = time.perf_counter()
+                with self._lock:
+                    self._scoring = (index, t0)
                 try:
                     batch = self.score(pending)
                 except BaseException as e:  # noqa: BLE001
                     self.admission.discard(self.batch_size, "worker error")
-                    self._fail(e, index)
+                    self._fail(e, index, traceback.format_exc())
                     continue
+                finally:
+                    with self._lock:
+                        self._scoring = None
                 self.timeline.add("host/score", t0, time.perf_counter())
                 self.admission.accept(self.batch_size)
                 self.buffer.put(batch)

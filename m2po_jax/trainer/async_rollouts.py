@@ -161,9 +161,11 @@ class AsyncRollouts:
         if self.worker is not None and self.worker.is_alive():
             self.worker.resume()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the worker after its batches in flight (`timeout`: default
+        `rollout.worker_timeout_s`)."""
         if self.worker is not None:
-            self.worker.stop(self.timeout)
+            self.worker.stop(self.timeout if timeout is None else timeout)
 
     def local_share(self, full: RolloutBatch) -> RolloutBatch:
         """This process's rows of a batch with every process's rows."""

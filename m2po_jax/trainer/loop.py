@@ -144,9 +144,14 @@ class Trainer:
             # The rows (and events) of the steps before the checkpoint reach the disk first.
             writer.flush()
         queue, position = self.queue.state(), self.data_position
+        stuck = None
         if self.async_rollouts is not None and self.async_rollouts.worker is not None:
             # The worker pauses; its buffer (every process's rows) is what the queue holds.
-            batches, next_index = self.async_rollouts.checkpoint_view(pause=pause_worker)
+            try:
+                batches, next_index = self.async_rollouts.checkpoint_view(pause=pause_worker)
+            except RolloutWorkerError as e:  # stuck: its buffer no longer changes
+                stuck = e
+                batches, next_index = self.async_rollouts.checkpoint_view(pause=False)
             queue, position = batches, next_index * self.cfg.rollout.batch_size
         try:
             self.checkpointer.save(
@@ -160,6 +165,8 @@ class Trainer:
         finally:
             if self.async_rollouts is not None:
                 self.async_rollouts.resume()
+        if stuck is not None:
+            raise stuck
 
     def try_resume(self, restore_step: int | None = None) -> bool:
         """Restores the newest checkpoint that verifies (or `restore_step`); False if none."""
@@ -228,7 +235,7 @@ class Trainer:
                 end = cfg.total_steps if stop_after is None else start + stop_after
                 end = min(end, cfg.total_steps)
                 if cfg.rollout.mode == "async":
-                    stack.callback(self._stop_async)
+                    stack.push(self._stop_async)
                     self._start_async()
                 interrupted = self._loop(writer, progress, start, end, accuracies)
             if cfg.logging.plots and primary:
@@ -266,9 +273,20 @@ class Trainer:
         next_index = self.data_position // self.cfg.rollout.batch_size
         a.start(self.state.params, int(self.state.step), buffered, next_index)
 
-    def _stop_async(self) -> None:
-        if self.async_rollouts is not None:
-            self.async_rollouts.stop()
+    def _stop_async(self, exc_type, exc, tb) -> bool:
+        """Ends the rollout worker with the run. After an error, a worker that does not
+        stop within 10 s is left behind (a daemon thread) with a warning: the error that
+        ended the run is what gets reported, and the process does not hang."""
+        if self.async_rollouts is None:
+            return False
+        timeout = self.cfg.rollout.worker_timeout_s if exc is None else 10.0
+        try:
+            self.async_rollouts.stop(min(timeout, self.cfg.rollout.worker_timeout_s))
+        except RolloutWorkerError as e:
+            if exc is None:
+                raise
+            logging.warning("%s", e)
+        return False
 
     def _loop(self, writer, progress, start: int, end: int, accuracies: list) -> bool:
         """Steps `start` .. `end - 1`, then a checkpoint; True if a signal stopped them.

@@ -185,16 +185,24 @@ TIMELINE_ROWS = {
 }
 
 
-def plot_timeline(spans: Sequence[tuple[str, float, float]], out_path: str) -> str:
+def plot_timeline(
+    spans: Sequence[tuple[str, float, float]],
+    out_path: str,
+    window: tuple[float, float] | None = None,
+) -> str:
     """Who was busy when in an async run: one row per device group, a bar per interval.
 
     `spans` are (lane, start s, end s) as `rollout.worker.Timeline` records them: lanes
     "rollout/generate" (the worker sampling), "host/score" (its rewards) and
-    "learner/<kind>" (wait, train, publish). Returns the PNG's path.
+    "learner/<kind>" (wait, train, publish). `window`: (start, end) seconds to show
+    (e.g. after the compiles). Returns the PNG's path.
     """
+    if window is not None:
+        a, b = window
+        spans = [(lane, max(s, a), min(e, b)) for lane, s, e in spans if e > a and s < b]
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.4))
+    fig = Figure(figsize=(10, 3.1))
     ax = fig.add_subplot(1, 1, 1)
     rows = {group: i for i, group in enumerate(TIMELINE_ROWS)}
     seen = set()
@@ -211,6 +219,8 @@ def plot_timeline(spans: Sequence[tuple[str, float, float]], out_path: str) -> s
         )
     ax.set_yticks(list(rows.values()), list(TIMELINE_ROWS.values()))
     ax.set_xlabel("seconds since the rollout worker started")
+    if window is not None:
+        ax.set_xlim(*window)
     ax.set_title("async run: who was busy when")
     if seen:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncol=len(seen))

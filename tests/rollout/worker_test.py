@@ -31,13 +31,13 @@ def fake_batch(index, version, params):
     )
 
 
-def make_worker(k, make_batch=fake_batch, end=100, first=0, buffered=()):
+def make_worker(k, make_batch=fake_batch, end=100, first=0, buffered=(), score=lambda b: b):
     admission = staleness.Admission.restored(k, B, first - len(buffered), len(buffered) * B)
     weights = worker_lib.WeightSlot(max(first - len(buffered), 0), 0.0)
     buffer = worker_lib.RolloutBuffer(buffered)
     worker = worker_lib.RolloutWorker(
         make_batch,
-        lambda batch: batch,
+        score,
         admission,
         weights,
         buffer,
@@ -72,12 +72,18 @@ def test_a_worker_exception_reaches_the_learner_with_its_traceback():
             raise ZeroDivisionError("the verifier divided by zero")
         return fake_batch(index, version, params)
 
-    worker, weights, buffer, admission = make_worker(1, broken)
+    def slow_score_of_batch_1(batch):
+        if int(batch.group_id_B[0]) == B:
+            time.sleep(0.3)  # batch 2 fails while batch 1 is still being scored
+        return batch
+
+    worker, weights, buffer, admission = make_worker(1, broken, score=slow_score_of_batch_1)
     worker.start()
     buffer.get(timeout=10)
     weights.publish(1, 1.0)
-    buffer.get(timeout=10)
     weights.publish(2, 2.0)
+    # Batch 1 (made before the failure) still reaches the learner, then the error.
+    assert int(buffer.get(timeout=10).group_id_B[0]) == B
     with pytest.raises(worker_lib.RolloutWorkerError) as info:
         buffer.get(timeout=10)
     message = str(info.value)

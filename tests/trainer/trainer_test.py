@@ -67,6 +67,22 @@ def test_end_to_end_writes_contract_metrics_and_checkpoints(straight_run):
         assert (workdir / f"{panel}.png").read_bytes()[:4] == b"\x89PNG", panel
 
 
+# loss, reward/mean, train/param_norm of the straight run's steps 0-3, as the trainer
+# computed them before async rollouts existed (commit 83be609): sync mode is unchanged.
+SYNC_BEFORE_ASYNC = [
+    (-0.004632968455553055, 0.1875, 10.006616592407227),
+    (-0.04583622142672539, 0.1875, 10.006958961486816),
+    (0.04047202318906784, 0.1875, 10.0071382522583),
+    (-0.08312029391527176, 0.125, 10.007341384887695),
+]
+
+
+def test_sync_mode_reproduces_the_results_from_before_async_rollouts(straight_run):
+    workdir, _, _ = straight_run
+    got = [(r["loss"], r["reward/mean"], r["train/param_norm"]) for r in read(workdir)]
+    np.testing.assert_allclose(got, SYNC_BEFORE_ASYNC, rtol=1e-6, atol=1e-7)
+
+
 def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_path):
     straight_dir, straight, _ = straight_run
     cfg = tiny_config()
