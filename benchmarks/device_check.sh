@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device check: train-step MFU per attention path, sampler tokens/s, peak memory against the
-# memory plan, and full GSM8K RL steps, in under 8 minutes on one H200 (default --budget-s
-# 420). What each number means: the docstring of benchmarks/device_check.py.
+# memory plan, full GSM8K RL steps, and (on a host with 2 or more GPUs) the same RL steps sync
+# against async rollouts, in under 8 minutes on one H200 (default --budget-s 420). What each
+# number means: the docstring of benchmarks/device_check.py.
 #
 #   bash benchmarks/device_check.sh                       # GPU: Qwen2.5-0.5B shapes, bf16
 #   bash benchmarks/device_check.sh --arch qwen2.5-1.5b   # 1.5B shapes

@@ -24,10 +24,12 @@ import jax
 import numpy as np
 
 from m2po_jax.common.types import RolloutBatch
+from m2po_jax.learner import batching
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout import staleness
 from m2po_jax.rollout import worker as worker_lib
+from m2po_jax.trainer import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
 
 
@@ -140,6 +142,71 @@ class AsyncRollouts:
                 f"rollout.max_head_offpolicyness={self.k}"
             )
         return batch
+
+    def train_input(self, local: RolloutBatch):
+        """(the global train batch, every process's [B] fields, completion width) for this
+        process's rows of a batch: every process cuts to the same width (the longest
+        completion of any process's rows)."""
+        cfg = self.cfg
+        prompt_len = cfg.task.max_prompt_len
+        rows = local.rewards_B.shape[0]
+        shared = self.gather(
+            {
+                "version_B": local.version_B,
+                "rewards_B": local.rewards_B,
+                "completion_len_B": local.completion_len_B,
+                "stopped_B": local.stopped_B,
+                "group_id_B": local.group_id_B,
+                "tokens_B": local.loss_mask_BxT.sum(axis=1),
+                "longest_B": np.full(
+                    (rows,), batching.longest_completion(local.valid_BxT, prompt_len)
+                ),
+            }
+        )
+        trimmed, width = batching.trim_completions(
+            local.arrays(),
+            prompt_len,
+            cfg.gconfig.max_new_tokens,
+            longest=int(shared["longest_B"].max()),
+        )
+        batching.check_prompt_groups(
+            local.tokens_BxT, local.valid_BxT, prompt_len, cfg.gconfig.n_samples
+        )
+        train = rollout_lib.train_batch(local.replace(**trimmed))
+        return self.run.placement.from_local(train, self.rows), shared, width
+
+    def step_record(self, shared: dict, width: int, step: int, times, publish_s: float) -> dict:
+        """A learner step's metrics row (host part). `times`: (start, batch taken, update
+        done, weights published), perf_counter seconds."""
+        t0, t1, t2, t3 = times
+        wall = max(t3 - t0, 1e-9)
+        tokens = int(shared["tokens_B"].sum())
+        rollout_s = self.timeline.busy("rollout", t0, t3)
+        record = metrics_lib.staleness_stats(shared["version_B"], step)
+        record.update(
+            {
+                "reward/mean": float(shared["rewards_B"].mean()),
+                "reward/std": float(shared["rewards_B"].std()),
+                "rollout/completion_len_mean": float(shared["completion_len_B"].mean()),
+                "rollout/stopped_fraction": float(shared["stopped_B"].mean()),
+                "rollout/buffer_batches": len(self.buffer),
+                # the prompts trained on: batch i holds prompts i * B .. (i + 1) * B - 1
+                "data/first_prompt": int(shared["group_id_B"].min()),
+                "data/prompts": int(np.unique(shared["group_id_B"]).size),
+                "train/completion_width": width,
+                "train/padding_fraction": 1.0 - tokens / max(len(shared["tokens_B"]) * width, 1),
+                "time/wait_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/publish_s": publish_s,
+                "time/rollout_s": rollout_s,
+                "time/tokens_per_s": tokens / wall,
+                "busy/learner": (t3 - t1) / wall,
+                "busy/rollout": rollout_s / wall,
+            }
+        )
+        for reason, prompts in self.admission.counts().discarded.items():
+            record[f"rollout/discarded/{reason.replace(' ', '_')}"] = prompts
+        return record
 
     # ---- checkpoints and the end --------------------------------------------------------
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
 from m2po_jax.common.config_schema import Config
@@ -239,20 +238,23 @@ class Trainer:
                     self._start_async()
                 interrupted = self._loop(writer, progress, start, end, accuracies)
             if cfg.logging.plots and primary:
-                try:
-                    plots.plot_metrics(
-                        self.workdir / metrics_lib.METRICS_FILE,
-                        self.workdir,
-                        tau=self.cfg.actor.m2_threshold,
-                    )
-                    if self.async_rollouts is not None:
-                        plots.plot_timeline(
-                            self.async_rollouts.timeline.spans(), self.workdir / "timeline.png"
-                        )
-                except OSError as e:
-                    raise WriterError(describe_os_error(e, self.workdir)) from e
+                self._plot()
         signum = self._stop_signal if interrupted else None
         return RunResult(self.workdir, int(self.state.step), accuracies, interrupted, signum)
+
+    def _plot(self) -> None:
+        """The run's PNGs in the workdir (an async run's timeline too)."""
+        try:
+            plots.plot_metrics(
+                self.workdir / metrics_lib.METRICS_FILE,
+                self.workdir,
+                tau=self.cfg.actor.m2_threshold,
+            )
+            if self.async_rollouts is not None:
+                spans = self.async_rollouts.timeline.spans()
+                plots.plot_timeline(spans, self.workdir / "timeline.png")
+        except OSError as e:
+            raise WriterError(describe_os_error(e, self.workdir)) from e
 
     def _begin(self) -> None:
         """A new run: the warm-up, the KL reference policy, and k batches in the queue."""
@@ -467,68 +469,18 @@ class Trainer:
         Unlike the sync step, it waits for the update to finish, so "time/train_s" is the
         update's time and the busy fractions are measured, not guessed.
         """
-        a, cfg = self.async_rollouts, self.cfg
-        prompt_len = cfg.task.max_prompt_len
+        a = self.async_rollouts
         t0 = time.perf_counter()
         local = a.take(step)
         t1 = time.perf_counter()
-        rows = local.rewards_B.shape[0]
-        shared = a.gather(
-            {
-                "version_B": local.version_B,
-                "rewards_B": local.rewards_B,
-                "completion_len_B": local.completion_len_B,
-                "stopped_B": local.stopped_B,
-                "group_id_B": local.group_id_B,
-                "tokens_B": local.loss_mask_BxT.sum(axis=1),
-                "longest_B": np.full(
-                    (rows,), batching.longest_completion(local.valid_BxT, prompt_len)
-                ),
-            }
-        )
-        trimmed, width = batching.trim_completions(
-            local.arrays(),
-            prompt_len,
-            cfg.gconfig.max_new_tokens,
-            longest=int(shared["longest_B"].max()),
-        )
-        batching.check_prompt_groups(
-            local.tokens_BxT, local.valid_BxT, prompt_len, cfg.gconfig.n_samples
-        )
-        batch = self.placement.from_local(rollout_lib.train_batch(local.replace(**trimmed)), a.rows)
+        batch, shared, width = a.train_input(local)
         train_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _TRAIN), step)
         self.state, device_metrics = self.train_step(self.state, batch, train_rng, self.ref_params)
         jax.block_until_ready(self.state)
         t2 = time.perf_counter()
         a.timeline.add("learner/train", t1, t2)
         publish_s = a.publish(self.state.params, step + 1)
-        t3 = time.perf_counter()
-        wall = max(t3 - t0, 1e-9)
-        tokens = int(shared["tokens_B"].sum())
-        record = metrics_lib.staleness_stats(shared["version_B"], step)
-        record.update(
-            {
-                "reward/mean": float(shared["rewards_B"].mean()),
-                "reward/std": float(shared["rewards_B"].std()),
-                "rollout/completion_len_mean": float(shared["completion_len_B"].mean()),
-                "rollout/stopped_fraction": float(shared["stopped_B"].mean()),
-                "rollout/buffer_batches": len(a.buffer),
-                # the prompts trained on: batch i holds prompts i * B .. (i + 1) * B - 1
-                "data/first_prompt": int(shared["group_id_B"].min()),
-                "data/prompts": int(np.unique(shared["group_id_B"]).size),
-                "train/completion_width": width,
-                "train/padding_fraction": 1.0 - tokens / max(len(shared["tokens_B"]) * width, 1),
-                "time/wait_s": t1 - t0,
-                "time/train_s": t2 - t1,
-                "time/publish_s": publish_s,
-                "time/rollout_s": a.timeline.busy("rollout", t0, t3),
-                "time/tokens_per_s": tokens / wall,
-                "busy/learner": (t3 - t1) / wall,
-                "busy/rollout": a.timeline.busy("rollout", t0, t3) / wall,
-            }
-        )
-        for reason, prompts in a.admission.counts().discarded.items():
-            record[f"rollout/discarded/{reason.replace(' ', '_')}"] = prompts
+        record = a.step_record(shared, width, step, (t0, t1, t2, time.perf_counter()), publish_s)
         return record, device_metrics
 
     @contextlib.contextmanager
