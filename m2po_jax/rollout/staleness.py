@@ -19,7 +19,6 @@ the prompts consumed by the restored updates plus the buffered ones
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 
@@ -105,4 +104,4 @@ class Admission:
         """A snapshot of the counters."""
         with self._lock:
             c = self._counts
-            return Counts(c.accepted, c.running, dict(collections.OrderedDict(c.discarded)))
+            return Counts(c.accepted, c.running, dict(c.discarded))

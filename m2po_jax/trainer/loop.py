@@ -281,9 +281,9 @@ class Trainer:
         ended the run is what gets reported, and the process does not hang."""
         if self.async_rollouts is None:
             return False
-        timeout = self.cfg.rollout.worker_timeout_s if exc is None else 10.0
+        timeout = self.cfg.rollout.worker_timeout_s
         try:
-            self.async_rollouts.stop(min(timeout, self.cfg.rollout.worker_timeout_s))
+            self.async_rollouts.stop(timeout if exc is None else min(timeout, 10.0))
         except RolloutWorkerError as e:
             if exc is None:
                 raise
