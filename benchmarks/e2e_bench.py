@@ -3,6 +3,7 @@
     pip install -e ".[bench]"          # adds trl (with torch 2.13.0+cpu and transformers)
     python benchmarks/e2e_bench.py                    # both settings, 8 steps per side x 2
     python benchmarks/e2e_bench.py --settings short --steps 6 --rounds 1
+    python benchmarks/e2e_bench.py --settings long --engines static,continuous --slots 32
 
 Both sides get the same local checkpoint (a random 3.2M-parameter Llama: vocab 512, hidden
 256, 4 layers, 4 query / 2 key-value heads, MLP 704, float32), the same GSM8K-format prompts
@@ -20,7 +21,9 @@ building the trainer (checkpoint load included, imports not) to the end of its f
 (ours: its first run with an empty persistent compilation cache, then the best later run,
 which finds its programs in the cache as a restarted `m2po-train` does).
 Ours runs `m2po_jax.trainer.Trainer` as `m2po-train` does (M2PO on, tau 0.04; the greedy
-evaluation it runs before step 0 is timed and left out of the time to first step).
+evaluation it runs before step 0 is timed and left out of the time to first step), once per
+rollout engine of `--engines` (`rollout.engine`; the continuous one with `--slots` decode
+slots, `rollout.engine_slots`).
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def make_fixtures(root: Path, setting: str) -> dict:
 # ----------------------------------------------------------------------------- sides
 
 
-def run_ours(fix: dict, steps: int, workdir: str) -> dict:
+def run_ours(fix: dict, steps: int, workdir: str, engine: str = "static") -> dict:
     import jax
 
     from m2po_jax import trainer as trainer_lib
@@ -176,6 +179,8 @@ def run_ours(fix: dict, steps: int, workdir: str) -> dict:
             "logging.tensorboard": False,
             "logging.progress": False,
             "logging.plots": False,
+            "rollout.engine": engine,
+            "rollout.engine_slots": fix["slots"] if engine == "continuous" else 0,
         },
     )
     cfg = from_configdict(config)
@@ -349,14 +354,23 @@ def main() -> None:
     parser.add_argument("--settings", default="short,long")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (>= 5)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
-    parser.add_argument("--child", choices=("ours", "trl"))
+    parser.add_argument(
+        "--engines",
+        default="static",
+        help="our side's rollout engines, each a row: static, continuous or both",
+    )
+    parser.add_argument("--slots", type=int, default=32, help="the continuous engine's slots")
+    parser.add_argument("--child", choices=("ours", "ours-continuous", "trl"))
     parser.add_argument("--fixture")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     if args.child:
         fix = json.loads(args.fixture)
-        run = run_ours if args.child == "ours" else run_trl
-        print(json.dumps(run(fix, args.steps, args.workdir)))
+        if args.child == "trl":
+            print(json.dumps(run_trl(fix, args.steps, args.workdir)))
+        else:
+            engine = "continuous" if args.child == "ours-continuous" else "static"
+            print(json.dumps(run_ours(fix, args.steps, args.workdir, engine)))
         return
     if args.steps < 5:
         parser.error("--steps must be >= 5 (two warm-up steps and the last are dropped)")
@@ -373,19 +387,28 @@ def main() -> None:
         for setting in args.settings.split(","):
             fix = make_fixtures(Path(root), setting)
             fix["compile_cache"] = str(Path(root) / f"xla-cache-{setting}")
-            runs = {"ours": [], "trl": []}
+            fix["slots"] = args.slots
+            ours_sides = ["ours" if e == "static" else f"ours-{e}" for e in args.engines.split(",")]
+            runs = {side: [] for side in (*ours_sides, "trl")}
             for i in range(args.rounds):
-                order = ("ours", "trl") if i % 2 == 0 else ("trl", "ours")
+                order = (*ours_sides, "trl") if i % 2 == 0 else ("trl", *ours_sides[::-1])
                 for side in order:
                     runs[side].append(_child(side, fix, args.steps))
                     print(
                         f"  {setting} {side} run {i}: steps {runs[side][-1]['step_s']}", flush=True
                     )
-            ours, trl = _summary(runs["ours"]), _summary(runs["trl"])
-            for side, s in (("m2po-jax", ours), ("TRL GRPOTrainer", trl)):
+            trl = _summary(runs["trl"])
+            named = [
+                (
+                    "m2po-jax" if side == "ours" else f"m2po-jax, {side[5:]} ({args.slots} slots)",
+                    _summary(runs[side]),
+                )
+                for side in ours_sides
+            ]
+            for side, s in (*named, ("TRL GRPOTrainer", trl)):
                 speedup = trl["step_s"] / s["step_s"]
                 first = f"{s['first_step_s']:.1f}"
-                if side == "m2po-jax" and s["first_step_warm_s"] is not None:
+                if side.startswith("m2po-jax") and s["first_step_warm_s"] is not None:
                     first += f" / {s['first_step_warm_s']:.1f}"
                 lines.append(
                     f"| {setting} | {side} | {s['step_s']:.2f} | {s['tokens_per_s']:.0f} | "

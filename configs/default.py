@@ -99,6 +99,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.publish_dtype = (
         ""  # async: weights sent to the rollout devices as: "" (as trained) | bfloat16
     )
+    # static: each batch decodes until its longest completion ends (`sampling.generate`) |
+    # continuous: a fixed number of decode slots, a slot refilled with the next queued
+    # sequence as soon as its own stops (m2po_jax/rollout/engine.py); same greedy answers
+    c.rollout.engine = "static"
+    c.rollout.engine_slots = 0  # continuous: slots per batch shard (0 = one per row it makes)
+    c.rollout.insert_lanes = 0  # continuous: sequences started per decode step (0 = slots / 4)
+    # async + continuous: between decode calls of `chunk_steps` steps, take newer weights;
+    # sequences in flight go on under them and each token records its version
+    c.rollout.inflight_updates = False
+    c.rollout.chunk_steps = 32
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)

@@ -62,3 +62,22 @@ def pytest_sessionfinish(session):
         import shutil
 
         shutil.rmtree(_cache, ignore_errors=True)
+
+
+# The slowest tests (each 30 s or more on 2 cores: whole runs in subprocesses, several
+# processes) start first, so that the two xdist workers do not end on one of them while
+# the other idles (suite time). Matched on the start of a test's node id.
+HEAVY_FIRST = (
+    "tests/parallel/parallel_test.py::test_two_processes_",
+    "tests/trainer/async_test.py::test_an_async_run_learns",
+    "tests/e2e/device_check_test.py::",
+    "tests/e2e/colab_test.py::",
+    "tests/e2e/main_test.py::test_a_resume_with_another_model",
+    "tests/e2e/export_test.py::test_two_processes",
+    "tests/trainer/faults_test.py::",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    heavy = lambda item: not item.nodeid.startswith(HEAVY_FIRST)  # False sorts first
+    items.sort(key=heavy)

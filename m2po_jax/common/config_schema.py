@@ -78,6 +78,11 @@ class RolloutSection:
     reward_workers: int
     worker_timeout_s: float
     publish_dtype: str  # "" (the params' dtype) | bfloat16 | float32
+    engine: str  # static | continuous
+    engine_slots: int
+    insert_lanes: int
+    inflight_updates: bool
+    chunk_steps: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 
 import flax
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,12 @@ class RolloutBatch:
     prompt_len_B: jax.Array  # int32: real prompt tokens
     completion_len_B: jax.Array  # int32: generated tokens, stop token included
     stopped_B: jax.Array  # bool: the row ended with a stop token
-    version_B: jax.Array  # int32: policy version (update count) that generated the row
+    version_B: jax.Array  # int32: policy version (update count) that started the row
     group_id_B: jax.Array  # int32: rows with equal ids answer the same prompt
     rewards_B: jax.Array  # float32: the task's reward of each completion
+    # int32: the version that generated each completion token (a rollout engine that takes
+    # weights in flight mixes them within a row); version_B elsewhere
+    version_BxT: jax.Array
 
     def arrays(self) -> dict:
         """The fields by name (how checkpoints store a rollout)."""
@@ -50,6 +54,12 @@ class RolloutBatch:
         """The record of `arrays` (a mapping with every field's name); `where` names the
         source in the error when fields are missing."""
         names = [f.name for f in dataclasses.fields(cls)]
+        if "version_BxT" not in arrays and {"version_B", "tokens_BxT"} <= set(arrays):
+            # Stored before per-token versions: every token has its row's version.
+            arrays = dict(arrays)
+            arrays["version_BxT"] = np.broadcast_to(
+                np.asarray(arrays["version_B"])[:, None], np.shape(arrays["tokens_BxT"])
+            ).copy()
         missing = [n for n in names if n not in arrays]
         if missing:
             raise ValueError(f"{where}: lacks {missing} (a rollout batch has {names})")

@@ -255,6 +255,15 @@ def validate(cfg: Config) -> Config:
     _check_range("rollout.worker_timeout_s", r.worker_timeout_s, 0.0, low_open=True)
     _check_choice("rollout.publish_dtype", r.publish_dtype, ("", *PARAM_DTYPES))
     _check_range("mesh.rollout_devices", cfg.mesh.rollout_devices, 0)
+    _check_choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
+    _check_range("rollout.engine_slots", r.engine_slots, 0)
+    _check_range("rollout.insert_lanes", r.insert_lanes, 0)
+    _check_range("rollout.chunk_steps", r.chunk_steps, 1)
+    if r.inflight_updates and (r.mode, r.engine) != ("async", "continuous"):
+        raise ConfigError(
+            "rollout.inflight_updates=True needs rollout.mode=async and "
+            f"rollout.engine=continuous (got mode={r.mode}, engine={r.engine})"
+        )
     rows = r.batch_size * g.n_samples
     if rows % a.ppo_n_minibatches:
         raise ConfigError(
@@ -307,6 +316,7 @@ def validate(cfg: Config) -> Config:
 
 
 ROLLOUT_MODES = ("sync", "async")
+ROLLOUT_ENGINES = ("static", "continuous")  # m2po_jax/rollout/engine.py
 
 
 def build_library_objects(cfg: Config) -> dict:

@@ -9,7 +9,9 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
   positions (`make_positions(valid_BxT)` by default).
 - With a `KVCache`, the T new tokens are written at columns
   `cache_index .. cache_index + T - 1` of the cache; a query at column c attends to
-  cache columns <= c that hold real tokens.
+  cache columns <= c that hold real tokens. A decode step of one token per row may give
+  each row its own column (`cache_index` of shape [B], as the continuous-batching engine
+  does); its query then attends to every real column of its row.
 - The cache stores keys and values as [B, K, S, D] (kv heads before columns): attention
   reads it in that layout, so a decode step never transposes the whole cache.
 - `ModelConfig.attention` selects the attention implementation (`attention.py`); calls
@@ -93,6 +95,17 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
 
 
+def _cache_write(cache_BxKxSxD: jax.Array, new_BxKxTxD: jax.Array, cache_index) -> jax.Array:
+    """Writes the new keys (or values) at `cache_index`: a column shared by every row, or
+    one column per row ([B] int32; one new token per row, as a continuous-batching decode
+    step writes each slot at its own column)."""
+    new_BxKxTxD = new_BxKxTxD.astype(cache_BxKxSxD.dtype)
+    if jnp.ndim(cache_index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache_BxKxSxD, new_BxKxTxD, cache_index, 2)
+    rows = jnp.arange(cache_BxKxSxD.shape[0])
+    return cache_BxKxSxD.at[rows, :, cache_index].set(new_BxKxTxD[:, :, 0], mode="drop")
+
+
 def make_positions(valid_BxT: jax.Array) -> jax.Array:
     """RoPE positions that skip left padding: 0 at the first real token."""
     return jnp.maximum(jnp.cumsum(valid_BxT.astype(jnp.int32), axis=-1) - 1, 0)
@@ -165,13 +178,8 @@ class Attention(nn.Module):
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
         new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
         if cache_kv is not None:
-            cache_k, cache_v = cache_kv
-            key = jax.lax.dynamic_update_slice_in_dim(
-                cache_k, key.astype(cache_k.dtype), cache_index, 2
-            )
-            value = jax.lax.dynamic_update_slice_in_dim(
-                cache_v, value.astype(cache_v.dtype), cache_index, 2
-            )
+            key = _cache_write(cache_kv[0], key, cache_index)
+            value = _cache_write(cache_kv[1], value, cache_index)
             new_kv = (key, value)
         out = attention.attend(
             self.implementation, q, key.astype(dt), value.astype(dt), mask, c.attention_block_size
@@ -308,14 +316,26 @@ class CausalLM(nn.Module):
             key_valid_BxS = jnp.concatenate([prefix.expand(prefix.valid_GxP, b), valid_BxT], 1)
         elif cache is None:
             key_valid_BxS = valid_BxT
-        else:
+        elif jnp.ndim(cache_index) == 0:
             key_valid_BxS = jax.lax.dynamic_update_slice_in_dim(
                 cache.valid_BxS, valid_BxT, cache_index, 1
             )
+        else:  # one column per row: a decode step of rows at different lengths
+            if t != 1 or jnp.shape(cache_index) != (b,):
+                raise ValueError(
+                    f"CausalLM: a per-row cache_index (shape {jnp.shape(cache_index)}) needs "
+                    f"one new token per row, got tokens of shape {(b, t)}"
+                )
+            key_valid_BxS = cache.valid_BxS.at[jnp.arange(b), cache_index].set(
+                valid_BxT[:, 0], mode="drop"
+            )
         cached = cache is not None or prefix is not None
         impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cached)
-        # Computed once here and shared by every layer.
-        mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, cache_index)
+        # Computed once here and shared by every layer. With a column per row, the cache
+        # holds nothing after it (the caller clears a row's columns when it reuses the
+        # row), so the key columns' validity is the whole mask.
+        q_start = cache_index if jnp.ndim(cache_index) == 0 else cache.valid_BxS.shape[1] - 1
+        mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, q_start)
         cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
 
         layer_cls = DecoderLayer

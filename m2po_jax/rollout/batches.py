@@ -59,6 +59,7 @@ def generate_rollout(
     max_prompt_len: int,
     placement=None,
     reward_workers: int = 1,
+    engine=None,
 ) -> tuple[RolloutBatch, list[str]]:
     """Samples `n_samples` completions per example and scores them on the host.
 
@@ -78,6 +79,7 @@ def generate_rollout(
         version=version,
         max_prompt_len=max_prompt_len,
         placement=placement,
+        engine=engine,
     )
     return score_rollout(sampled, reward_fn, reward_workers), sampled.texts
 
@@ -91,6 +93,7 @@ class SampledRollout:
     texts: list[str]
     examples: Sequence
     n_samples: int
+    generation: object = None  # the engine's `Generation` (its decode counters), if any
 
 
 def sample_rollout(
@@ -105,8 +108,14 @@ def sample_rollout(
     version: int,
     max_prompt_len: int,
     placement=None,
+    engine=None,
+    weights=None,
 ) -> SampledRollout:
-    """The device half of `generate_rollout`: samples and decodes, scores nothing."""
+    """The device half of `generate_rollout`: samples and decodes, scores nothing.
+
+    `engine`: a `rollout.engine.RolloutEngine` (None: `sampling.generate`); `weights`:
+    newer weights it may take in flight (`RolloutEngine.generate`).
+    """
     if placement is None:
         texts_in = [e.prompt for e in examples]
         prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)
@@ -114,11 +123,26 @@ def sample_rollout(
         share = placement.local_rows(len(examples))
         local = encode_prompts([e.prompt for e in examples[share]], tokenizer, max_prompt_len)
         prompts_BxP, valid_BxP = placement.from_local(local, len(examples))
-    out = sampling.generate(
-        params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
-    )
-    host = jax.device_get(out) if placement is None else placement.to_host(out)
     rows = len(examples) * n_samples
+    generation = None
+    if engine is None:
+        out = sampling.generate(
+            params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
+        )
+        version_BxN = np.full((rows, sampling_config.max_new_tokens), version, np.int32)
+    else:
+        generation = engine.generate(
+            params,
+            prompts_BxP,
+            valid_BxP,
+            rng,
+            n_samples=n_samples,
+            version=version,
+            weights=weights,
+        )
+        out, version_BxN = generation.out, generation.version_BxN
+    host = jax.device_get(out) if placement is None else placement.to_host(out)
+    width = host.tokens_BxT.shape[1] - sampling_config.max_new_tokens
     tokens, loss_mask = (
         np.asarray(host.tokens_BxT, np.int32),
         np.asarray(host.completion_mask_BxT, bool),
@@ -135,8 +159,11 @@ def sample_rollout(
         version_B=np.full((rows,), version, np.int32),
         group_id_B=np.repeat(np.arange(len(examples), dtype=np.int32), n_samples),
         rewards_B=np.full((rows,), np.nan, np.float32),
+        version_BxT=np.concatenate(
+            [np.full((rows, width), version, np.int32), np.asarray(version_BxN, np.int32)], 1
+        ),
     )
-    return SampledRollout(batch, texts, examples, n_samples)
+    return SampledRollout(batch, texts, examples, n_samples, generation)
 
 
 def score_rollout(sampled: SampledRollout, reward_fn: Callable, workers: int = 1) -> RolloutBatch:

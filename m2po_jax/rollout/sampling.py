@@ -154,7 +154,7 @@ def sample_token(
 
     Args:
       logits_BxV: next-token logits.
-      rng: PRNG key (unused when greedy).
+      rng: PRNG key (unused when greedy), or one typed key per row (shape [B]).
       sampling: static settings.
 
     Returns:
@@ -181,7 +181,10 @@ def _inverse_cdf_draw(scaled_BxV: jax.Array, rng: jax.Array) -> jax.Array:
     """
     probs_BxV = jnp.exp(scaled_BxV - jnp.max(scaled_BxV, axis=-1, keepdims=True))
     cdf_BxV = jnp.cumsum(probs_BxV, axis=-1)
-    u_B = jax.random.uniform(rng, scaled_BxV.shape[:1], jnp.float32)
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == scaled_BxV.shape[:1]:
+        u_B = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(rng)
+    else:
+        u_B = jax.random.uniform(rng, scaled_BxV.shape[:1], jnp.float32)
     return jnp.argmax(cdf_BxV > (u_B * cdf_BxV[:, -1])[:, None], axis=-1)
 
 
@@ -220,7 +223,8 @@ def _write_column(buffer_BxN: jax.Array, column: jax.Array, values_B: jax.Array)
     return jax.lax.dynamic_update_slice_in_dim(buffer_BxN, values_B[:, None], column, axis=1)
 
 
-def _is_stop(token_B: jax.Array, stop_token_ids: tuple[int, ...]) -> jax.Array:
+def is_stop(token_B: jax.Array, stop_token_ids: tuple[int, ...]) -> jax.Array:
+    """Whether each token is one of the stop tokens."""
     if not stop_token_ids:
         return jnp.zeros(token_B.shape, bool)
     return jnp.any(token_B[:, None] == jnp.asarray(stop_token_ids, jnp.int32)[None, :], axis=-1)
@@ -270,7 +274,7 @@ def _generate(
         valid_BxN=_write_column(jnp.zeros((batch, max_new), bool), 0, jnp.ones(batch, bool)),
         last_token_B=token_B,
         last_valid_B=jnp.ones(batch, bool),
-        stopped_B=_is_stop(token_B, sampling.stop_token_ids),
+        stopped_B=is_stop(token_B, sampling.stop_token_ids),
         cache=cache,
     )
 
@@ -301,7 +305,7 @@ def _generate(
             valid_BxN=_write_column(state.valid_BxN, i, active_B),
             last_token_B=token_B,
             last_valid_B=active_B,
-            stopped_B=state.stopped_B | (active_B & _is_stop(token_B, sampling.stop_token_ids)),
+            stopped_B=state.stopped_B | (active_B & is_stop(token_B, sampling.stop_token_ids)),
             cache=cache,
         )
 
@@ -348,6 +352,20 @@ def generate(
     Returns:
       A `SampleOutput` with B = prompts * n_samples rows and T = P + max_new_tokens columns.
     """
+    check_inputs(model_config, sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples)
+    return _generate(
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        model_config=model_config,
+        sampling=sampling,
+        n_samples=int(n_samples),
+    )
+
+
+def check_inputs(model_config, sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples) -> None:
+    """Raises a one-line error on what `generate` (or a rollout engine) cannot take."""
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
     if not isinstance(model_config, model_config_lib.ModelConfig):
@@ -376,15 +394,6 @@ def generate(
             )
     _check_left_padded(prompt_valid_BxP)
     model_lib.check_token_ids(prompt_tokens_BxP, model_config.vocab_size, "prompt_tokens_BxP")
-    return _generate(
-        params,
-        prompt_tokens_BxP,
-        prompt_valid_BxP,
-        rng,
-        model_config=model_config,
-        sampling=sampling,
-        n_samples=int(n_samples),
-    )
 
 
 def _check_left_padded(prompt_valid_BxP: jax.typing.ArrayLike) -> None:

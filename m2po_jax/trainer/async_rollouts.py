@@ -58,6 +58,7 @@ class AsyncRollouts:
             run.rollout_placement.sample_params, cfg.rollout.publish_dtype
         )
         self.timeline = worker_lib.Timeline()
+        self.engine_records: dict[int, dict] = {}  # batch index -> its decode metrics
         self.buffer = worker_lib.RolloutBuffer()
         self.worker: worker_lib.RolloutWorker | None = None
         self.admission: staleness.Admission | None = None
@@ -81,10 +82,19 @@ class AsyncRollouts:
             version=version,
             max_prompt_len=self.cfg.task.max_prompt_len,
             placement=run.rollout_placement,
+            engine=run.engine,
+            weights=self._newest if self.cfg.rollout.inflight_updates else None,
         )
+        self.engine_records[index] = metrics_lib.engine_stats(sampled.generation)
         first = index * self.batch_size + self.prompts.start
         batch = sampled.batch.replace(group_id_B=sampled.batch.group_id_B + np.int32(first))
         return dataclasses.replace(sampled, batch=batch)
+
+    def _newest(self):
+        """(params, version) of the newest published weights, polled by the continuous
+        engine between decode calls (`rollout.inflight_updates`)."""
+        version, params = self.weights.latest()
+        return params, version
 
     def score(self, sampled: rollout_lib.SampledRollout) -> RolloutBatch:
         """The rewards of a sampled batch (the task's reward function, on the host)."""
@@ -158,6 +168,7 @@ class AsyncRollouts:
                 "stopped_B": local.stopped_B,
                 "group_id_B": local.group_id_B,
                 "tokens_B": local.loss_mask_BxT.sum(axis=1),
+                "token_versions_B": (local.version_BxT * local.loss_mask_BxT).sum(axis=1),
                 "longest_B": np.full(
                     (rows,), batching.longest_completion(local.valid_BxT, prompt_len)
                 ),
@@ -183,6 +194,12 @@ class AsyncRollouts:
         tokens = int(shared["tokens_B"].sum())
         rollout_s = self.timeline.busy("rollout", t0, t3)
         record = metrics_lib.staleness_stats(shared["version_B"], step)
+        mean_version = shared["token_versions_B"].sum() / max(tokens, 1)
+        record["staleness/token_mean"] = float(step - mean_version)
+        index = int(shared["group_id_B"].min()) // self.batch_size
+        record.update(self.engine_records.pop(index, {}))
+        for older in [i for i in list(self.engine_records) if i < index]:
+            del self.engine_records[older]  # batches discarded, or made before a resume
         record.update(
             {
                 "reward/mean": float(shared["rewards_B"].mean()),

@@ -383,28 +383,29 @@ class Trainer:
             f"{self.checkpointer.directory}"
         )
 
-    def _rollout(self, rng, version: int) -> tuple[RolloutBatch, int]:
-        """The next prompts' rollout batch and how many of its prompts were cut to fit."""
+    def _rollout(self, rng, version: int) -> tuple[RolloutBatch, int, dict]:
+        """The next prompts' rollout batch, how many of its prompts were cut to fit, and
+        the engine's decode metrics (none for the static sampler)."""
         cfg = self.cfg
         examples = self.task.train_examples(self.data_position, cfg.rollout.batch_size)
         self.data_position += cfg.rollout.batch_size
         known = self.task.prompt_lengths
         truncated = prompts_lib.count_long(examples, self.prompts, cfg.task.max_prompt_len, known)
-        batch, _ = rollout_lib.generate_rollout(
+        sampled = rollout_lib.sample_rollout(
             self.placement.for_sampling(self.state.params),
             self.model_config,
             self.sampling_config,
             examples,
             self.prompts,
-            self.task.reward,
             rng,
             n_samples=cfg.gconfig.n_samples,
             version=version,
             max_prompt_len=cfg.task.max_prompt_len,
             placement=self.placement,
-            reward_workers=cfg.rollout.reward_workers,
+            engine=self.setup.engine,
         )
-        return batch, truncated
+        batch = rollout_lib.score_rollout(sampled, self.task.reward, cfg.rollout.reward_workers)
+        return batch, truncated, metrics_lib.engine_stats(sampled.generation)
 
     def _step(self, step: int) -> tuple[dict, dict]:
         """One RL step: a fresh rollout into the queue, an update on the stale one.
@@ -418,7 +419,7 @@ class Trainer:
             return self._step_async(step)
         t0 = time.perf_counter()
         gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
-        fresh, truncated = self._rollout(gen_rng, version=step)
+        fresh, truncated, engine_record = self._rollout(gen_rng, version=step)
         self.queue.push(fresh)
         host = self.queue.pop()
         t1 = time.perf_counter()
@@ -439,6 +440,8 @@ class Trainer:
         t2 = time.perf_counter()
         rewards = host.rewards_B
         record = metrics_lib.staleness_stats(host.version_B, step)
+        record.update(metrics_lib.token_staleness(host.version_BxT, host.loss_mask_BxT, step))
+        record.update(engine_record)
         tokens = int(host.loss_mask_BxT.sum()) + int(fresh.loss_mask_BxT.sum())
         record.update(
             {

@@ -326,6 +326,34 @@ def staleness_stats(
     }
 
 
+def token_staleness(version_BxT: Any, mask_BxT: Any, current_version: int) -> dict[str, float]:
+    """Staleness of the trained tokens, each by the version that generated it (a row's
+    tokens differ where the rollout engine took new weights in flight):
+    "staleness/token_mean" over the `mask_BxT` tokens."""
+    version_BxT, mask_BxT = np.asarray(version_BxT), np.asarray(mask_BxT, bool)
+    if version_BxT.shape != mask_BxT.shape:
+        raise ValueError(
+            f"version_BxT: shape {version_BxT.shape} must equal the mask's {mask_BxT.shape}"
+        )
+    stale = int(current_version) - version_BxT[mask_BxT].astype(np.int64)
+    return {"staleness/token_mean": float(stale.mean()) if stale.size else 0.0}
+
+
+def engine_stats(generation: Any) -> dict[str, float]:
+    """A rollout engine's decode counters (`rollout.engine.Generation`; {} for none):
+    "rollout/decode_steps" and "rollout/decode_idle_fraction", the share of decode work
+    (rows or slots x steps) spent on finished or empty rows."""
+    if generation is None:
+        return {}
+    record = {
+        "rollout/decode_steps": generation.decode_steps,
+        "rollout/decode_idle_fraction": generation.idle_fraction,
+    }
+    if generation.weight_updates:
+        record["rollout/inflight_updates"] = generation.weight_updates
+    return record
+
+
 def host_metrics(tree: Mapping[str, Any]) -> dict[str, Any]:
     """Device metrics -> Python numbers with one `jax.device_get` for the whole dict.
 

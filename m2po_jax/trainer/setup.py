@@ -26,6 +26,7 @@ from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
+from m2po_jax.rollout import engine as engine_lib
 from m2po_jax.rollout import sampling
 from m2po_jax.tasks import Task, make_task
 from m2po_jax.trainer import memory_check
@@ -46,6 +47,9 @@ class RunSetup:
     memory_plan: memory.MemoryPlan
     # rollout.mode="async": this process's rollout devices (a mesh of them alone), else None
     rollout_placement: placement_lib.Placement | None = None
+    # rollout.engine="continuous": the engine of the training rollouts (on the rollout
+    # devices in an async run), else None (`sampling.generate`)
+    engine: engine_lib.ContinuousEngine | None = None
 
 
 def build(cfg: Config) -> RunSetup:
@@ -70,6 +74,7 @@ def build(cfg: Config) -> RunSetup:
     else:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
     check_rows(cfg, placement, rollout_placement)
+    decoding = sampling_config(cfg, task.tokenizer)
     return RunSetup(
         cfg=cfg,
         task=task,
@@ -77,9 +82,28 @@ def build(cfg: Config) -> RunSetup:
         prompts=prompts,
         model_config=model_config,
         placement=placement,
-        sampling_config=sampling_config(cfg, task.tokenizer),
+        sampling_config=decoding,
         memory_plan=check_memory(cfg, model_config, placement),
         rollout_placement=rollout_placement,
+        engine=build_engine(cfg, model_config, decoding, rollout_placement or placement),
+    )
+
+
+def build_engine(
+    cfg: Config, model_config, decoding, placement
+) -> engine_lib.ContinuousEngine | None:
+    """The continuous-batching engine of `rollout.engine=continuous` over `placement`'s
+    batch shards (None for the static sampler)."""
+    r = cfg.rollout
+    if r.engine == "static":
+        return None
+    return engine_lib.ContinuousEngine(
+        model_config,
+        decoding,
+        slots=r.engine_slots,
+        insert_lanes=r.insert_lanes,
+        chunk_steps=r.chunk_steps,
+        mesh=placement.mesh,
     )
 
 

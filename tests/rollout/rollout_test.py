@@ -72,6 +72,7 @@ def _batch(i, rows=2, width=6):
         version_B=np.full((rows,), i, np.int32),
         group_id_B=np.arange(rows, dtype=np.int32) + 100 * i,
         rewards_B=np.full((rows,), 0.25 * i, np.float32),
+        version_BxT=np.full((rows, width), i, np.int32) + (np.arange(width) > 3),
     )
 
 
@@ -164,3 +165,14 @@ def test_scoring_on_several_threads_gives_the_same_rewards_in_order():
     np.testing.assert_array_equal(serial, [(i // 2) * 100 + i for i in range(12)])
     np.testing.assert_array_equal(pooled, serial)
     assert len(threads) > 1
+
+
+def test_a_rollout_stored_before_token_versions_gives_each_token_its_rows_version():
+    arrays = _batch(2).arrays()
+    del arrays["version_BxT"]  # a checkpoint written before the field existed
+    batch = RolloutBatch.from_arrays(arrays)
+    np.testing.assert_array_equal(batch.version_BxT, np.full((2, 6), 2))
+    assert batch.version_BxT.dtype == np.int32
+    del arrays["version_B"]
+    with pytest.raises(ValueError, match=r"queue item 0: lacks \['version_B', 'version_BxT'\]"):
+        RolloutBatch.from_arrays(arrays, "queue item 0")

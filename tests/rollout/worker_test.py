@@ -28,6 +28,7 @@ def fake_batch(index, version, params):
         version_B=np.full(rows, version, np.int32),
         group_id_B=np.repeat(np.arange(B, dtype=np.int32) + index * B, 2),
         rewards_B=np.full(rows, float(params), np.float32),
+        version_BxT=np.full((rows, 3), version, np.int32),
     )
 
 

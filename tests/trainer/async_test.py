@@ -86,7 +86,14 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
         return real(self, sampled)
 
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "score", fails_at_batch_2)
-    cfg = async_config(**{"total_steps": 4, "rollout.max_head_offpolicyness": 0})
+    # Through the continuous engine, polling for new weights after every decode step.
+    engine = {
+        "rollout.engine": "continuous",
+        "rollout.engine_slots": 4,
+        "rollout.inflight_updates": True,
+        "rollout.chunk_steps": 1,
+    }
+    cfg = async_config(**{"total_steps": 4, "rollout.max_head_offpolicyness": 0, **engine})
     trainer = trainer_lib.Trainer(cfg, tmp_path)
     with pytest.raises(worker_lib.RolloutWorkerError) as info:
         trainer.run()
@@ -101,12 +108,21 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "score", real)
     result = trainer_lib.Trainer(cfg, tmp_path).run()
     assert result.final_step == 4
-    assert [r["data/first_prompt"] for r in read(tmp_path)] == [0, 8, 16, 24]
+    records = read(tmp_path)
+    assert [r["data/first_prompt"] for r in records] == [0, 8, 16, 24]
+    for r in records:  # on-policy (k = 0): no newer weights exist while a batch is made
+        assert r["staleness/max"] == 0 and r["staleness/token_mean"] == 0.0
+        assert 0 <= r["rollout/decode_idle_fraction"] <= 1 and "rollout/inflight_updates" not in r
 
 
 def test_async_settings_are_checked_before_any_work(tmp_path):
     with pytest.raises(config_lib.ConfigError, match=r"rollout.mode='overlap' is not one of"):
         async_config(**{"rollout.mode": "overlap"})
+    inflight = {"rollout.inflight_updates": True, "rollout.engine": "continuous"}
+    with pytest.raises(config_lib.ConfigError, match="needs rollout.mode=async and rollout.en"):
+        async_config(**inflight, **{"rollout.mode": "sync"})
+    with pytest.raises(config_lib.ConfigError, match=r"rollout.engine='paged' is not one of"):
+        async_config(**{"rollout.engine": "paged"})
     with pytest.raises(ValueError, match="mesh.rollout_devices=8: each process has 8 devices"):
         trainer_lib.Trainer(async_config(**{"mesh.rollout_devices": 8}), tmp_path)
     with pytest.raises(ValueError, match="rollout.batch_size per process=6 must be divisible"):

@@ -245,3 +245,44 @@ def test_steps_train_on_the_generated_columns_only(tmp_path):
         assert record["train/completion_width"] == width
         pad = 1 - loss_mask.sum() / (loss_mask.shape[0] * width)
         assert record["train/padding_fraction"] == pytest.approx(pad)
+
+
+def text_reward(completion: str, answer: str) -> float:
+    """A reward that differs between greedy completions (a wrong answer has one too)."""
+    return float(sum(map(ord, completion)) % 5)
+
+
+def test_the_continuous_engine_trains_as_the_static_sampler_with_greedy_decoding(tmp_path):
+    """Greedy rollouts are the same whichever engine makes them, so a run with the
+    continuous engine (4 slots for 16 rows per batch) trains exactly as the static one:
+    same losses, rewards and params (batch-centred rewards of the completions' text, so the
+    greedy groups of equal completions still have advantages)."""
+    changes = {
+        "gconfig.greedy": True,
+        "actor.reward_norm.mean_level": "batch",
+        "total_steps": 3,
+        "sft.max_steps": 12,
+        "task.reward_fn": "trainer_test:text_reward",
+    }
+    static = trainer_lib.Trainer(tiny_config(**changes), tmp_path / "static")
+    static.run()
+    continuous = trainer_lib.Trainer(
+        tiny_config(**changes, **{"rollout.engine": "continuous", "rollout.engine_slots": 4}),
+        tmp_path / "continuous",
+    )
+    assert continuous.setup.engine.sizes(16) == (4, 1)
+    continuous.run()
+    keys = ("loss", "reward/mean", "train/param_norm", "rollout/completion_len_mean")
+    want, got = read(tmp_path / "static"), read(tmp_path / "continuous")
+    assert len(got) == len(want) == 3
+    assert max(abs(r["loss"]) for r in want) > 0  # the updates are not all zero
+    for a, b in zip(got, want, strict=True):
+        for key in keys:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        assert a["staleness/token_mean"] == b["staleness/token_mean"]
+        assert 0 <= a["rollout/decode_idle_fraction"] <= 1 and a["rollout/decode_steps"] >= 0
+        assert "rollout/decode_steps" not in b
+    for a, b in zip(
+        jax.tree.leaves(continuous.state.params), jax.tree.leaves(static.state.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,191 @@
+"""Rollout engines side by side: the static sampler against the continuous-batching engine.
+
+    python benchmarks/rollout_bench.py                     # both cases, 2 rounds
+    python benchmarks/rollout_bench.py --cases long_tail --rounds 1
+
+Same model, prompts, sampling settings and slot count on both sides: the static sampler
+(`rollout.engine=static`, what `sampling.generate` does) decodes the prompts in batches of
+`--slots` rows, each batch until its longest completion ends; the continuous engine
+(`rollout.engine=continuous`) runs every sequence through `--slots` decode slots and
+refills a slot as soon as its sequence stops. Both are the trainer's code path
+(`m2po_jax.rollout.engine`), temperature 1.
+
+The model is e2e_bench's random 3.2M-parameter Llama (vocab 512, hidden 256, 4 layers,
+4 / 2 heads, MLP 704, float32) made context-free as e2e_bench does: the layers' output
+projections are zeroed, so the next token depends on the current one only (every layer
+still runs: the work per token is unchanged), and the end-of-sequence logit is raised so
+that a sequence stops with probability ~1/40 per token. Cases:
+
+  long_tail   completion lengths ~ geometric, mean ~40, cap 512 (`--max-new`)
+  to_cap      no stop token: every sequence runs to the cap (`--cap-new`)
+
+Printed per case and side: generated tokens per second (best of `--rounds`, after a
+warm-up run that compiles), decode steps, and the share of decode work (slots x steps)
+spent on finished or empty rows; then the continuous / static ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from m2po_jax.models import model as model_lib  # noqa: E402
+from m2po_jax.models import model_config as model_config_lib  # noqa: E402
+from m2po_jax.rollout import engine as engine_lib  # noqa: E402
+from m2po_jax.rollout import sampling  # noqa: E402
+
+EOS_ID = 3
+CONFIG = model_config_lib.ModelConfig(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=16384,
+)
+
+
+def context_free_params(stop_prob: float, seed: int = 0):
+    """Random params whose next token depends on the current token only, with an
+    end-of-sequence probability of about `stop_prob` (e2e_bench's `_raise_eos`)."""
+    params = model_lib.init_params(CONFIG, jax.random.key(seed))
+    for name, layer in params.items():
+        if name.startswith("layers_"):
+            layer["attn"]["o_kernel"] = jnp.zeros_like(layer["attn"]["o_kernel"])
+            layer["mlp"]["down_kernel"] = jnp.zeros_like(layer["mlp"]["down_kernel"])
+    params["embedding"] = params["embedding"].at[:, 0].set(0.2)
+    head = params["lm_head"].at[:, EOS_ID].set(0.0)
+    tokens = jax.random.randint(jax.random.key(1), (16, 64), 5, CONFIG.vocab_size)
+    forward = jax.jit(lambda p: model_lib.apply(p, CONFIG, tokens))
+    lo, hi = 0.0, 50.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        params["lm_head"] = head.at[0, EOS_ID].set(mid)
+        prob = float(jax.nn.softmax(forward(params), -1)[..., EOS_ID].mean())
+        lo, hi = (mid, hi) if prob < stop_prob else (lo, mid)
+    return params
+
+
+def prompts(count: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = [
+        list(rng.integers(5, CONFIG.vocab_size, int(rng.integers(width // 2, width + 1))))
+        for _ in range(count)
+    ]
+    return sampling.pad_prompts(ids, 0, width)
+
+
+def run_side(engine, params, tokens, valid, n_samples: int, batch_prompts: int, key) -> dict:
+    """One pass over every prompt: the static side in batches, the continuous in one call."""
+    start = time.perf_counter()
+    step = batch_prompts if engine.name == "static" else tokens.shape[0]
+    generated, decode, slot_steps, live = 0, 0, 0, 0
+    lengths = []
+    for first in range(0, tokens.shape[0], step):
+        g = engine.generate(
+            params,
+            tokens[first : first + step],
+            valid[first : first + step],
+            jax.random.fold_in(key, first),
+            n_samples=n_samples,
+        )
+        length = np.asarray(jax.device_get(g.out.completion_len_B))
+        lengths.append(length)
+        generated += int(length.sum())
+        decode, slot_steps, live = (
+            decode + g.decode_steps,
+            slot_steps + g.slot_steps,
+            live + g.live_steps,
+        )
+    seconds = time.perf_counter() - start
+    lengths = np.concatenate(lengths)
+    return dict(
+        seconds=seconds,
+        tokens_per_s=generated / seconds,
+        generated=generated,
+        decode_steps=decode,
+        idle=1.0 - live / max(slot_steps, 1),
+        mean_len=float(lengths.mean()),
+        max_len=int(lengths.max()),
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="long_tail,to_cap")
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n-samples", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=512)
+    parser.add_argument("--cap-new", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--insert-lanes", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.slots % args.n_samples:
+        parser.error("--slots must be a multiple of --n-samples (the static side's batches)")
+    params = context_free_params(1 / 40)
+    tokens, valid = prompts(args.prompts, args.prompt_len)
+    batch_prompts = args.slots // args.n_samples
+    print(
+        f"{args.prompts} prompts x {args.n_samples} samples, {args.slots} slots "
+        f"(static: batches of {batch_prompts} prompts), prompts <= {args.prompt_len} tokens, "
+        f"{jax.device_count()} device(s) [{jax.devices()[0].platform}]"
+    )
+    header = "| case | engine | gen tokens/s | decode steps | idle share | mean / max len | s |"
+    print(header + "\n" + "|---" * 7 + "|")
+    for case in args.cases.split(","):
+        if case == "long_tail":
+            settings = sampling.SamplingConfig(
+                max_new_tokens=args.max_new, stop_token_ids=(EOS_ID,)
+            )
+        elif case == "to_cap":
+            settings = sampling.SamplingConfig(max_new_tokens=args.cap_new)
+        else:
+            parser.error(f"--cases: unknown case {case!r} (long_tail, to_cap)")
+        engines = [
+            engine_lib.StaticEngine(CONFIG, settings),
+            engine_lib.ContinuousEngine(
+                CONFIG, settings, slots=args.slots, insert_lanes=args.insert_lanes
+            ),
+        ]
+        best = {}
+        for engine in engines:  # warm-up: compiles every program
+            run_side(
+                engine, params, tokens, valid, args.n_samples, batch_prompts, jax.random.key(9)
+            )
+        for r in range(args.rounds):
+            for engine in engines:
+                res = run_side(
+                    engine,
+                    params,
+                    tokens,
+                    valid,
+                    args.n_samples,
+                    batch_prompts,
+                    jax.random.key(r),
+                )
+                if engine.name not in best or res["seconds"] < best[engine.name]["seconds"]:
+                    best[engine.name] = res
+        for name, res in best.items():
+            print(
+                f"| {case} | {name} | {res['tokens_per_s']:,.0f} | {res['decode_steps']} | "
+                f"{res['idle']:.2f} | {res['mean_len']:.1f} / {res['max_len']} | "
+                f"{res['seconds']:.2f} |"
+            )
+        ratio = best["continuous"]["tokens_per_s"] / best["static"]["tokens_per_s"]
+        print(f"| {case} | continuous / static | **{ratio:.2f}x** | | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,547 @@
+"""Rollout engines: one interface, the static sampler and a continuous-batching engine.
+
+`RolloutEngine.generate(params, prompts, valid, rng, n_samples=, version=, weights=)`
+returns a `Generation`: the `sampling.SampleOutput` layout (rows b * n .. b * n + n - 1
+answer prompt b; completions start at column P), the policy version of every generated
+token, and what the decode loop spent.
+
+- `StaticEngine` is `sampling.generate`: one batch decoded until its longest row stops.
+- `ContinuousEngine` keeps a fixed number of decode slots, each with its own position,
+  stop state and KV-cache row (JetStream's prefill / insert / generate). Every prompt is
+  prefilled once; its `n_samples` sequences are inserted into slots as slots free up,
+  and one decode step advances every live slot by a token. A slot whose sequence stops
+  takes the next queued sequence at the next step, so no slot waits for the longest
+  completion. The whole loop (insert, decode, write the finished tokens into the output
+  rows) runs inside one `lax.while_loop`; the host calls it once per batch, or once per
+  `chunk_steps` decode steps when it takes new weights in flight (`weights=`): the
+  sequences in flight then continue under the new weights, each token records the
+  version that produced it, and the queued prompts are prefilled again.
+
+Sampling keys: the continuous engine draws sequence j's token t with
+`fold_in(fold_in(rng, j), t)`, whatever slot it runs in, so the same key gives the same
+tokens for a fixed prompt order (not the static sampler's tokens: it draws one key per
+column for the whole batch). Greedy decoding gives the static sampler's completions.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2po_jax.models import model as model_lib
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.rollout import sampling
+
+ENGINES = ("static", "continuous")
+
+# (params, version) of the newest published weights, or None to keep the current ones.
+WeightSource = Callable[[], "tuple[object, int] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What an engine's `generate` returns.
+
+    Attributes:
+      out: the rollouts (device arrays), laid out as `sampling.SampleOutput`.
+      version_BxN: int32 [B, max_new_tokens] host array, the policy version that produced
+        each completion token (the call's `version` where nothing changed in flight, and
+        after a row's end).
+      decode_steps: decode-loop iterations (each advances every row or slot by a token).
+      slot_steps: rows (static) or slots (continuous) times decode steps: the work done.
+      live_steps: of those, the steps that produced a token of an unfinished sequence.
+      weight_updates: new weights taken in flight.
+    """
+
+    out: sampling.SampleOutput
+    version_BxN: np.ndarray
+    decode_steps: int
+    slot_steps: int
+    live_steps: int
+    weight_updates: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of decode work spent on finished (or empty) rows (0 without any)."""
+        return 1.0 - self.live_steps / self.slot_steps if self.slot_steps else 0.0
+
+
+class RolloutEngine(abc.ABC):
+    """Generates `n_samples` completions per left-padded prompt (see the module doc)."""
+
+    name: str
+
+    def __init__(self, model_config: model_config_lib.ModelConfig, sampling_config):
+        if not isinstance(sampling_config, sampling.SamplingConfig):
+            raise TypeError(
+                f"sampling: expected a SamplingConfig, got {type(sampling_config).__name__}"
+            )
+        self.model_config = model_config
+        self.sampling = sampling_config
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng: jax.Array,
+        *,
+        n_samples: int = 1,
+        version: int = 0,
+        weights: WeightSource | None = None,
+    ) -> Generation:
+        """Samples the batch with `params` (policy `version`); `weights`, polled between
+        decode calls where the engine supports it, gives newer weights in flight."""
+
+
+class StaticEngine(RolloutEngine):
+    """`sampling.generate`: every row decodes until the batch's longest completion ends.
+    It takes no weights in flight (`weights` is ignored)."""
+
+    name = "static"
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        *,
+        n_samples=1,
+        version=0,
+        weights=None,
+    ) -> Generation:
+        out = sampling.generate(
+            params,
+            self.model_config,
+            prompt_tokens_BxP,
+            prompt_valid_BxP,
+            rng,
+            self.sampling,
+            n_samples=n_samples,
+        )
+        rows, new = out.tokens_BxT.shape[0], self.sampling.max_new_tokens
+        completion_len_B, steps = jax.device_get((out.completion_len_B, out.num_steps))
+        # Step 0 is the prefill's token; decode steps 1 .. num_steps - 1 run every row.
+        decode = int(steps) - 1
+        return Generation(
+            out=out,
+            version_BxN=np.full((rows, new), version, np.int32),
+            decode_steps=decode,
+            slot_steps=decode * rows,
+            live_steps=int(np.sum(np.asarray(completion_len_B) - 1)),
+        )
+
+
+@flax.struct.dataclass
+class _Prefixes:
+    """The queued prompts' prefill: keys / values of their P columns, validity, and the
+    next-token logits at their last column (each sample's first token is drawn there)."""
+
+    k: tuple[jax.Array, ...]  # per layer [Q, K, P, D]
+    v: tuple[jax.Array, ...]
+    valid_QxP: jax.Array
+    logits_QxV: jax.Array
+    prompt_len_Q: jax.Array
+    version: jax.Array  # int32 scalar: the weights' version
+
+
+@flax.struct.dataclass
+class _Slots:
+    """The decode slots and the output rows (J = prompts * n_samples sequences)."""
+
+    cache: model_lib.KVCache  # [S, K, P + N, D] per layer
+    job_S: jax.Array  # int32: sequence in each slot (J = none)
+    step_S: jax.Array  # int32: completion tokens the slot's sequence has
+    last_token_S: jax.Array
+    prompt_len_S: jax.Array
+    live_S: jax.Array  # bool: the slot's sequence is still generating
+    next_job_1: jax.Array  # int32 [1]: the next sequence to start (of this device's)
+    job_base_1: jax.Array  # int32 [1]: global id of this device's sequence 0
+    tokens_JxN: jax.Array
+    logp_JxN: jax.Array
+    valid_JxN: jax.Array
+    version_JxN: jax.Array
+    stopped_J: jax.Array
+    done_J: jax.Array
+    decode_steps_1: jax.Array  # int32 [1]: loop counters (one per device when sharded)
+    live_steps_1: jax.Array
+
+
+class ContinuousEngine(RolloutEngine):
+    """Continuous batching over `slots` decode slots (see the module doc).
+
+    Args:
+      model_config, sampling_config: as for `sampling.generate`.
+      slots: decode slots (KV-cache rows) of each engine; 0 = one per row it generates.
+      insert_lanes: sequences that may start per decode step (0 = max(slots // 4, 1));
+        every slot is filled at once at the start.
+      chunk_steps: decode steps per call when `weights` is given (between calls the engine
+        polls it); a batch without `weights` runs in one call.
+      mesh: a device mesh to run one engine per batch shard over its rows (the rows split
+        over the mesh's "data" and "fsdp" axes, as the trainer's batches are; devices
+        along "tensor" run the same engine; the params are replicated); None = one device.
+    """
+
+    name = "continuous"
+
+    def __init__(
+        self,
+        model_config,
+        sampling_config,
+        *,
+        slots: int = 0,
+        insert_lanes: int = 0,
+        chunk_steps: int = 32,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        super().__init__(model_config, sampling_config)
+        for name, value, low in (("slots", slots, 0), ("insert_lanes", insert_lanes, 0)):
+            if int(value) < low:
+                raise ValueError(f"{name}: must be >= {low}, got {value}")
+        if int(chunk_steps) < 1:
+            raise ValueError(f"chunk_steps: must be >= 1, got {chunk_steps}")
+        self.slots, self.insert_lanes, self.chunk_steps = int(slots), int(insert_lanes), chunk_steps
+        self.mesh = mesh
+        self._programs: dict = {}
+
+    @property
+    def shards(self) -> int:
+        """Engines that run side by side: one per batch shard of the mesh."""
+        if self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in row_axes(self.mesh)]))
+
+    def sizes(self, rows: int) -> tuple[int, int]:
+        """(slots, insert lanes) per device for a batch of `rows` rows."""
+        shards = self.shards
+        if rows % shards:
+            raise ValueError(
+                f"rollout engine: {rows} rows must divide over the mesh's {shards} batch shards"
+            )
+        per = self.slots or rows // shards
+        lanes = min(self.insert_lanes or max(per // 4, 1), per)
+        return per, lanes
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        *,
+        n_samples=1,
+        version=0,
+        weights=None,
+    ) -> Generation:
+        sampling.check_inputs(
+            self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
+        )
+        if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)
+        prompts = np.shape(prompt_tokens_BxP)[0]
+        slots, lanes = self.sizes(prompts * n_samples)
+        programs = self._compiled(n_samples, slots, lanes)
+        version_ = jnp.int32(version)
+        prefixes = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, version_)
+        state = programs["start"](prefixes, rng)
+        updates = 0
+        if weights is None:
+            state = programs["run"](params, state, prefixes, rng, np.int32(2**30))
+        else:
+            while True:
+                state = programs["run"](params, state, prefixes, rng, np.int32(self.chunk_steps))
+                if bool(_host(programs["finished"](state))):
+                    break
+                newer = weights()
+                if newer is not None and int(newer[1]) != int(version):
+                    params, version = newer
+                    updates += 1
+                    # The queued prompts start from the new weights' prefill; the sequences
+                    # in flight keep their cache and go on under the new weights.
+                    prefixes = programs["prefill"](
+                        params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)
+                    )
+        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
+        version_BxN, (decode_steps, live_steps) = _host((version_BxN, counters))
+        return Generation(
+            out=out,
+            version_BxN=np.asarray(version_BxN, np.int32),
+            decode_steps=int(np.max(decode_steps)),
+            slot_steps=int(np.sum(decode_steps)) * slots,
+            live_steps=int(np.sum(live_steps)),
+            weight_updates=updates,
+        )
+
+    def _compiled(self, n_samples: int, slots: int, lanes: int) -> dict:
+        """The engine's jitted programs for these sizes (built once, reused)."""
+        key = (n_samples, slots, lanes)
+        if key not in self._programs:
+            self._programs[key] = _programs(
+                self.model_config, self.sampling, n_samples, slots, lanes, self.mesh
+            )
+        return self._programs[key]
+
+
+def row_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over (the trainer's batch axes)."""
+    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+    return axes or tuple(mesh.axis_names)
+
+
+def _host(tree):
+    from m2po_jax.parallel import placement
+
+    return placement.to_host(tree)
+
+
+# ------------------------------------------------------------------------- device programs
+
+
+def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_config):
+    """Each prompt once, as the static sampler prefills it (same cache width, same mask)."""
+    tokens_QxP, valid_QxP = tokens_QxP.astype(jnp.int32), valid_QxP.astype(bool)
+    prompts, width = tokens_QxP.shape
+    cache = model_lib.init_cache(model_config, prompts, width + sampling_config.max_new_tokens)
+    logits_Qx1xV, cache = model_lib.apply(
+        params,
+        model_config,
+        tokens_QxP,
+        model_lib.make_positions(valid_QxP),
+        valid_QxP,
+        cache,
+        0,
+        last_only=True,
+    )
+    return _Prefixes(
+        k=tuple(k[:, :, :width] for k in cache.k),
+        v=tuple(v[:, :, :width] for v in cache.v),
+        valid_QxP=valid_QxP,
+        logits_QxV=logits_Qx1xV[:, 0],
+        prompt_len_Q=jnp.sum(valid_QxP, axis=-1, dtype=jnp.int32),
+        version=version,
+    )
+
+
+def _sequence_keys(rng, state, job_L, step_L):
+    """Sequence j's key for its token t: fold_in(fold_in(rng, j), t), j the global id."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    return jax.vmap(jax.random.fold_in)(fold(rng, state.job_base_1[0] + job_L), step_L)
+
+
+def _empty_slots(prefixes, slots: int, jobs: int, job_base, model_config, sampling_config):
+    width = prefixes.valid_QxP.shape[1]
+    new = sampling_config.max_new_tokens
+    cache = model_lib.init_cache(model_config, slots, width + new)
+    # An empty slot sees one (zero) key column, so its unused attention row stays finite.
+    cache = cache.replace(valid_BxS=cache.valid_BxS.at[:, 0].set(True))
+    zeros_S = jnp.zeros(slots, jnp.int32)
+    return _Slots(
+        cache=cache,
+        job_S=zeros_S + jobs,
+        step_S=zeros_S,
+        last_token_S=zeros_S + sampling_config.pad_id,
+        prompt_len_S=zeros_S + 1,
+        live_S=jnp.zeros(slots, bool),
+        next_job_1=jnp.zeros(1, jnp.int32),
+        job_base_1=jnp.zeros(1, jnp.int32) + job_base,
+        tokens_JxN=jnp.full((jobs, new), sampling_config.pad_id, jnp.int32),
+        logp_JxN=jnp.zeros((jobs, new), jnp.float32),
+        valid_JxN=jnp.zeros((jobs, new), bool),
+        version_JxN=jnp.zeros((jobs, new), jnp.int32) + prefixes.version,
+        stopped_J=jnp.zeros(jobs, bool),
+        done_J=jnp.zeros(jobs, bool),
+        decode_steps_1=jnp.zeros(1, jnp.int32),
+        live_steps_1=jnp.zeros(1, jnp.int32),
+    )
+
+
+def _write_tokens(state: _Slots, job_L, step_L, token_L, logp_L, version, stop_L, ends_L):
+    """Writes each lane's token into its sequence's row (lanes with job J are dropped)."""
+    at = (job_L, step_L)
+    return state.replace(
+        tokens_JxN=state.tokens_JxN.at[at].set(token_L, mode="drop"),
+        logp_JxN=state.logp_JxN.at[at].set(logp_L, mode="drop"),
+        valid_JxN=state.valid_JxN.at[at].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[at].set(version, mode="drop"),
+        stopped_J=state.stopped_J.at[job_L].max(stop_L, mode="drop"),
+        done_J=state.done_J.at[job_L].max(ends_L, mode="drop"),
+    )
+
+
+def _insert(state: _Slots, prefixes: _Prefixes, rng, lanes: int, n_samples: int, sampling_config):
+    """Starts up to `lanes` queued sequences in free slots: copies their prompt's prefill
+    into the slot's cache row (clearing the rest of the row) and draws their first token."""
+    slots = state.job_S.shape[0]
+    jobs = state.done_J.shape[0]
+    width = prefixes.valid_QxP.shape[1]
+    free_S = ~state.live_S
+    (slot_L,) = jnp.nonzero(free_S, size=lanes, fill_value=slots)
+    job_L = state.next_job_1[0] + jnp.arange(lanes, dtype=jnp.int32)
+    use_L = (slot_L < slots) & (job_L < jobs)
+    slot_L = jnp.where(use_L, slot_L, slots)  # out of range: the scatters drop the lane
+    job_L = jnp.where(use_L, job_L, jobs)
+    prompt_L = jnp.minimum(job_L // n_samples, prefixes.valid_QxP.shape[0] - 1)
+
+    def put(cache_SxKxWxD, prefix_QxKxPxD):
+        return cache_SxKxWxD.at[slot_L, :, :width].set(prefix_QxKxPxD[prompt_L], mode="drop")
+
+    new = state.cache.valid_BxS.shape[1] - width
+    row_valid_LxW = jnp.concatenate(
+        [prefixes.valid_QxP[prompt_L], jnp.zeros((lanes, new), bool)], axis=1
+    )
+    cache = model_lib.KVCache(
+        k=tuple(map(put, state.cache.k, prefixes.k)),
+        v=tuple(map(put, state.cache.v, prefixes.v)),
+        valid_BxS=state.cache.valid_BxS.at[slot_L].set(row_valid_LxW, mode="drop"),
+    )
+    zero_L = jnp.zeros(lanes, jnp.int32)
+    token_L, logp_L = sampling.sample_token(
+        prefixes.logits_QxV[prompt_L], _sequence_keys(rng, state, job_L, zero_L), sampling_config
+    )
+    stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
+    ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
+    state = _write_tokens(
+        state, job_L, zero_L, token_L, logp_L, prefixes.version, use_L & stop_L, ends_L
+    )
+    return state.replace(
+        cache=cache,
+        job_S=state.job_S.at[slot_L].set(job_L, mode="drop"),
+        step_S=state.step_S.at[slot_L].set(1, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_L].set(token_L, mode="drop"),
+        prompt_len_S=state.prompt_len_S.at[slot_L].set(
+            prefixes.prompt_len_Q[prompt_L], mode="drop"
+        ),
+        live_S=state.live_S.at[slot_L].set(~ends_L, mode="drop"),
+        next_job_1=state.next_job_1 + jnp.sum(use_L, dtype=jnp.int32),
+    )
+
+
+def _decode(state: _Slots, params, rng, version, *, model_config, sampling_config):
+    """One token for every live slot, written into its sequence's row."""
+    width = state.cache.valid_BxS.shape[1] - sampling_config.max_new_tokens
+    live_S = state.live_S
+    column_S = jnp.where(live_S, width + state.step_S - 1, state.cache.valid_BxS.shape[1])
+    logits_Sx1xV, cache = model_lib.apply(
+        params,
+        model_config,
+        state.last_token_S[:, None],
+        (state.prompt_len_S + state.step_S - 1)[:, None],
+        live_S[:, None],
+        state.cache,
+        column_S,
+        last_only=True,
+    )
+    job_S = jnp.where(live_S, state.job_S, state.done_J.shape[0])
+    token_S, logp_S = sampling.sample_token(
+        logits_Sx1xV[:, 0], _sequence_keys(rng, state, job_S, state.step_S), sampling_config
+    )
+    stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
+    ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
+    state = _write_tokens(state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S)
+    return state.replace(
+        cache=cache,
+        step_S=state.step_S + live_S,
+        last_token_S=jnp.where(live_S, token_S, state.last_token_S),
+        live_S=live_S & ~ends_S,
+        decode_steps_1=state.decode_steps_1 + 1,
+        live_steps_1=state.live_steps_1 + jnp.sum(live_S, dtype=jnp.int32),
+    )
+
+
+def _run(params, state, prefixes, rng, max_steps, *, model_config, sampling_config, lanes, n):
+    """Insert, then decode, until every sequence is done or `max_steps` decode steps ran."""
+    first = state.decode_steps_1[0]
+
+    def cond(state):
+        return ~_finished(state) & (state.decode_steps_1[0] - first < max_steps)
+
+    def body(state):
+        state = _insert(state, prefixes, rng, lanes, n, sampling_config)
+        return _decode(
+            state,
+            params,
+            rng,
+            prefixes.version,
+            model_config=model_config,
+            sampling_config=sampling_config,
+        )
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _finished(state: _Slots) -> jax.Array:
+    """Every sequence started and ended (on every device, for a sharded state)."""
+    jobs = state.done_J.shape[0] // state.next_job_1.shape[0]
+    return ~jnp.any(state.live_S) & jnp.all(state.next_job_1 >= jobs)
+
+
+def _finish(state: _Slots, tokens_QxP, valid_QxP, *, n_samples: int):
+    """The `SampleOutput` of the finished sequences (rows in prompt order)."""
+    repeat = functools.partial(jnp.repeat, repeats=n_samples, axis=0)
+    tokens_BxP, valid_BxP = repeat(tokens_QxP.astype(jnp.int32)), repeat(valid_QxP.astype(bool))
+    rows, width = tokens_BxP.shape
+    completion_len_B = jnp.sum(state.valid_JxN, axis=-1, dtype=jnp.int32)
+    out = sampling.SampleOutput(
+        tokens_BxT=jnp.concatenate([tokens_BxP, state.tokens_JxN], axis=1),
+        valid_BxT=jnp.concatenate([valid_BxP, state.valid_JxN], axis=1),
+        behav_logp_BxT=jnp.concatenate(
+            [jnp.zeros((rows, width), jnp.float32), state.logp_JxN], axis=1
+        ),
+        completion_mask_BxT=jnp.concatenate([jnp.zeros((rows, width), bool), state.valid_JxN], 1),
+        prompt_len_B=jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32),
+        completion_len_B=completion_len_B,
+        stopped_B=state.stopped_J,
+        num_steps=jnp.max(completion_len_B),
+    )
+    return out, state.version_JxN, (state.decode_steps_1, state.live_steps_1)
+
+
+def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh) -> dict:
+    """The jitted phases; with a mesh, prefill / start / run are `shard_map`s: one engine
+    per device over its block of prompts, with its own slots and its own loop."""
+    statics = dict(model_config=model_config, sampling_config=sampling_config)
+    prefill = functools.partial(_prefill, **statics)
+    run = functools.partial(_run, **statics, lanes=lanes, n=n_samples)
+    axes = None if mesh is None else row_axes(mesh)
+
+    def start(prefixes, rng):
+        jobs = prefixes.valid_QxP.shape[0] * n_samples
+        base = 0 if axes is None else jax.lax.axis_index(axes) * jobs
+        state = _empty_slots(prefixes, slots, jobs, base, model_config, sampling_config)
+        return _insert(state, prefixes, rng, slots, n_samples, sampling_config)
+
+    programs = {
+        "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
+        "finished": jax.jit(_finished),
+    }
+    if mesh is None:
+        return programs | {
+            "prefill": jax.jit(prefill),
+            "start": jax.jit(start),
+            "run": jax.jit(run, donate_argnums=(1,)),
+        }
+    from jax.sharding import PartitionSpec as P
+
+    rows, rep = P(axes), P()
+    shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    # Every prefix and slot-state leaf is split by rows but the prefill's version.
+    prefix_spec = _Prefixes(
+        k=rows, v=rows, valid_QxP=rows, logits_QxV=rows, prompt_len_Q=rows, version=rep
+    )
+    return programs | {
+        "prefill": jax.jit(shard(prefill, in_specs=(rep, rows, rows, rep), out_specs=prefix_spec)),
+        "start": jax.jit(shard(start, in_specs=(prefix_spec, rep), out_specs=rows)),
+        "run": jax.jit(
+            shard(run, in_specs=(rep, rows, prefix_spec, rep, rep), out_specs=rows),
+            donate_argnums=(1,),
+        ),
+    }

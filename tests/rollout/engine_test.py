@@ -1,0 +1,153 @@
+"""Tests for m2po_jax.rollout.engine: the continuous-batching engine against the static
+sampler (`sampling.generate`), a recomputed forward, in-flight weight updates, shards."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from sampling_test import CONFIG, _random_params, _teacher_forced_logp
+
+from m2po_jax.parallel import sharding
+from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import sampling
+
+N = 2  # samples per prompt
+PAD = 96
+# 12 prompts of 1-8 tokens: 24 sequences through 4 slots.
+_rng = np.random.default_rng(0)
+PROMPTS = [list(_rng.integers(1, 90, size=int(_rng.integers(1, 9)))) for _ in range(12)]
+TOKENS, VALID = sampling.pad_prompts(PROMPTS, PAD)
+WIDTH = TOKENS.shape[1]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _random_params(CONFIG, seed=0, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def greedy(params):
+    """Greedy settings whose stop ids end the rows after 1 to 16 tokens (some never stop)."""
+    base = sampling.SamplingConfig(max_new_tokens=16, greedy=True, pad_id=PAD)
+    free = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), base, N)
+    completions = np.asarray(free.tokens_BxT[:, WIDTH:])
+    stops = {int(completions[i, 2 + i % 9]) for i in range(0, 2 * len(PROMPTS), 3)} - {PAD}
+    return dataclasses.replace(base, stop_token_ids=tuple(sorted(stops)))
+
+
+def _assert_same_rollouts(got: sampling.SampleOutput, want: sampling.SampleOutput):
+    for field in ("tokens_BxT", "valid_BxT", "completion_mask_BxT", "prompt_len_B"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    for field in ("completion_len_B", "stopped_B", "num_steps"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_allclose(got.behav_logp_BxT, want.behav_logp_BxT, atol=1e-5)
+
+
+def test_greedy_equals_the_static_sampler_and_slots_are_refilled(params, greedy):
+    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), greedy, N)
+    lengths = np.asarray(want.completion_len_B)
+    assert lengths.min() == 1 and lengths.max() == 16 and len(set(lengths.tolist())) >= 5
+    engine = engine_lib.ContinuousEngine(CONFIG, greedy, slots=4, insert_lanes=2)
+    got = engine.generate(params, TOKENS, VALID, jax.random.key(0), n_samples=N, version=7)
+    _assert_same_rollouts(got.out, want)
+    np.testing.assert_array_equal(got.version_BxN, 7)
+    # 24 sequences finished through 4 slots; every decode step but the drain ran 4 live.
+    assert got.out.tokens_BxT.shape[0] == 24 > engine.slots
+    assert got.live_steps == int(np.sum(lengths - 1))
+    assert got.slot_steps == 4 * got.decode_steps
+    static = engine_lib.StaticEngine(CONFIG, greedy).generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N
+    )
+    assert static.live_steps == got.live_steps
+    assert static.slot_steps == 24 * 15 and got.idle_fraction < 0.5 * static.idle_fraction
+    # One prompt alone gives its rows of the batch.
+    one = sampling.generate(params, CONFIG, TOKENS[5:6], VALID[5:6], jax.random.key(0), greedy, N)
+    np.testing.assert_array_equal(got.out.tokens_BxT[10:12], one.tokens_BxT)
+
+
+@pytest.fixture(scope="module")
+def sampled_engine():
+    settings = sampling.SamplingConfig(max_new_tokens=12, temperature=0.8, pad_id=PAD)
+    return engine_lib.ContinuousEngine(CONFIG, settings, slots=4)
+
+
+def test_sampled_log_probs_equal_a_recomputed_forward_and_keys_fix_the_tokens(
+    params, sampled_engine
+):
+    run = lambda key, engine=sampled_engine: engine.generate(
+        params, TOKENS, VALID, jax.random.key(key), n_samples=N
+    )
+    first = run(3)
+    expected = _teacher_forced_logp(params, first.out, 0.8)
+    mask = np.asarray(first.out.completion_mask_BxT)
+    assert mask[:, WIDTH:].all()  # no stop token: every row runs to 12
+    np.testing.assert_allclose(
+        np.asarray(first.out.behav_logp_BxT)[mask], expected[mask], atol=1e-4
+    )
+    np.testing.assert_array_equal(run(3).out.tokens_BxT, first.out.tokens_BxT)
+    assert not np.array_equal(run(4).out.tokens_BxT, first.out.tokens_BxT)
+    # A sequence's draws depend on its id, not on the slot it ran in.
+    other = engine_lib.ContinuousEngine(CONFIG, sampled_engine.sampling, slots=8, insert_lanes=1)
+    np.testing.assert_array_equal(run(3, other).out.tokens_BxT, first.out.tokens_BxT)
+
+
+def test_no_recompiles_after_the_first_batch(params, sampled_engine):
+    sampled_engine.generate(params, TOKENS, VALID, jax.random.key(0), n_samples=N)
+    programs = sampled_engine._compiled(N, 4, 1)
+    sizes = {name: program._cache_size() for name, program in programs.items()}
+    tokens = (TOKENS + 1) % 90 * VALID + PAD * ~VALID
+    sampled_engine.generate(params, tokens, VALID, jax.random.key(9), n_samples=N, version=2)
+    assert {name: program._cache_size() for name, program in programs.items()} == sizes
+
+
+def test_weights_taken_in_flight_are_recorded_per_token(params, greedy):
+    other = _random_params(CONFIG, seed=1, std=0.1)
+    settings = dataclasses.replace(greedy, stop_token_ids=())  # every row runs to 16
+    engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4, insert_lanes=4, chunk_steps=5)
+    polls = []
+    weights = lambda: polls.append(len(polls)) or (other, 1)
+    got = engine.generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N, version=0, weights=weights
+    )
+    assert got.weight_updates == 1 and len(polls) >= 2
+    old = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), settings, N)
+    new = sampling.generate(other, CONFIG, TOKENS, VALID, jax.random.key(0), settings, N)
+    versions = got.version_BxN
+    # The first 4 sequences ran their first-token prefill and 5 decode steps on the old
+    # weights, then went on under the new ones; the queued ones ran on the new weights only.
+    np.testing.assert_array_equal(versions[:4, :6], 0)
+    np.testing.assert_array_equal(versions[:4, 6:], 1)
+    np.testing.assert_array_equal(versions[4:], 1)
+    tokens = np.asarray(got.out.tokens_BxT)
+    np.testing.assert_array_equal(
+        tokens[:4, : WIDTH + 6], np.asarray(old.tokens_BxT)[:4, : WIDTH + 6]
+    )
+    np.testing.assert_array_equal(tokens[4:], np.asarray(new.tokens_BxT)[4:])
+    assert not np.array_equal(tokens[:4], np.asarray(new.tokens_BxT)[:4])
+
+
+def test_one_engine_per_device_equals_one_engine(params, sampled_engine):
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
+    sharded = engine_lib.ContinuousEngine(CONFIG, sampled_engine.sampling, slots=2, mesh=mesh)
+    assert sharded.sizes(24) == (2, 1)
+    got = sharded.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
+    want = sampled_engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
+    _assert_same_rollouts(jax.device_get(got.out), jax.device_get(want.out))
+    assert got.live_steps == want.live_steps
+
+
+@pytest.mark.parametrize(
+    "kwargs, rows, match",
+    [
+        (dict(slots=-1), 24, "slots: must be >= 0"),
+        (dict(chunk_steps=0), 24, "chunk_steps: must be >= 1"),
+        (dict(mesh="4"), 6, "6 rows must divide over the mesh.s 4 batch shards"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, rows, match):
+    if kwargs.get("mesh") == "4":
+        kwargs["mesh"] = sharding.make_mesh({"data": 4}, devices=jax.devices()[:4])
+    settings = sampling.SamplingConfig(max_new_tokens=4)
+    with pytest.raises(ValueError, match=match):
+        engine_lib.ContinuousEngine(CONFIG, settings, **kwargs).sizes(rows)
