@@ -465,7 +465,15 @@ def _run(params, state, prefixes, rng, max_steps, *, model_config, sampling_conf
         return ~_finished(state) & (state.decode_steps_1[0] - first < max_steps)
 
     def body(state):
-        state = _insert(state, prefixes, rng, lanes, n, sampling_config)
+        # Most steps free no slot: skip the insert's gathers and scatters then.
+        jobs = state.done_J.shape[0] // state.next_job_1.shape[0]
+        refill = jnp.any(~state.live_S) & (state.next_job_1[0] < jobs)
+        state = jax.lax.cond(
+            refill,
+            lambda s: _insert(s, prefixes, rng, lanes, n, sampling_config),
+            lambda s: s,
+            state,
+        )
         return _decode(
             state,
             params,
