@@ -189,8 +189,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "engine-keys-by-slot",
         "m2po_jax/rollout/engine.py",
-        "logits_Sx1xV[:, 0], _sequence_keys(rng, state, job_S, state.step_S), sampling_config",
-        "logits_Sx1xV[:, 0], _sequence_keys(rng, state, jnp.arange(job_S.shape[0]), state.step_S), sampling_config",
+        "_sequence_keys(keys_U, state, job_S, state.step_S)",
+        "_sequence_keys(keys_U, state, jnp.arange(job_S.shape[0]), state.step_S)",
         (T("tests/rollout/engine_test.py", "keys"),),
         "sampling keys follow the slot, so the tokens depend on the slot count",
     ),
@@ -201,6 +201,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "params, prompt_tokens_BxP, prompt_valid_BxP, version_",
         (T("tests/rollout/engine_test.py", "flight"),),
         "tokens drawn after an in-flight update are recorded under the old version",
+    ),
+    Mutant(
+        "engine-stream-yields-a-batch-early",
+        "m2po_jax/rollout/engine.py",
+        "while ready < count and done[:, ready].all():",
+        "while ready < count and done[:, ready].any():",
+        (T("tests/rollout/engine_test.py", "stream"),),
+        "a streamed batch is handed on when its first sequence ends, not its last",
+    ),
+    Mutant(
+        "worker-stream-failure-discards-one-batch",
+        "m2po_jax/rollout/worker.py",
+        'self.admission.discard((count - done) * self.batch_size, "worker error")',
+        'self.admission.discard(self.batch_size, "worker error")',
+        (T("tests/rollout/worker_test.py", "streamed"),),
+        "a failure in a multi-batch call leaves the rest of its batches counted as running",
     ),
     Mutant(
         "trainer-sync-ignores-the-engine",

@@ -109,6 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # sequences in flight go on under them and each token records its version
     c.rollout.inflight_updates = False
     c.rollout.chunk_steps = 32
+    # async + continuous: batches the worker admits at once (each by the admission rule) and
+    # generates through the same slots, each handed to training as soon as it ends
+    c.rollout.stream_batches = 1
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)

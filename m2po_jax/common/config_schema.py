@@ -83,6 +83,7 @@ class RolloutSection:
     insert_lanes: int
     inflight_updates: bool
     chunk_steps: int
+    stream_batches: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -259,6 +259,12 @@ def validate(cfg: Config) -> Config:
     _check_range("rollout.engine_slots", r.engine_slots, 0)
     _check_range("rollout.insert_lanes", r.insert_lanes, 0)
     _check_range("rollout.chunk_steps", r.chunk_steps, 1)
+    _check_range("rollout.stream_batches", r.stream_batches, 1)
+    if r.stream_batches > 1 and (r.mode, r.engine) != ("async", "continuous"):
+        raise ConfigError(
+            f"rollout.stream_batches={r.stream_batches} needs rollout.mode=async and "
+            f"rollout.engine=continuous (got mode={r.mode}, engine={r.engine})"
+        )
     if r.inflight_updates and (r.mode, r.engine) != ("async", "continuous"):
         raise ConfigError(
             "rollout.inflight_updates=True needs rollout.mode=async and "

@@ -142,6 +142,50 @@ def sample_rollout(
         )
         out, version_BxN = generation.out, generation.version_BxN
     host = jax.device_get(out) if placement is None else placement.to_host(out)
+    return _sampled(
+        host, version_BxN, examples, tokenizer, sampling_config, n_samples, version, generation
+    )
+
+
+def stream_rollouts(
+    params,
+    sampling_config: sampling.SamplingConfig,
+    batches: Sequence[Sequence],
+    tokenizer,
+    rngs: Sequence[jax.Array],
+    *,
+    n_samples: int,
+    version: int,
+    max_prompt_len: int,
+    engine,
+    weights=None,
+):
+    """`sample_rollout` of several batches of examples through one streaming engine call
+    (`ContinuousEngine.stream`): yields each batch's `SampledRollout`, in order, as soon as
+    its sequences end. Batch i is keyed by `rngs[i]`."""
+    units = []
+    for examples, rng in zip(batches, rngs, strict=True):
+        tokens, valid = encode_prompts([e.prompt for e in examples], tokenizer, max_prompt_len)
+        units.append((tokens, valid, rng))
+    made = engine.stream(params, units, n_samples=n_samples, version=version, weights=weights)
+    for examples, generation in zip(batches, made, strict=True):
+        yield _sampled(
+            generation.out,
+            generation.version_BxN,
+            examples,
+            tokenizer,
+            sampling_config,
+            n_samples,
+            version,
+            generation,
+        )
+
+
+def _sampled(
+    host, version_BxN, examples, tokenizer, sampling_config, n_samples, version, generation
+) -> SampledRollout:
+    """The `SampledRollout` of host sampler output (rewards NaN)."""
+    rows = len(examples) * n_samples
     width = host.tokens_BxT.shape[1] - sampling_config.max_new_tokens
     tokens, loss_mask = (
         np.asarray(host.tokens_BxT, np.int32),

@@ -17,10 +17,15 @@ token, and what the decode loop spent.
   sequences in flight then continue under the new weights, each token records the
   version that produced it, and the queued prompts are prefilled again.
 
-Sampling keys: the continuous engine draws sequence j's token t with
-`fold_in(fold_in(rng, j), t)`, whatever slot it runs in, so the same key gives the same
-tokens for a fixed prompt order (not the static sampler's tokens: it draws one key per
-column for the whole batch). Greedy decoding gives the static sampler's completions.
+`ContinuousEngine.stream` runs several batches ("units") through the same slots and yields
+each as soon as its last sequence ends: the next batch's sequences fill the slots the
+previous one's short completions free.
+
+Sampling keys: the continuous engine draws row j's token t with
+`fold_in(fold_in(rng, j), t)` (rng: its batch's key), whatever slot it runs in and
+whichever batches stream with it, so the same key gives the same tokens for a fixed prompt
+order (not the static sampler's tokens: it draws one key per column for the whole batch).
+Greedy decoding gives the static sampler's completions.
 """
 
 from __future__ import annotations
@@ -165,7 +170,8 @@ class _Slots:
     prompt_len_S: jax.Array
     live_S: jax.Array  # bool: the slot's sequence is still generating
     next_job_1: jax.Array  # int32 [1]: the next sequence to start (of this device's)
-    job_base_1: jax.Array  # int32 [1]: global id of this device's sequence 0
+    unit_J: jax.Array  # int32: the unit (batch of a stream) of each sequence: its key
+    seq_id_J: jax.Array  # int32: each sequence's id within its unit (the key's fold)
     tokens_JxN: jax.Array
     logp_JxN: jax.Array
     valid_JxN: jax.Array
@@ -245,20 +251,22 @@ class ContinuousEngine(RolloutEngine):
         sampling.check_inputs(
             self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
         )
-        if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-            rng = jax.random.wrap_key_data(rng)
+        keys_U = _typed(rng)[None]
         prompts = np.shape(prompt_tokens_BxP)[0]
         slots, lanes = self.sizes(prompts * n_samples)
         programs = self._compiled(n_samples, slots, lanes)
         version_ = jnp.int32(version)
         prefixes = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, version_)
-        state = programs["start"](prefixes, rng)
+        # One unit: sequence ids are the rows' indices in the batch.
+        rows = np.arange(prompts * n_samples, dtype=np.int32)
+        ids = self._put(rows, rows.size)
+        state = programs["start"](prefixes, keys_U, ids * 0, ids)
         updates = 0
         if weights is None:
-            state = programs["run"](params, state, prefixes, rng, np.int32(2**30))
+            state = programs["run"](params, state, prefixes, keys_U, np.int32(2**30))
         else:
             while True:
-                state = programs["run"](params, state, prefixes, rng, np.int32(self.chunk_steps))
+                state = programs["run"](params, state, prefixes, keys_U, np.int32(self.chunk_steps))
                 if bool(_host(programs["finished"](state))):
                     break
                 newer = weights()
@@ -281,6 +289,101 @@ class ContinuousEngine(RolloutEngine):
             weight_updates=updates,
         )
 
+    def _put(self, host_R, rows: int):
+        """A host array split by rows over the batch shards (as the prompts are)."""
+        if self.mesh is None:
+            return jnp.asarray(host_R)
+        spec = jax.sharding.PartitionSpec(row_axes(self.mesh))
+        return jax.device_put(host_R, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def stream(
+        self,
+        params,
+        units,
+        *,
+        n_samples: int = 1,
+        version: int = 0,
+        weights: WeightSource | None = None,
+    ):
+        """Generates several batches ("units") through the same slots and yields each one's
+        `Generation` as soon as its last sequence ends, in order: the slots a batch's
+        short completions free take the next batch's sequences while its long ones finish.
+
+        `units`: (prompt_tokens_QxP, prompt_valid_QxP, rng) host arrays and keys, one per
+        batch, all of one shape. Each unit's sequences are keyed by its own rng exactly as
+        `generate` keys a batch, so with the same params a unit gets the tokens `generate`
+        gives it alone. The engine polls `weights` between decode calls of `chunk_steps`
+        steps. Single-process meshes only (the rollout side of an async run).
+        """
+        tokens_U, valid_U, keys = zip(*units, strict=True)
+        for tokens, valid in zip(tokens_U, valid_U, strict=True):
+            sampling.check_inputs(self.model_config, self.sampling, tokens, valid, n_samples)
+        count, prompts = len(units), np.shape(tokens_U[0])[0]
+        shards = self.shards
+        slots, lanes = self.sizes(prompts * n_samples)  # slots=0: one per row of a unit
+        programs = self._compiled(n_samples, slots, lanes)
+        # Shard-major layout: shard d holds its share of every unit, unit after unit.
+        share = prompts // shards
+        order = np.asarray(
+            [
+                u * prompts + d * share + i
+                for d in range(shards)
+                for u in range(count)
+                for i in range(share)
+            ]
+        )
+        tokens = self._put(np.concatenate(tokens_U)[order], order.size)
+        valid = self._put(np.concatenate(valid_U)[order], order.size)
+        per = share * n_samples  # a unit's sequences on one shard
+        unit_J = np.tile(np.repeat(np.arange(count, dtype=np.int32), per), shards)
+        seq_id_J = np.arange(shards)[:, None, None] * per + np.arange(per)[None, None, :]
+        seq_id_J = np.broadcast_to(seq_id_J, (shards, count, per)).reshape(-1).astype(np.int32)
+        keys_U = jnp.stack([_typed(k) for k in keys])
+        prefixes = programs["prefill"](params, tokens, valid, jnp.int32(version))
+        state = programs["start"](
+            prefixes, keys_U, self._put(unit_J, unit_J.size), self._put(seq_id_J, unit_J.size)
+        )
+        emitted, updates, steps_before = 0, 0, np.zeros(shards)
+        while emitted < count:
+            state = programs["run"](params, state, prefixes, keys_U, np.int32(self.chunk_steps))
+            done = np.asarray(_host(state.done_J)).reshape(shards, count, per)
+            ready = emitted
+            while ready < count and done[:, ready].all():
+                ready += 1
+            if ready > emitted:
+                fields = _host(
+                    (
+                        state.tokens_JxN,
+                        state.logp_JxN,
+                        state.valid_JxN,
+                        state.version_JxN,
+                        state.stopped_J,
+                        state.decode_steps_1,
+                    )
+                )
+                by_unit = [np.asarray(f).reshape(shards, count, per, -1) for f in fields[:5]]
+                steps = np.asarray(fields[5], np.float64)
+                for u in range(emitted, ready):
+                    rows = [f[:, u].reshape(shards * per, -1) for f in by_unit]
+                    yield _unit_generation(
+                        tokens_U[u],
+                        valid_U[u],
+                        rows,
+                        n_samples,
+                        slot_steps=int(np.sum(steps - steps_before)) * slots,
+                        decode_steps=int(np.max(steps - steps_before)),
+                        updates=updates,
+                    )
+                    steps_before, updates = steps, 0
+                emitted = ready
+            elif bool(_host(programs["finished"](state))):
+                raise RuntimeError("rollout engine: every sequence ended but a unit is not done")
+            newer = None if weights is None or emitted == count else weights()
+            if newer is not None and int(newer[1]) != int(version):
+                params, version = newer
+                updates += 1
+                prefixes = programs["prefill"](params, tokens, valid, jnp.int32(version))
+
     def _compiled(self, n_samples: int, slots: int, lanes: int) -> dict:
         """The engine's jitted programs for these sizes (built once, reused)."""
         key = (n_samples, slots, lanes)
@@ -289,6 +392,42 @@ class ContinuousEngine(RolloutEngine):
                 self.model_config, self.sampling, n_samples, slots, lanes, self.mesh
             )
         return self._programs[key]
+
+
+def _typed(rng):
+    """A typed PRNG key (raw uint32 key data is wrapped)."""
+    if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(rng)
+    return rng
+
+
+def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, slot_steps, decode_steps, updates):
+    """A streamed unit's `Generation` from its host rows (tokens, log-probs, valid,
+    versions [R, N], stopped [R, 1])."""
+    tokens_JxN, logp_JxN, valid_JxN, version_JxN, stopped_J = rows
+    valid_JxN = valid_JxN.astype(bool)
+    tokens_BxP = np.repeat(np.asarray(tokens_QxP, np.int32), n_samples, axis=0)
+    valid_BxP = np.repeat(np.asarray(valid_QxP, bool), n_samples, axis=0)
+    no_BxP = np.zeros(valid_BxP.shape, bool)
+    completion_len_B = valid_JxN.sum(axis=1).astype(np.int32)
+    out = sampling.SampleOutput(
+        tokens_BxT=np.concatenate([tokens_BxP, tokens_JxN.astype(np.int32)], axis=1),
+        valid_BxT=np.concatenate([valid_BxP, valid_JxN], axis=1),
+        behav_logp_BxT=np.concatenate([no_BxP.astype(np.float32), logp_JxN], axis=1),
+        completion_mask_BxT=np.concatenate([no_BxP, valid_JxN], axis=1),
+        prompt_len_B=valid_BxP.sum(axis=1).astype(np.int32),
+        completion_len_B=completion_len_B,
+        stopped_B=stopped_J.reshape(-1).astype(bool),
+        num_steps=np.int32(completion_len_B.max()),
+    )
+    return Generation(
+        out=out,
+        version_BxN=version_JxN.astype(np.int32),
+        decode_steps=decode_steps,
+        slot_steps=slot_steps,
+        live_steps=int(np.sum(completion_len_B - 1)),
+        weight_updates=updates,
+    )
 
 
 def row_axes(mesh) -> tuple[str, ...]:
@@ -331,13 +470,15 @@ def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_c
     )
 
 
-def _sequence_keys(rng, state, job_L, step_L):
-    """Sequence j's key for its token t: fold_in(fold_in(rng, j), t), j the global id."""
-    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-    return jax.vmap(jax.random.fold_in)(fold(rng, state.job_base_1[0] + job_L), step_L)
+def _sequence_keys(keys_U, state, job_L, step_L):
+    """The key of a sequence's token t: fold_in(fold_in(its unit's key, its id), t)."""
+    job_L = jnp.minimum(job_L, state.done_J.shape[0] - 1)  # dropped lanes: any valid row
+    fold = jax.vmap(jax.random.fold_in)
+    return fold(fold(keys_U[state.unit_J[job_L]], state.seq_id_J[job_L]), step_L)
 
 
-def _empty_slots(prefixes, slots: int, jobs: int, job_base, model_config, sampling_config):
+def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_config):
+    jobs = seq_id_J.shape[0]
     width = prefixes.valid_QxP.shape[1]
     new = sampling_config.max_new_tokens
     cache = model_lib.init_cache(model_config, slots, width + new)
@@ -352,7 +493,8 @@ def _empty_slots(prefixes, slots: int, jobs: int, job_base, model_config, sampli
         prompt_len_S=zeros_S + 1,
         live_S=jnp.zeros(slots, bool),
         next_job_1=jnp.zeros(1, jnp.int32),
-        job_base_1=jnp.zeros(1, jnp.int32) + job_base,
+        unit_J=unit_J.astype(jnp.int32),
+        seq_id_J=seq_id_J.astype(jnp.int32),
         tokens_JxN=jnp.full((jobs, new), sampling_config.pad_id, jnp.int32),
         logp_JxN=jnp.zeros((jobs, new), jnp.float32),
         valid_JxN=jnp.zeros((jobs, new), bool),
@@ -377,7 +519,7 @@ def _write_tokens(state: _Slots, job_L, step_L, token_L, logp_L, version, stop_L
     )
 
 
-def _insert(state: _Slots, prefixes: _Prefixes, rng, lanes: int, n_samples: int, sampling_config):
+def _insert(state: _Slots, prefixes: _Prefixes, keys_U, lanes, n_samples, sampling_config):
     """Starts up to `lanes` queued sequences in free slots: copies their prompt's prefill
     into the slot's cache row (clearing the rest of the row) and draws their first token."""
     slots = state.job_S.shape[0]
@@ -405,7 +547,7 @@ def _insert(state: _Slots, prefixes: _Prefixes, rng, lanes: int, n_samples: int,
     )
     zero_L = jnp.zeros(lanes, jnp.int32)
     token_L, logp_L = sampling.sample_token(
-        prefixes.logits_QxV[prompt_L], _sequence_keys(rng, state, job_L, zero_L), sampling_config
+        prefixes.logits_QxV[prompt_L], _sequence_keys(keys_U, state, job_L, zero_L), sampling_config
     )
     stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
     ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
@@ -425,7 +567,7 @@ def _insert(state: _Slots, prefixes: _Prefixes, rng, lanes: int, n_samples: int,
     )
 
 
-def _decode(state: _Slots, params, rng, version, *, model_config, sampling_config):
+def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_config):
     """One token for every live slot, written into its sequence's row."""
     width = state.cache.valid_BxS.shape[1] - sampling_config.max_new_tokens
     live_S = state.live_S
@@ -442,7 +584,7 @@ def _decode(state: _Slots, params, rng, version, *, model_config, sampling_confi
     )
     job_S = jnp.where(live_S, state.job_S, state.done_J.shape[0])
     token_S, logp_S = sampling.sample_token(
-        logits_Sx1xV[:, 0], _sequence_keys(rng, state, job_S, state.step_S), sampling_config
+        logits_Sx1xV[:, 0], _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
     )
     stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
     ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
@@ -457,7 +599,7 @@ def _decode(state: _Slots, params, rng, version, *, model_config, sampling_confi
     )
 
 
-def _run(params, state, prefixes, rng, max_steps, *, model_config, sampling_config, lanes, n):
+def _run(params, state, prefixes, keys_U, max_steps, *, model_config, sampling_config, lanes, n):
     """Insert, then decode, until every sequence is done or `max_steps` decode steps ran."""
     first = state.decode_steps_1[0]
 
@@ -470,14 +612,14 @@ def _run(params, state, prefixes, rng, max_steps, *, model_config, sampling_conf
         refill = jnp.any(~state.live_S) & (state.next_job_1[0] < jobs)
         state = jax.lax.cond(
             refill,
-            lambda s: _insert(s, prefixes, rng, lanes, n, sampling_config),
+            lambda s: _insert(s, prefixes, keys_U, lanes, n, sampling_config),
             lambda s: s,
             state,
         )
         return _decode(
             state,
             params,
-            rng,
+            keys_U,
             prefixes.version,
             model_config=model_config,
             sampling_config=sampling_config,
@@ -521,11 +663,9 @@ def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh) -> d
     run = functools.partial(_run, **statics, lanes=lanes, n=n_samples)
     axes = None if mesh is None else row_axes(mesh)
 
-    def start(prefixes, rng):
-        jobs = prefixes.valid_QxP.shape[0] * n_samples
-        base = 0 if axes is None else jax.lax.axis_index(axes) * jobs
-        state = _empty_slots(prefixes, slots, jobs, base, model_config, sampling_config)
-        return _insert(state, prefixes, rng, slots, n_samples, sampling_config)
+    def start(prefixes, keys_U, unit_J, seq_id_J):
+        state = _empty_slots(prefixes, slots, unit_J, seq_id_J, model_config, sampling_config)
+        return _insert(state, prefixes, keys_U, slots, n_samples, sampling_config)
 
     programs = {
         "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
@@ -547,7 +687,7 @@ def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh) -> d
     )
     return programs | {
         "prefill": jax.jit(shard(prefill, in_specs=(rep, rows, rows, rep), out_specs=prefix_spec)),
-        "start": jax.jit(shard(start, in_specs=(prefix_spec, rep), out_specs=rows)),
+        "start": jax.jit(shard(start, in_specs=(prefix_spec, rep, rows, rows), out_specs=rows)),
         "run": jax.jit(
             shard(run, in_specs=(rep, rows, prefix_spec, rep, rep), out_specs=rows),
             donate_argnums=(1,),

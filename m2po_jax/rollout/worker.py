@@ -150,6 +150,10 @@ class RolloutWorker(threading.Thread):
       buffer: where finished batches go.
       batch_size: prompts per batch (what `admission` counts).
       timeline: records busy intervals (lanes "rollout/generate" and "host/score").
+      generate_many: `(first, count, version, params) -> iterator of pending`, batches
+        first .. first + count - 1 made together and yielded in order as each is done
+        (a streaming engine); with `batches_per_call` > 1 the worker admits up to that
+        many batches at once (each by the admission rule) and calls it instead.
     """
 
     def __init__(
@@ -165,9 +169,16 @@ class RolloutWorker(threading.Thread):
         end_index: int,
         timeline: Timeline | None = None,
         poll_s: float = 0.05,
+        generate_many: Callable[[int, int, int, Any], Any] | None = None,
+        batches_per_call: int = 1,
     ):
         super().__init__(name="m2po-rollout-worker", daemon=True)
         self.generate, self.score = generate, score
+        if batches_per_call < 1 or (batches_per_call > 1 and generate_many is None):
+            raise ValueError(
+                f"batches_per_call={batches_per_call}: must be >= 1, and > 1 needs generate_many"
+            )
+        self.generate_many, self.batches_per_call = generate_many, batches_per_call
         self.admission, self.weights, self.buffer = admission, weights, buffer
         self.batch_size = batch_size
         self._next, self._failed_at = first_index, None
@@ -281,19 +292,35 @@ class RolloutWorker(threading.Thread):
                 self._set("waiting for admission of", index, version)
                 self.weights.wait_newer(version, self.poll_s)
                 continue
+            count = 1  # and as many more as the rule admits now, up to batches_per_call
+            while (
+                count < self.batches_per_call
+                and index + count < self.end_index
+                and self.admission.try_start(version, self.batch_size)
+            ):
+                count += 1
             version, params = self.weights.latest()  # the newest, at least the admitted one
             self._set("generating", index, version)
-            t0 = time.perf_counter()
+            done, t0 = 0, time.perf_counter()
             try:
-                pending = self.generate(index, version, params)
+                if self.batches_per_call == 1:
+                    made = iter([self.generate(index, version, params)])
+                else:
+                    made = self.generate_many(index, count, version, params)
+                for pending in made:
+                    self.timeline.add("rollout/generate", t0, time.perf_counter())
+                    self._set("waiting to score", index + done, version)
+                    self._to_score.put(("batch", index + done, version, pending))
+                    done += 1
+                    with self._lock:
+                        self._next = index + done
+                    self._set("generating", index + done, version)
+                    t0 = time.perf_counter()
+                if done != count:
+                    raise RuntimeError(f"generate made {done} of the {count} batches asked")
             except BaseException:
-                self.admission.discard(self.batch_size, "worker error")
+                self.admission.discard((count - done) * self.batch_size, "worker error")
                 raise
-            self.timeline.add("rollout/generate", t0, time.perf_counter())
-            self._set("waiting to score", index, version)
-            self._to_score.put(("batch", index, version, pending))
-            with self._lock:
-                self._next = index + 1
         self._drained()
 
     def _score_loop(self) -> None:

@@ -66,16 +66,47 @@ class AsyncRollouts:
 
     # ---- the worker's batches -----------------------------------------------------------
 
+    def _examples_and_rng(self, index: int):
+        """This process's examples of batch `index` and their sampling key."""
+        examples = self.run.task.train_examples(index * self.batch_size, self.batch_size)
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, index), jax.process_index())
+        return examples[self.prompts], rng
+
+    def _tagged(self, index: int, sampled: rollout_lib.SampledRollout):
+        """`sampled` with the global prompt ids of batch `index` and its decode metrics kept."""
+        self.engine_records[index] = metrics_lib.engine_stats(sampled.generation)
+        first = index * self.batch_size + self.prompts.start
+        batch = sampled.batch.replace(group_id_B=sampled.batch.group_id_B + np.int32(first))
+        return dataclasses.replace(sampled, batch=batch)
+
+    def generate_many(self, first: int, count: int, version: int, params):
+        """Batches first .. first + count - 1 (this process's share) through one streaming
+        call of the continuous engine, each yielded as soon as its sequences end."""
+        shares = [self._examples_and_rng(i) for i in range(first, first + count)]
+        made = rollout_lib.stream_rollouts(
+            params,
+            self.run.sampling_config,
+            [examples for examples, _ in shares],
+            self.run.prompts,
+            [rng for _, rng in shares],
+            n_samples=self.cfg.gconfig.n_samples,
+            version=version,
+            max_prompt_len=self.cfg.task.max_prompt_len,
+            engine=self.run.engine,
+            weights=self._newest if self.cfg.rollout.inflight_updates else None,
+        )
+        for i, sampled in enumerate(made):
+            yield self._tagged(first + i, sampled)
+
     def generate(self, index: int, version: int, params) -> rollout_lib.SampledRollout:
         """This process's share of batch `index`, sampled with `params`, not scored yet."""
         run = self.run
-        examples = run.task.train_examples(index * self.batch_size, self.batch_size)
-        rng = jax.random.fold_in(jax.random.fold_in(self.rng, index), jax.process_index())
+        examples, rng = self._examples_and_rng(index)
         sampled = rollout_lib.sample_rollout(
             params,
             run.model_config,
             run.sampling_config,
-            examples[self.prompts],
+            examples,
             run.prompts,
             rng,
             n_samples=self.cfg.gconfig.n_samples,
@@ -85,10 +116,7 @@ class AsyncRollouts:
             engine=run.engine,
             weights=self._newest if self.cfg.rollout.inflight_updates else None,
         )
-        self.engine_records[index] = metrics_lib.engine_stats(sampled.generation)
-        first = index * self.batch_size + self.prompts.start
-        batch = sampled.batch.replace(group_id_B=sampled.batch.group_id_B + np.int32(first))
-        return dataclasses.replace(sampled, batch=batch)
+        return self._tagged(index, sampled)
 
     def _newest(self):
         """(params, version) of the newest published weights, polled by the continuous
@@ -121,6 +149,8 @@ class AsyncRollouts:
             first_index=next_index,
             end_index=self.cfg.total_steps,
             timeline=self.timeline,
+            generate_many=self.generate_many,
+            batches_per_call=self.cfg.rollout.stream_batches,
         )
         self.worker.start()
 

@@ -31,6 +31,7 @@ MAY_CHANGE = (
     "rollout.worker_timeout_s", "rollout.reward_workers",
     # the continuous engine's tokens depend on the sequence, not on its slot
     "rollout.engine_slots", "rollout.insert_lanes", "rollout.chunk_steps",
+    "rollout.stream_batches",
 )  # fmt: skip
 
 

@@ -269,10 +269,19 @@ def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
 def test_two_processes_train_async_checkpoint_and_resume_without_losing_a_prompt(tmp_path):
     """2 processes x 4 CPU devices: each gives 2 devices to rollouts and 2 to training (a
     train mesh over both processes); a resume from a checkpoint taken while the workers
-    ran ahead neither loses nor repeats a prompt, and no sample is staler than k = 2."""
+    ran ahead neither loses nor repeats a prompt, and no sample is staler than k = 2. The
+    workers use the continuous engine, streaming up to 2 batches per call through the same
+    slots and taking new weights in flight."""
 
     multi = _two_processes(4)
-    extra = ("--config.rollout.mode=async", "--config.checkpoint.every=2")
+    extra = (
+        "--config.rollout.mode=async",
+        "--config.checkpoint.every=2",
+        "--config.rollout.engine=continuous",
+        "--config.rollout.stream_batches=2",
+        "--config.rollout.inflight_updates=True",
+        "--config.rollout.chunk_steps=1",
+    )
     workdir = tmp_path / "async"
     _train(workdir, 6, multi, 2, extra)
     checkpointer = ckpt_lib.Checkpointer(workdir)
@@ -285,5 +294,6 @@ def test_two_processes_train_async_checkpoint_and_resume_without_losing_a_prompt
     for r in records:
         assert r["data/first_prompt"] == 8 * r["step"] and r["data/prompts"] == 8, r
         assert 0 <= r["staleness/max"] <= 2 and sum(r["staleness/hist_k"]) == 8 * 4, r
+        assert 0 <= r["staleness/token_mean"] <= r["staleness/max"], r
         assert np.isfinite(r["loss"])
     assert records[4]["staleness/max"] >= 1  # a batch made before the checkpoint

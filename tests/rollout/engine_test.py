@@ -137,6 +137,32 @@ def test_one_engine_per_device_equals_one_engine(params, sampled_engine):
     assert got.live_steps == want.live_steps
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_stream_yields_each_batch_as_it_ends_with_the_tokens_it_gets_alone(
+    params, greedy, shards
+):
+    """Three batches of 4 prompts x 2 through 4 slots: each is yielded, in order, as soon as
+    its sequences end (the later ones report the decode steps after the earlier ones'),
+    equal to the batch generated alone; the slots freed by a batch's short completions
+    take the next batch's sequences, so the stream needs fewer decode steps."""
+    mesh = None
+    if shards > 1:
+        mesh = sharding.make_mesh({"data": shards}, devices=jax.devices()[:shards])
+    engine = engine_lib.ContinuousEngine(
+        CONFIG, greedy, slots=4 // shards, chunk_steps=2, mesh=mesh
+    )
+    units = [(TOKENS[i : i + 4], VALID[i : i + 4], jax.random.key(i)) for i in (0, 4, 8)]
+    streamed = list(engine.stream(params, units, n_samples=N, version=3))
+    assert len(streamed) == 3
+    alone = [engine.generate(params, t, v, k, n_samples=N, version=3) for t, v, k in units]
+    for got, want in zip(streamed, alone, strict=True):
+        _assert_same_rollouts(got.out, jax.device_get(want.out))
+        np.testing.assert_array_equal(got.version_BxN, 3)
+        assert got.live_steps == want.live_steps
+    assert all(g.decode_steps > 0 for g in streamed)
+    assert sum(g.decode_steps for g in streamed) < sum(g.decode_steps for g in alone)
+
+
 @pytest.mark.parametrize(
     "kwargs, rows, match",
     [

@@ -32,7 +32,9 @@ def fake_batch(index, version, params):
     )
 
 
-def make_worker(k, make_batch=fake_batch, end=100, first=0, buffered=(), score=lambda b: b):
+def make_worker(
+    k, make_batch=fake_batch, end=100, first=0, buffered=(), score=lambda b: b, **streaming
+):
     admission = staleness.Admission.restored(k, B, first - len(buffered), len(buffered) * B)
     weights = worker_lib.WeightSlot(max(first - len(buffered), 0), 0.0)
     buffer = worker_lib.RolloutBuffer(buffered)
@@ -46,6 +48,7 @@ def make_worker(k, make_batch=fake_batch, end=100, first=0, buffered=(), score=l
         first_index=first,
         end_index=end,
         poll_s=0.005,
+        **streaming,
     )
     return worker, weights, buffer, admission
 
@@ -196,3 +199,42 @@ def test_scoring_overlaps_the_next_generation_and_its_failures_reach_the_learner
     counts = admission.counts()
     assert counts.accepted == 3 * B and counts.running == 0
     assert counts.discarded["worker error"] >= B
+
+
+def test_batches_streamed_several_per_call_stay_within_k_and_a_failure_discards_the_rest():
+    """batches_per_call=3 with k = 2: the worker admits as many batches at once as the rule
+    allows (never a sample staler than k), each reaches the learner as it is yielded; a
+    failure after the first batch of a call reports the second and discards the rest."""
+    calls = []
+
+    def many(first, count, version, params, fail_at=None):
+        calls.append((first, count))
+        for i in range(first, first + count):
+            if i == fail_at:
+                raise OSError("the engine lost its device")
+            yield fake_batch(i, version, params)
+
+    worker, weights, buffer, _ = make_worker(2, end=12, generate_many=many, batches_per_call=3)
+    worker.start()
+    seen = []
+    for step in range(12):
+        batch = buffer.get(timeout=10)
+        seen.append((step, int(batch.version_B[0]), int(batch.group_id_B[0]) // B))
+        weights.publish(step + 1, float(step + 1))
+    worker.stop(timeout=10)
+    assert [i for _, _, i in seen] == list(range(12))
+    assert all(0 <= step - v <= 2 for step, v, _ in seen), seen
+    assert calls[0] == (0, 3) and sum(count for _, count in calls) == 12
+
+    calls.clear()
+    failing = lambda *args: many(*args, fail_at=1)
+    worker, _, buffer, admission = make_worker(2, generate_many=failing, batches_per_call=3)
+    worker.start()
+    assert int(buffer.get(timeout=10).group_id_B[0]) == 0
+    with pytest.raises(worker_lib.RolloutWorkerError, match="OSError: the engine lost its"):
+        buffer.get(timeout=10)
+    assert calls == [(0, 3)]
+    assert admission.counts().discarded == {"worker error": 2 * B}  # batches 1 and 2
+    assert worker.next_index == 1
+    with pytest.raises(ValueError, match="batches_per_call=2: .* needs generate_many"):
+        make_worker(2, batches_per_call=2)
