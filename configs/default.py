@@ -209,6 +209,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.logging.wandb_project = ""  # Weights & Biases project ("" = off)
     c.logging.progress = True  # progress bar on stderr
     c.logging.plots = True  # PNG plots in the workdir at the end
+    # also the gradient of the tokens M2PO masked: m2po/masked_grad_norm and
+    # m2po/masked_grad_share (one more backward pullback per micro-batch)
+    c.logging.masked_grad_norm = False
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)

@@ -265,6 +265,28 @@ def policy_loss_with(
     logp, prox, behav, adv, mask, valid_mask = _checked_inputs(
         logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, valid_mask_BxT
     )
+    per_token, keep, clamped, r, rho, log_r, flags = _token_terms(o, logp, prox, behav, adv, mask)
+    if count is None:
+        count = mask.sum() if o.denominator == "kept" else valid_mask.astype(bool).sum()
+    loss = jnp.where(keep, per_token, 0.0).sum() / jnp.maximum(count, 1)
+    return loss, _stats(loss, mask, keep, clamped, r, rho, log_r, flags)
+
+
+def token_losses(
+    settings: LossSettings, logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT
+) -> tuple[jax.Array, jax.Array]:
+    """(per-token loss, tokens taking part): what `policy_loss_with` sums over `mask_BxT`
+    (ratio, clip, behaviour weight), before the denominator; tokens the behaviour
+    correction rejects are not taking part."""
+    logp, prox, behav, adv, mask, _ = _checked_inputs(
+        logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, None
+    )
+    per_token, keep, *_ = _token_terms(settings, logp, prox, behav, adv, mask)
+    return jnp.where(keep, per_token, 0.0), keep
+
+
+def _token_terms(o: LossSettings, logp, prox, behav, adv, mask):
+    """(per-token loss, keep, clamped, r, rho, log-ratio, clip flags) of checked inputs."""
     logp = logp.astype(jnp.float32)
     behav = jax.lax.stop_gradient(behav.astype(jnp.float32))
     prox = jax.lax.stop_gradient(prox.astype(jnp.float32))
@@ -288,18 +310,13 @@ def policy_loss_with(
             r, adv, o.eps_clip, o.eps_clip_higher, o.c_clip
         )
         per_token = per_token * rho
-
-    if count is None:
-        count = mask.sum() if o.denominator == "kept" else valid_mask.astype(bool).sum()
-    loss = jnp.where(keep, per_token, 0.0).sum() / jnp.maximum(count, 1)
-
     flags = {
         "actor/clip_fraction": clip_low | clip_high,
         "actor/clip_low_fraction": clip_low,
         "actor/clip_high_fraction": clip_high,
         "actor/dual_clip_fraction": dual,
     }
-    return loss, _stats(loss, mask, keep, clamped, r, rho, log_r, flags)
+    return per_token, keep, clamped, r, rho, log_r, flags
 
 
 def _ratio_and_advantage(logp, prox, adv, keep, level: str):

@@ -182,6 +182,7 @@ class LoggingSection:
     wandb_project: str
     progress: bool
     plots: bool
+    masked_grad_norm: bool
 
 
 @dataclasses.dataclass(frozen=True)

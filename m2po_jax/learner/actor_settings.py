@@ -26,6 +26,7 @@ class ActorSettings:
     clip_candidates: str  # the tokens that rule's budget counts ("all" or "harmful")
     temperature: float
     logp_chunk_size: int
+    masked_grad_norm: bool = False  # also the masked tokens' gradient (a diagnostic)
 
     @classmethod
     def build(cls, actor: ActorSection | ActorSettings) -> ActorSettings:

@@ -9,18 +9,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m2po_jax.algorithm import masking, proximal, scopes
+from m2po_jax.algorithm import diagnostics, masking, proximal, scopes
 from m2po_jax.common.types import Minibatch
 from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.learner.step_plan import StepPlan
 
 
 def m2po_block(s: ActorSettings, behav, prox, loss_mask, adv, logp=None, layout=None):
-    """M2PO mask and statistics parts (`masking.M2PO_PART_KEYS`) of one block: the batch,
-    a minibatch or a micro-batch (`step_plan.m2po_level`), under `actor.m2po_scope`
-    (`actor_settings.block_mask_settings`: without a mask, the statistics only)."""
+    """M2PO mask and statistics parts (`masking.M2PO_PART_KEYS`, and the diagnostics'
+    `diagnostics.PART_KEYS`) of one block: the batch, a minibatch or a micro-batch
+    (`step_plan.m2po_level`), under `actor.m2po_scope` (`actor_settings.block_mask_settings`:
+    without a mask, the statistics only)."""
     mesh = None if layout is None else layout.mesh
-    return scopes.mask_block(s.mask, behav, prox, loss_mask, adv, logp, mesh)
+    mask, parts = scopes.mask_block(s.mask, behav, prox, loss_mask, adv, logp, mesh)
+    variant = s.mask.second_moment if logp is not None else "behav_prox"
+    m2 = masking.m2po_second_moment(behav, prox, second_moment=variant, logp=logp)
+    log_w = prox.astype(jnp.float32) - behav.astype(jnp.float32)
+    return mask, {**parts, **diagnostics.parts(m2, log_w, loss_mask, mask)}
 
 
 def clip_range(s: ActorSettings, behav, prox, loss_mask, adv):

@@ -6,18 +6,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax.algorithm import masking_stats
+from m2po_jax.algorithm import diagnostics, masking_stats
 
 
 def combine_stats(stats: dict, weights: jax.Array) -> dict:
     """Per-part statistics stacked on axis 0 -> one value each: M2PO statistics parts
-    combine exactly (`masking.combine_stat_parts`), token counts add up, minima and
-    maxima stay extreme, the rest are means weighted by `weights`."""
+    combine exactly (`masking.combine_stat_parts`), and so do the diagnostics' parts
+    (`diagnostics.combine`); token counts add up, minima and maxima stay extreme, the rest
+    are means weighted by `weights`."""
     share = weights / jnp.maximum(jnp.sum(weights), 1)
     parts = {k: v for k, v in stats.items() if k in masking_stats.M2PO_PART_KEYS}
-    out = masking_stats.combine_stat_parts(parts)
+    diag = {k: v for k, v in stats.items() if k in diagnostics.PART_KEYS}
+    out = {**masking_stats.combine_stat_parts(parts), **diagnostics.combine(diag)}
     for name, values in stats.items():
-        if name in parts:
+        if name in parts or name in diag:
             continue
         if name.endswith("_tokens"):
             out[name] = jnp.sum(values)
@@ -28,6 +30,12 @@ def combine_stats(stats: dict, weights: jax.Array) -> dict:
         else:
             out[name] = jnp.sum(values * share)
     return out
+
+
+def _only(parts: dict, *, m2: bool) -> dict:
+    """The M2PO statistics parts (m2=True) or the diagnostics' parts of `parts`."""
+    keys = masking_stats.M2PO_PART_KEYS if m2 else diagnostics.PART_KEYS
+    return {k: v for k, v in parts.items() if k in keys}
 
 
 def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, schedule, plan) -> dict:
@@ -47,7 +55,12 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
     metrics["actor/loss"] = metrics["loss"]
     # The M2PO parts of whichever level took the mask (batch, minibatches or micro-batches).
     m2_parts = {k: metrics.pop(k) for k in masking_stats.M2PO_PART_KEYS if k in metrics}
-    metrics.update(masking_stats.finalize_stats(m2_parts or prep.m2_parts))
+    metrics.update(masking_stats.finalize_stats(m2_parts or _only(prep.m2_parts, m2=True)))
+    # m2 and weights from that level too; the loss parts always from the loss pass.
+    diag = {k: metrics.pop(k) for k in diagnostics.PART_KEYS if k in metrics}
+    diag = {**_only(prep.m2_parts, m2=False), **diag}
+    if diagnostics.PART_KEYS[0] in diag:  # the train step always has them
+        metrics.update(diagnostics.finalize(diag))
     metrics.update(
         {
             "train/nonfinite": 1 - all_finite.astype(jnp.int32),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from m2po_jax.algorithm import advantages as adv_lib
-from m2po_jax.algorithm import losses
+from m2po_jax.algorithm import diagnostics, losses
 from m2po_jax.common.config_schema import ActorSection
 from m2po_jax.common.types import Minibatch, PromptGroups, TrainBatch
 from m2po_jax.learner import batching, logprobs, memory, step_math
@@ -135,6 +135,8 @@ class UpdateSettings:
     version: Any  # int32: the policy version of the params the step starts from
     loss: losses.LossSettings  # the actor's, with the step's clip range (traced when capped)
     with_entropy: bool  # the loss pass reports the entropy (no earlier pass did)
+    # also the gradient of the tokens M2PO masked (`m2po/masked_grad_norm`, `_share`)
+    masked_grad_norm: bool = False
 
     def constrain(self, x, row_axis=0):
         """Keep regrouped rows on their devices (no-op without a layout)."""
@@ -205,7 +207,27 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
         valid_mask_BxT=mb.loss_mask_BxT,
         count=count,
     )
-    return loss * weight, {**loss_stats, **stats}
+    # Each valid token's loss had it been kept: the share the masked ones would carry.
+    unmasked, _ = losses.token_losses(
+        s.loss, logp_now, prox, mb.behav_BxT, mb.advantages_BxT, mb.loss_mask_BxT
+    )
+    stats.update(diagnostics.loss_parts(unmasked, mb.loss_mask_BxT, mask))
+    if not s.masked_grad_norm:
+        return loss * weight, {**loss_stats, **stats}
+    # The masked tokens' loss over the same denominator: its gradient is what M2PO removed.
+    if count is None:
+        count = jnp.sum(mask if s.loss.denominator == "kept" else mb.loss_mask_BxT)
+    masked, _ = losses.policy_loss_with(
+        s.loss,
+        logp,
+        prox,
+        mb.behav_BxT,
+        mb.advantages_BxT,
+        mb.loss_mask_BxT & ~mask,
+        valid_mask_BxT=mb.loss_mask_BxT,
+        count=count,
+    )
+    return jnp.stack([loss, masked]) * weight, {**loss_stats, **stats}
 
 
 def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch, dict]:
@@ -246,7 +268,7 @@ def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
     count = None
     if not mask_in_loss:
         count = jnp.sum(mb.mask_BxT if s.loss.denominator == "kept" else mb.loss_mask_BxT)
-    grad_fn = jax.value_and_grad(minibatch_loss, has_aux=True)
+    grad_fn = _grad_fn(s)
     if plan.n_micro == 1:  # no accumulator: one gradient-sized buffer less
         (loss, stats), grads = grad_fn(params, mb, count, 1.0, s)
         return grads, jax.tree.map(lambda x: x[None], (loss, stats, n_valid)), n_valid
@@ -261,8 +283,32 @@ def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
     split = lambda x: s.constrain(batching.split_rows(x, plan.n_micro, plan.micro_block), 1)  # noqa: E731
     micro = jax.tree.map(split, mb)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if s.masked_grad_norm:  # a (kept, masked) pair of gradients
+        zeros = (zeros, zeros)
     grads, parts = jax.lax.scan(accumulate, zeros, micro)
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), parts, n_valid
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, _pair(params, s)), parts, n_valid
+
+
+def _pair(params, s: UpdateSettings):
+    return (params, params) if s.masked_grad_norm else params
+
+
+def _grad_fn(s: UpdateSettings):
+    """`value_and_grad` of `minibatch_loss`; with `masked_grad_norm` the gradients of its
+    (kept, masked) pair of losses, ((kept loss, stats), (kept grads, masked grads)), from
+    one forward pass and two pullbacks."""
+    if not s.masked_grad_norm:
+        return jax.value_and_grad(minibatch_loss, has_aux=True)
+
+    def pair_grads(params, mb, count, weight, s):
+        pair, pullback, stats = jax.vjp(
+            lambda p: minibatch_loss(p, mb, count, weight, s), params, has_aux=True
+        )
+        (kept,) = pullback(jnp.array([1.0, 0.0], pair.dtype))
+        (masked,) = pullback(jnp.array([0.0, 1.0], pair.dtype))
+        return (pair[0], stats), (kept, masked)
+
+    return pair_grads
 
 
 def guarded_update(params, opt_state, grads, loss, tx: optax.GradientTransformation):
@@ -292,8 +338,17 @@ def minibatch_update(carry, mb: Minibatch, s: UpdateSettings):
         mb, m2_parts = minibatch_mask(params, mb, s)
     grads, (part_loss, part_stats, part_valid), n_valid = accumulated_grads(params, mb, s)
     loss = jnp.sum(part_loss)
+    masked_stats = {}
+    if s.masked_grad_norm:
+        grads, masked = grads
+        masked_norm = optax.tree.norm(masked)
+        unmasked = optax.tree.norm(jax.tree.map(jnp.add, grads, masked))
+        masked_stats = {
+            "m2po/masked_grad_norm": masked_norm,
+            "m2po/masked_grad_share": masked_norm / jnp.maximum(unmasked, 1e-30),
+        }
     params, opt_state, grad_norm, finite = guarded_update(params, opt_state, grads, loss, s.tx)
-    stats = {**combine_stats(part_stats, part_valid), **m2_parts}
+    stats = {**combine_stats(part_stats, part_valid), **m2_parts, **masked_stats}
     stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
     return (params, opt_state), (stats, n_valid)
 
@@ -332,6 +387,7 @@ def ppo_updates(
             actor.loss, eps_clip=prep.eps_clip, eps_clip_higher=prep.eps_clip_higher
         ),
         with_entropy=prep.entropy_BxT is None,
+        masked_grad_norm=actor.masked_grad_norm,
     )
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
         functools.partial(minibatch_update, s=settings),
@@ -428,13 +484,20 @@ def make_train_step(
     layout=None,
     groups: PromptGroups | None = None,
     fuse_prox: bool = True,
+    masked_grad_norm: bool = False,
 ):
     """`train_step` with static settings bound, under one `jax.jit` (state donated). The
-    actor section's settings are built here, once (`ActorSettings.build`)."""
+    actor section's settings are built here, once (`ActorSettings.build`).
+    `masked_grad_norm`: also take the gradient of the tokens M2PO masked (one more
+    pullback per micro-batch) and report `m2po/masked_grad_norm` and
+    `m2po/masked_grad_share` (its norm over the norm of the unmasked loss's gradient)."""
+    settings = ActorSettings.build(actor)
+    if masked_grad_norm:
+        settings = dataclasses.replace(settings, masked_grad_norm=True)
     step = functools.partial(
         train_step,
         model_config=model_config,
-        actor=ActorSettings.build(actor),
+        actor=settings,
         tx=tx,
         schedule=schedule,
         layout=layout,

@@ -312,6 +312,7 @@ def build_train_step(
         jit_kwargs=placement.train_step_shardings(state, with_ref=a.kl_ctl > 0),
         layout=placement.layout,
         groups=prompt_groups(cfg) if share_prompts else None,
+        masked_grad_norm=cfg.logging.masked_grad_norm,
     )
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m2po_jax.algorithm import masking_stats
+from m2po_jax.algorithm import diagnostics, masking_stats
 from m2po_jax.learner import step_metrics
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.learner.step_plan import StepPlan
@@ -75,7 +75,10 @@ def test_step_metrics_by_hand():
         entropy_BxT=entropy,
         eps_clip=0.2,
         eps_clip_higher=None,
-        m2_parts=masking_stats.stat_parts(m2, loss_mask, loss_mask, loss_mask),
+        m2_parts={
+            **masking_stats.stat_parts(m2, loss_mask, loss_mask, loss_mask),
+            **diagnostics.parts(m2, prox - behav, loss_mask, loss_mask),
+        },
     )
     # Two minibatches of 1 and 3 valid tokens.
     mb_stats = {
@@ -110,3 +113,6 @@ def test_step_metrics_by_hand():
     assert int(m["m2po/masked_tokens"]) == 0
     assert float(m["m2po/m2_before"]) == pytest.approx((0.25 + 0.25 + 1.0) / 4)
     assert (int(m["train/nonfinite"]), int(m["train/prox_pass"])) == (0, 1)
+    w = np.exp([0.5, -0.5, 0.0, 1.0])  # exp(prox - behav) of the 4 valid tokens
+    assert float(m["offpolicy/ess"]) == pytest.approx(w.sum() ** 2 / (4 * (w**2).sum()), rel=1e-5)
+    assert float(m["m2po/m2_max"]) == pytest.approx(1.0)

@@ -10,7 +10,7 @@ import pytest
 
 from m2po_jax import config as config_lib
 from m2po_jax.algorithm import advantages as adv_lib
-from m2po_jax.algorithm import losses, masking, masking_stats
+from m2po_jax.algorithm import diagnostics, losses, masking, masking_stats
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.configs import arith
 from m2po_jax.learner import logprobs, optim
@@ -416,8 +416,9 @@ def test_every_path_reports_one_statistics_schema(preset, changes):
     b = b.replace(behav_logp_BxT=b.behav_logp_BxT.at[1, -1].set(jnp.nan))
     _, metrics = step(state, b, jax.random.key(0), None)
     keys = {k for k in metrics if k.startswith("m2po/") and not k.startswith("m2po/clip_")}
-    assert keys == STAT_KEYS
+    assert keys == STAT_KEYS | {k for k in diagnostics.STAT_KEYS if k.startswith("m2po/")}
     assert set(masking_stats.M2PO_STAT_KEYS) == STAT_KEYS
+    assert {"offpolicy/ess", "offpolicy/ess_kept"} <= set(metrics)
     assert int(metrics["m2po/nonfinite_tokens"]) == 1
     if preset in ("authors", "stale_grpo"):
         prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
@@ -500,3 +501,51 @@ def test_the_kept_denominator_divides_by_the_tokens_m2po_keeps():
         count = valid - masked if denominator == "kept" else valid
         losses_times_count.append(float(metrics["loss"]) * count)
     np.testing.assert_allclose(*losses_times_count, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+@pytest.mark.parametrize("n_mbs", [1, 2])
+def test_masked_share_of_the_loss_and_gradient_is_that_of_the_masked_tokens(n_mbs):
+    """One minibatch at the step's own params: r = 1, so each token's loss is -A * rho
+    (rho = exp(prox - behav), 0 where the behaviour correction rejects it); the masked
+    tokens are the ones `masking.m2po_mask` drops; their gradient is the policy loss over
+    them with the kept tokens' denominator."""
+    a = actor(ppo_n_minibatches=1, mb_spec={"n_mbs": n_mbs, "max_tokens_per_mb": 0})
+    tx, schedule = optim.make_optimizer(a.optimizer, 10)
+    params = model_lib.init_params(MODEL, jax.random.key(0))
+    state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), tx)
+    step = step_lib.make_train_step(MODEL, a, tx, schedule, masked_grad_norm=True)
+    b = batch(params, seed=3)
+    _, metrics = step(state, b, jax.random.key(0), None)
+
+    settings = ActorSettings.build(a)
+    prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
+    behav, valid = b.behav_logp_BxT, b.loss_mask_BxT
+    adv = adv_lib.token_advantages(settings.advantages, b.rewards_B, valid, behav, None)
+    kept = masking.m2po_mask(behav, prox, valid, a.m2_threshold)
+    masked = np.asarray(valid & ~kept)
+    assert 0 < masked.sum() < np.asarray(valid).sum()
+    rho = np.exp(np.asarray(prox) - np.asarray(behav))
+    token_loss = np.where(np.asarray(valid) & (rho <= 5.0), -np.asarray(adv) * rho, 0.0)
+    share = np.abs(token_loss[masked]).sum() / np.abs(token_loss).sum()
+    np.testing.assert_allclose(metrics["m2po/masked_loss_share"], share, rtol=1e-4)
+
+    def loss_over(tokens, p):
+        logp, _ = _sequence_logp(p, b.tokens_BxT, b.valid_BxT)
+        count = jnp.sum(kept)
+        return losses.policy_loss(logp, prox, behav, adv, tokens, count=count)[0]
+
+    g_masked = jax.grad(functools.partial(loss_over, jnp.asarray(masked)))(params)
+    g_all = jax.grad(functools.partial(loss_over, valid))(params)
+    np.testing.assert_allclose(
+        metrics["m2po/masked_grad_norm"], optax.tree.norm(g_masked), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        metrics["m2po/masked_grad_share"],
+        optax.tree.norm(g_masked) / optax.tree.norm(g_all),
+        rtol=1e-4,
+    )
+    g_kept = jax.grad(functools.partial(loss_over, kept))(params)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(g_kept), rtol=1e-4)
