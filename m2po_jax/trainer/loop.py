@@ -70,6 +70,9 @@ class Trainer:
         `train_step.make_train_step`'s; None builds that jitted step for this run. The
         step in use is `self.train_step`: wrapping it observes or alters each update
         (the tests and `benchmarks/fault_drill.py` inject faults that way).
+      initial_params: the params RL starts from (shaped as the model's), instead of
+        `model.path` or a random init followed by the `sft` warm-up (`m2po-study` starts
+        every cell from one shared warm-up so).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Trainer:
         *,
         train_step: StepFn | None = None,
         allow_config_change: bool = False,
+        initial_params=None,
     ):
         self.cfg = cfg
         self.allow_config_change = allow_config_change
@@ -94,8 +98,10 @@ class Trainer:
         self.sampling_config, self.memory_plan = s.sampling_config, s.memory_plan
         total_updates = cfg.total_steps * cfg.actor.ppo_n_minibatches
         self.tx, self.schedule = optim.make_optimizer(cfg.actor.optimizer, total_updates)
-        params = setup_lib.initial_params(s, jax.random.fold_in(self.rng, _INIT))
-        self.state = setup_lib.init_state(s, params, self.tx)
+        self.warm_started = initial_params is not None
+        if initial_params is None:
+            initial_params = setup_lib.initial_params(s, jax.random.fold_in(self.rng, _INIT))
+        self.state = setup_lib.init_state(s, initial_params, self.tx)
         self.train_step = self._jitted_step() if train_step is None else train_step
         self.ref_params = None
         self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
@@ -123,7 +129,7 @@ class Trainer:
 
     def supervised_warmup(self) -> None:
         """The warm-up of `cfg.sft` (nothing when `sft.max_steps` is 0); RL starts from it."""
-        if self.cfg.sft.max_steps == 0:
+        if self.cfg.sft.max_steps == 0 or self.warm_started:
             return
         warm = sft.supervised_warmup(self.setup, self.state.params, self.evaluate)
         self.sft_steps = warm.steps

@@ -213,7 +213,7 @@ _SECTIONS = (
 )  # fmt: skip
 
 
-def _spelled_our_way(arg: str) -> str:
+def spelled_our_way(arg: str) -> str:
     """AReaL's `--actor.m2_threshold=0.05` -> `--config.actor.m2_threshold=0.05`; a shipped
     config by name (`--config=gsm8k:qwen2.5-7b`, `--config=arith.py:m2po`) -> its file."""
     name = arg[2:].split("=", 1)[0]
@@ -270,7 +270,7 @@ def _clean(error: BaseException) -> str:
 
 def run() -> None:
     # Before the flags are defined: config_flags reads the `--config.*` overrides from argv.
-    sys.argv = sys.argv[:1] + [_spelled_our_way(arg) for arg in sys.argv[1:]]
+    sys.argv = sys.argv[:1] + [spelled_our_way(arg) for arg in sys.argv[1:]]
     try:
         define_flags()
     except (AttributeError, KeyError, TypeError, ValueError) as e:

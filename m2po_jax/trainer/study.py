@@ -1,0 +1,384 @@
+"""`m2po-study`: staleness x method x learning rate x seed, from one shared warm-up.
+
+  m2po-study --config=arith:m2po --out=runs/stale_study \\
+      --staleness=0,16,64,256 --lrs=1e-4,3e-4 --seeds=0,1,2 --steps=150 --parallel=2
+
+Every cell is an ordinary `m2po-train` run of the config with its method, staleness
+(`rollout.max_head_offpolicyness`), learning rate and seed set, in `<out>/cells/<name>/`,
+started from the same params: the config's supervised warm-up (`sft.*`), run once into
+`<out>/warmup/` (a config without one starts every cell from `model.path` or the seed-0
+init). A cell that finished wrote `done.json` and is skipped when the study runs again; a
+cell that was stopped resumes from its checkpoints. `--parallel=N` runs N cells at once, each
+in its own process. At the end: `<out>/study.md` (one row per staleness, method and learning
+rate: mean and range over seeds of the final and best held-out accuracy, and the run means
+of the diagnostics), `<out>/study.json` (every cell), and `<out>/study_k<K>.png` (held-out
+accuracy by step, mean over seeds with their range, per learning rate).
+
+Methods (`METHODS`): `grpo` (on-policy, staleness 0 only), `stale_grpo` (decoupled PPO with
+the eps-clip, no M2PO), `m2po` (AReaL's rule, tau `--tau`), `paper_final` (the final paper's
+rule, `m2po_jax/algorithm/variants.py`). The verdicts under the table follow
+`docs/stale_study_protocol.md`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+# Imported lazily where JAX is needed: a `--parallel` worker is a fresh process.
+DONE = "done.json"
+WARMUP_PARAMS = "params.msgpack"
+SUMMARY_MEANS = (
+    "m2po/masked_fraction",
+    "m2po/m2_p50",
+    "m2po/m2_p99",
+    "m2po/m2_p999",
+    "m2po/m2_max",
+    "actor/clip_fraction",
+    "grad_norm",
+    "offpolicy/ess",
+    "m2po/masked_loss_share",
+    "m2po/masked_grad_share",
+)
+
+
+def _grpo(c, tau):
+    c.actor.m2_threshold = None
+
+
+def _stale_grpo(c, tau):
+    c.actor.m2_threshold = None
+
+
+def _m2po(c, tau):
+    c.actor.m2_threshold = tau
+    c.actor.m2po_second_moment, c.actor.m2po_stop_rule = "behav_prox", "lt"
+    c.actor.m2po_candidates, c.actor.m2po_scope = "all", "global"
+
+
+def _paper_final(c, tau):
+    from m2po_jax.algorithm import variants
+
+    c.actor.m2_threshold = tau
+    for key, value in variants.ACTOR["paper_final"].items():
+        c.actor[key] = value
+    c.actor.rejection_sampling.enabled = False  # no proximal policy: nothing to correct
+
+
+METHODS = {"grpo": _grpo, "stale_grpo": _stale_grpo, "m2po": _m2po, "paper_final": _paper_final}
+ON_POLICY = "grpo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    staleness: int
+    method: str
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"k{self.staleness}_{self.method}_lr{self.lr:g}_seed{self.seed}"
+
+
+def grid(staleness, methods, lrs, seeds) -> list[Cell]:
+    """The cells: `grpo` at staleness 0, every other method at each staleness > 0."""
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: unknown method {m!r}; choose from {sorted(METHODS)}")
+    if any(k < 0 for k in staleness):
+        raise ValueError(f"--staleness: values must be >= 0, got {list(staleness)}")
+    cells = [
+        Cell(k, m, lr, seed)
+        for lr in lrs
+        for seed in seeds
+        for k in staleness
+        for m in methods
+        if (m == ON_POLICY) == (k == 0)
+    ]
+    if not cells:
+        raise ValueError(
+            f"--staleness={list(staleness)} --methods={list(methods)}: no cell (grpo runs at "
+            "staleness 0, the other methods at staleness > 0)"
+        )
+    return cells
+
+
+def cell_config(base: dict, cell: Cell, *, tau: float, steps: int):
+    """The cell's config: `base` (a config as a dict) with its method and settings."""
+    import ml_collections
+
+    c = ml_collections.ConfigDict(base)
+    METHODS[cell.method](c, tau)
+    c.rollout.max_head_offpolicyness = cell.staleness
+    c.actor.optimizer.lr = cell.lr
+    c.seed = cell.seed
+    c.total_steps = steps
+    c.sft.max_steps = 0  # every cell starts from the shared warm-up
+    c.logging.masked_grad_norm = True
+    c.logging.progress = c.logging.plots = c.logging.tensorboard = False
+    c.checkpoint.every = max(steps // 3, 1)
+    return c
+
+
+def _write_json(path: Path, record) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def warmup(base: dict, out: Path) -> Path | None:
+    """The shared warm-up's params file (run once; None: the config has no warm-up)."""
+    if not base["sft"]["max_steps"]:
+        return None
+    path = out / "warmup" / WARMUP_PARAMS
+    if path.exists():
+        return path
+    import jax
+    import ml_collections
+    import numpy as np
+    from flax import serialization
+
+    from m2po_jax import config as config_lib
+    from m2po_jax.trainer import loop
+
+    c = ml_collections.ConfigDict(base)
+    c.logging.progress = c.logging.plots = c.logging.tensorboard = False
+    trainer = loop.Trainer(config_lib.from_configdict(c), out / "warmup")
+    trainer.supervised_warmup()
+    params = jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(serialization.msgpack_serialize(params))
+    os.replace(tmp, path)
+    accuracy = trainer.evaluate()
+    _write_json(path.parent / "warmup.json", {"sft_steps": trainer.sft_steps, "accuracy": accuracy})
+    return path
+
+
+def run_cell(base: dict, cell: Cell, tau: float, steps: int, out: str, warm: str | None):
+    """Trains one cell (resuming its checkpoints), writes its `done.json`; returns its summary."""
+    from absl import logging as absl_logging
+    from flax import serialization
+
+    from m2po_jax import config as config_lib
+    from m2po_jax.trainer import compile_cache, loop
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    compile_cache.enable()  # the cells share their programs
+    workdir = Path(out) / "cells" / cell.name
+    cfg = config_lib.from_configdict(cell_config(base, cell, tau=tau, steps=steps))
+    params = None if warm is None else serialization.msgpack_restore(Path(warm).read_bytes())
+    result = loop.Trainer(cfg, workdir, initial_params=params).run()
+    if result.interrupted:
+        raise KeyboardInterrupt(f"cell {cell.name} stopped at step {result.step}")
+    summary = {**dataclasses.asdict(cell), **summarize(workdir / "metrics.jsonl")}
+    _write_json(workdir / DONE, summary)
+    return summary
+
+
+def summarize(metrics_file: Path) -> dict:
+    """One cell's numbers: accuracy curve, final and best, run means of the diagnostics."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    curve = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+    out = {"curve": curve, "final": curve[-1][1], "best": max(a for _, a in curve)}
+    for key in SUMMARY_MEANS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    ess = [r["offpolicy/ess"] for r in rows if r.get("offpolicy/ess") is not None]
+    out["offpolicy/ess_min"] = min(ess) if ess else None
+    return out
+
+
+def run_study(base: dict, cells: list[Cell], out, *, tau=0.04, steps=150, parallel=1) -> list:
+    """Runs the cells not done yet (`parallel` at a time) and writes the report; returns the
+    cells it ran."""
+    out = Path(out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    _write_json(out / "study_config.json", {"base": base, "tau": tau, "steps": steps})
+    warm = warmup(base, out)
+    todo = [c for c in cells if not (out / "cells" / c.name / DONE).exists()]
+    for c in cells:
+        if c not in todo:
+            print(f"m2po-study: {c.name}: done, skipped", flush=True)
+    args = (tau, steps, str(out), None if warm is None else str(warm))
+    if parallel <= 1:
+        for c in todo:
+            run_cell(base, c, *args)
+            print(f"m2po-study: {c.name}: finished", flush=True)
+    else:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            parallel, mp_context=spawn, max_tasks_per_child=1
+        ) as pool:
+            futures = {pool.submit(run_cell, base, c, *args): c for c in todo}
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+                print(f"m2po-study: {futures[f].name}: finished", flush=True)
+    report(out, cells)
+    return todo
+
+
+def _spread(values):
+    return sum(values) / len(values), min(values), max(values)
+
+
+def groups(out: Path, cells: list[Cell]) -> dict:
+    """{(staleness, method, lr): [summaries over seeds]} of the finished cells."""
+    found: dict = {}
+    for c in cells:
+        done = out / "cells" / c.name / DONE
+        if done.exists():
+            found.setdefault((c.staleness, c.method, c.lr), []).append(json.loads(done.read_text()))
+    return found
+
+
+def verdicts(found: dict) -> list[str]:
+    """The protocol's reading (docs/stale_study_protocol.md) of each learning rate and
+    staleness."""
+    lines = []
+    for lr in sorted({lr for _, _, lr in found}):
+        on = found.get((0, ON_POLICY, lr))
+        if not on:
+            lines.append(f"lr {lr:g}: no on-policy cells, no verdict")
+            continue
+        lo = min(s["final"] for s in on)
+        for k in sorted({k for k, _, x in found if x == lr and k > 0}):
+            stale = found.get((k, "stale_grpo", lr))
+            if not stale:
+                continue
+            hurts = _spread([s["final"] for s in stale])[0] < lo
+            parts = [f"lr {lr:g}, k = {k}: staleness {'hurts' if hurts else 'does not hurt'}"]
+            for rule in ("m2po", "paper_final"):
+                if (k, rule, lr) in found:
+                    ok = _spread([s["final"] for s in found[(k, rule, lr)]])[0] >= lo
+                    word = ("rescues" if ok else "does not rescue") if hurts else (
+                        "harmless" if ok else "hurts")  # fmt: skip
+                    parts.append(f"{rule} {word}")
+            lines.append("; ".join(parts) + f" (on-policy final >= {lo:.3f})")
+    return lines
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
+
+
+def report(out: Path, cells: list[Cell]) -> str:
+    """Writes `study.md`, `study.json` and the plots of the finished cells; returns the table."""
+    found = groups(out, cells)
+    head = (
+        "| k | method | lr | seeds | final (min-max) | best | masked | m2 p50 | m2 p99 | "
+        "m2 p99.9 | clip | grad norm | ESS (min) | masked loss | masked grad |"
+    )
+    lines = [head, "|" + "---|" * 15]
+    for (k, method, lr), runs in sorted(found.items()):
+        mean, lo, hi = _spread([s["final"] for s in runs])
+        best = _spread([s["best"] for s in runs])[0]
+
+        def avg(key, runs=runs):
+            values = [s[key] for s in runs if s.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        lines.append(
+            f"| {k} | {method} | {lr:g} | {len(runs)} | {mean:.3f} ({lo:.3f}-{hi:.3f}) | "
+            f"{best:.3f} | {_fmt(avg('m2po/masked_fraction'), 4)} | {_fmt(avg('m2po/m2_p50'))} | "
+            f"{_fmt(avg('m2po/m2_p99'))} | {_fmt(avg('m2po/m2_p999'))} | "
+            f"{_fmt(avg('actor/clip_fraction'))} | {_fmt(avg('grad_norm'))} | "
+            f"{_fmt(avg('offpolicy/ess'))} ({_fmt(avg('offpolicy/ess_min'))}) | "
+            f"{_fmt(avg('m2po/masked_loss_share'))} | {_fmt(avg('m2po/masked_grad_share'))} |"
+        )
+    table = "\n".join(lines)
+    text = table + "\n\n" + "\n".join(f"- {v}" for v in verdicts(found)) + "\n"
+    (out / "study.md").write_text(text)
+    _write_json(out / "study.json", [s for runs in found.values() for s in runs])
+    _plot(out, found)
+    return text
+
+
+def _plot(out: Path, found: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lrs = sorted({lr for _, _, lr in found})
+    for k in sorted({k for k, _, _ in found if k > 0}):
+        fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 3.6), squeeze=False)
+        for ax, lr in zip(axes[0], lrs, strict=True):
+            for (kk, method, x), runs in sorted(found.items()):
+                if x != lr or kk not in (0, k):
+                    continue
+                steps = [s for s, _ in runs[0]["curve"]]
+                acc = np.array(
+                    [[a for _, a in r["curve"]] for r in runs if len(r["curve"]) == len(steps)]
+                )
+                label = f"{method} (k = {kk})"
+                ax.plot(steps, acc.mean(0), marker="o", ms=3, label=label)
+                ax.fill_between(steps, acc.min(0), acc.max(0), alpha=0.2)
+            ax.set(title=f"staleness {k}, lr {lr:g}", xlabel="RL step", ylabel="held-out accuracy")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"study_k{k}.png", dpi=110)
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the command
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(default_config: str) -> None:
+    config_flags.DEFINE_config_file(
+        "config", default_config, "The base config FILE.py[:PRESET,...] or a shipped one (arith:m2po).",
+        lock_config=False,
+    )  # fmt: skip
+    flags.DEFINE_string("out", "runs/stale_study", "Study directory (resumes a half-done grid).")
+    flags.DEFINE_list("staleness", ["0", "16", "64", "256"], "Staleness values k.")
+    flags.DEFINE_list("methods", list(METHODS), f"Methods, of {sorted(METHODS)}.")
+    flags.DEFINE_list("lrs", ["1e-4", "3e-4"], "Learning rates.")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+    flags.DEFINE_integer("steps", 150, "RL steps per cell.", lower_bound=1)
+    flags.DEFINE_float("tau", 0.04, "M2PO threshold of the M2PO methods.")
+    flags.DEFINE_integer("parallel", 1, "Cells run at once (one process each).", lower_bound=1)
+
+
+def _main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.ERROR)
+    try:
+        cells = grid(
+            [int(k) for k in FLAGS.staleness],
+            FLAGS.methods,
+            [float(x) for x in FLAGS.lrs],
+            [int(s) for s in FLAGS.seeds],
+        )
+    except ValueError as e:
+        print(f"m2po-study: {e}", file=sys.stderr)
+        sys.exit(2)
+    base = FLAGS.config.to_dict()
+    run_study(base, cells, FLAGS.out, tau=FLAGS.tau, steps=FLAGS.steps, parallel=FLAGS.parallel)
+    print((Path(FLAGS.out) / "study.md").read_text())
+
+
+def run() -> None:
+    """The `m2po-study` entry point (shipped configs by name, as `m2po-train`)."""
+    from m2po_jax.trainer import main as train_main
+
+    sys.argv = sys.argv[:1] + [train_main.spelled_our_way(arg) for arg in sys.argv[1:]]
+    define_flags(train_main.DEFAULT_CONFIG)
+    app.run(_main)
+
+
+if __name__ == "__main__":
+    run()
