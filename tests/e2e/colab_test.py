@@ -1,6 +1,6 @@
 """The Colab notebooks run end to end: every code cell, in order, in a fresh process.
 
-`M2PO_COLAB_QUICK=1` makes the training cell use the `tiny` preset; everything else runs as a
+`M2PO_COLAB_QUICK=1` makes the training cells use the `tiny` preset (the study: a 3-cell grid); everything else runs as a
 Colab user would run it (the install cell is a no-op because the package is importable).
 """
 
@@ -26,7 +26,7 @@ def code_of(notebook: Path) -> str:
 
 
 def test_there_is_a_notebook():
-    assert [p.name for p in NOTEBOOKS] == ["m2po_quickstart.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["m2po_quickstart.ipynb", "stale_study.ipynb"]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
@@ -49,10 +49,23 @@ def test_notebook_runs_end_to_end(notebook, tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    EXPECT[notebook.stem](proc.stdout, tmp_path)
+
+
+def _quickstart(out, tmp_path):
     assert "max |logit difference| vs transformers:" in out
     assert "max |recorded - recomputed| log-prob:" in out
     assert "held-out accuracy by step:" in out
     assert "max |logit difference| export vs trained params:" in out
     assert (tmp_path / "real_m2po" / "hf" / "step_2" / "config.json").exists()
     assert (tmp_path / "arith_m2po" / "metrics.jsonl").exists()
+
+
+def _stale_study(out, tmp_path):
+    assert "m2po-study table:" in out and "| 2 | m2po | 0.001 | 1 |" in out
+    assert "lr 0.001, k = 2: staleness" in out
+    assert (tmp_path / "stale_study" / "study_k2.png").exists()
+    assert len(list((tmp_path / "stale_study" / "cells").glob("*/done.json"))) == 3
+
+
+EXPECT = {"m2po_quickstart": _quickstart, "stale_study": _stale_study}
