@@ -135,8 +135,6 @@ class UpdateSettings:
     version: Any  # int32: the policy version of the params the step starts from
     loss: losses.LossSettings  # the actor's, with the step's clip range (traced when capped)
     with_entropy: bool  # the loss pass reports the entropy (no earlier pass did)
-    # also the gradient of the tokens M2PO masked (`m2po/masked_grad_norm`, `_share`)
-    masked_grad_norm: bool = False
 
     def constrain(self, x, row_axis=0):
         """Keep regrouped rows on their devices (no-op without a layout)."""
@@ -212,7 +210,7 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
         s.loss, logp_now, prox, mb.behav_BxT, mb.advantages_BxT, mb.loss_mask_BxT
     )
     stats.update(diagnostics.loss_parts(unmasked, mb.loss_mask_BxT, mask))
-    if not s.masked_grad_norm:
+    if not s.actor.masked_grad_norm:
         return loss * weight, {**loss_stats, **stats}
     # The masked tokens' loss over the same denominator: its gradient is what M2PO removed.
     if count is None:
@@ -283,21 +281,21 @@ def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
     split = lambda x: s.constrain(batching.split_rows(x, plan.n_micro, plan.micro_block), 1)  # noqa: E731
     micro = jax.tree.map(split, mb)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    if s.masked_grad_norm:  # a (kept, masked) pair of gradients
+    if s.actor.masked_grad_norm:  # a (kept, masked) pair of gradients
         zeros = (zeros, zeros)
     grads, parts = jax.lax.scan(accumulate, zeros, micro)
     return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, _pair(params, s)), parts, n_valid
 
 
 def _pair(params, s: UpdateSettings):
-    return (params, params) if s.masked_grad_norm else params
+    return (params, params) if s.actor.masked_grad_norm else params
 
 
 def _grad_fn(s: UpdateSettings):
     """`value_and_grad` of `minibatch_loss`; with `masked_grad_norm` the gradients of its
     (kept, masked) pair of losses, ((kept loss, stats), (kept grads, masked grads)), from
     one forward pass and two pullbacks."""
-    if not s.masked_grad_norm:
+    if not s.actor.masked_grad_norm:
         return jax.value_and_grad(minibatch_loss, has_aux=True)
 
     def pair_grads(params, mb, count, weight, s):
@@ -339,7 +337,7 @@ def minibatch_update(carry, mb: Minibatch, s: UpdateSettings):
     grads, (part_loss, part_stats, part_valid), n_valid = accumulated_grads(params, mb, s)
     loss = jnp.sum(part_loss)
     masked_stats = {}
-    if s.masked_grad_norm:
+    if s.actor.masked_grad_norm:
         grads, masked = grads
         masked_norm = optax.tree.norm(masked)
         unmasked = optax.tree.norm(jax.tree.map(jnp.add, grads, masked))
@@ -387,7 +385,6 @@ def ppo_updates(
             actor.loss, eps_clip=prep.eps_clip, eps_clip_higher=prep.eps_clip_higher
         ),
         with_entropy=prep.entropy_BxT is None,
-        masked_grad_norm=actor.masked_grad_norm,
     )
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
         functools.partial(minibatch_update, s=settings),
