@@ -492,6 +492,12 @@ class Trainer:
         record = a.step_record(shared, width, step, (t0, t1, t2, time.perf_counter()), publish_s)
         return record, device_metrics
 
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stops `run()` after the step it is on, with a checkpoint, as SIGTERM does; before
+        `run()` has begun, after its first step. Its `RunResult` names `signum`."""
+        self._stop_requested = True
+        self._stop_signal = signum
+
     @contextlib.contextmanager
     def _signals(self):
         """SIGTERM / SIGINT stop the run after the current step (a second one: at once)."""
@@ -502,8 +508,7 @@ class Trainer:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
                 return
-            self._stop_requested = True
-            self._stop_signal = signum
+            self.request_stop(signum)
             logging.warning(
                 "signal %d: stopping after this step (send it again to stop now)", signum
             )

@@ -9,7 +9,12 @@ started from the same params: the config's supervised warm-up (`sft.*`), run onc
 `<out>/warmup/` (a config without one starts every cell from `model.path` or the seed-0
 init). A cell that finished wrote `done.json` and is skipped when the study runs again; a
 cell that was stopped resumes from its checkpoints. `--parallel=N` runs N cells at once, each
-in its own process. At the end: `<out>/study.md` (one row per staleness, method and learning
+in its own process. Every cell's config is checked before any work. A cell that fails (a
+diverged run, a bad file) is reported in one line and does not stop the others; SIGTERM or
+Ctrl-C stops the running cells after their step, with a checkpoint (a second one: at once).
+Exit status: 0, every cell finished; 2, a cell refused its config or failed with an error of
+the user's; 1, an error of the project's own (its traceback printed); 128 + the signal if
+one stopped the study. At the end, finished or not: `<out>/study.md` (one row per staleness, method and learning
 rate: mean and range over seeds of the final and best held-out accuracy, and the run means
 of the diagnostics), `<out>/study.json` (every cell), and `<out>/study_k<K>.png` (held-out
 accuracy by step, mean over seeds with their range, per learning rate).
@@ -27,7 +32,9 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 from absl import app, flags, logging
@@ -135,6 +142,20 @@ def _write_json(path: Path, record) -> None:
     os.replace(tmp, path)
 
 
+def environment() -> dict:
+    """What a cell's numbers depend on besides its config: a warm-up made on 8 devices is not
+    the one made on 1 (the reductions differ), nor one made under other XLA flags."""
+    import jax
+
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
 def warmup(base: dict, out: Path) -> Path | None:
     """The shared warm-up's params file (run once; None: the config has no warm-up)."""
     if not base["sft"]["max_steps"]:
@@ -159,26 +180,111 @@ def warmup(base: dict, out: Path) -> Path | None:
     tmp.write_bytes(serialization.msgpack_serialize(params))
     os.replace(tmp, path)
     accuracy = trainer.evaluate()
-    _write_json(path.parent / "warmup.json", {"sft_steps": trainer.sft_steps, "accuracy": accuracy})
+    record = {"sft_steps": trainer.sft_steps, "accuracy": accuracy, "environment": environment()}
+    _write_json(path.parent / "warmup.json", record)
     return path
 
 
+class CellStopped(Exception):
+    """A cell stopped by a signal (its checkpoints resume it); `step` None: not begun."""
+
+    def __init__(self, name: str, step: int | None, signum: int):
+        super().__init__(name, step, signum)
+        self.name, self.step, self.signum = name, step, signum
+
+
+class _Stop:
+    """A study's SIGTERM / SIGINT: the running cells checkpoint after their step and stop, no
+    cell starts; a second signal stops everything at once.
+
+    `signum` is shared with the cells' processes (`--parallel`), which the study's process
+    signals itself: they run in their own process groups, so that a terminal's Ctrl-C reaches
+    only the study. `trainer` is the cell this process is training, if any.
+    """
+
+    def __init__(self, signum=None):
+        self.signum = signum if signum is not None else multiprocessing.Value("i", 0, lock=False)
+        self.trainer = None
+
+    def stopped(self) -> int:
+        return self.signum.value
+
+    def on_signal(self, signum, frame) -> None:
+        if self.signum.value:  # the second one
+            signal.signal(signum, signal.SIG_DFL)
+            _signal_children(signum)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum.value = signum
+        if self.trainer is not None:
+            self.trainer.request_stop(signum)
+        _signal_children(signum)
+        print(
+            f"m2po-study: signal {signum}: the running cells stop after their step, with a "
+            "checkpoint (send it again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def install(self) -> dict:
+        """Handles SIGTERM and SIGINT (main thread only); returns the handlers it replaced."""
+        try:
+            return {
+                sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+            }
+        except ValueError:  # not the main thread: the caller's signals are its own
+            return {}
+
+
+def _signal_children(signum: int) -> None:
+    for child in multiprocessing.active_children():
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+_STOP: _Stop | None = None  # this process's, once a study runs in it
+
+
+def _cell_process(signum) -> None:
+    """A `--parallel` cell process: its own process group, signals from the study."""
+    global _STOP
+    os.setpgrp()
+    _STOP = _Stop(signum)
+    _STOP.install()
+
+
 def run_cell(base: dict, cell: Cell, tau: float, steps: int, out: str, warm: str | None):
-    """Trains one cell (resuming its checkpoints), writes its `done.json`; returns its summary."""
+    """Trains one cell (resuming its checkpoints), writes its `done.json`; returns its summary.
+
+    Raises `CellStopped` if the study was signalled (before the cell began, or during it)."""
     from absl import logging as absl_logging
     from flax import serialization
 
     from m2po_jax import config as config_lib
     from m2po_jax.trainer import compile_cache, loop
 
+    stop = _STOP
+    if stop is not None and stop.stopped():
+        raise CellStopped(cell.name, None, stop.stopped())
     absl_logging.set_verbosity(absl_logging.ERROR)
     compile_cache.enable()  # the cells share their programs
     workdir = Path(out) / "cells" / cell.name
     cfg = config_lib.from_configdict(cell_config(base, cell, tau=tau, steps=steps))
     params = None if warm is None else serialization.msgpack_restore(Path(warm).read_bytes())
-    result = loop.Trainer(cfg, workdir, initial_params=params).run()
+    trainer = loop.Trainer(cfg, workdir, initial_params=params)
+    if stop is not None:
+        stop.trainer = trainer
+        if stop.stopped():  # signalled while the trainer was being built
+            trainer.request_stop(stop.stopped())
+    try:
+        result = trainer.run()
+    finally:
+        if stop is not None:
+            stop.trainer = None
     if result.interrupted:
-        raise KeyboardInterrupt(f"cell {cell.name} stopped at step {result.step}")
+        raise CellStopped(cell.name, result.final_step, result.signal or signal.SIGTERM)
     summary = {**dataclasses.asdict(cell), **summarize(workdir / "metrics.jsonl")}
     _write_json(workdir / DONE, summary)
     return summary
@@ -197,33 +303,130 @@ def summarize(metrics_file: Path) -> dict:
     return out
 
 
+class StudyError(Exception):
+    """Cells failed or were stopped; the report covers the finished ones, and running the
+    study again retries (resumes) the rest.
+
+    `failed`: {cell name: its exception}; `stopped`: the `CellStopped` of the cells a signal
+    stopped, `signum` that signal (None: none)."""
+
+    def __init__(self, failed: dict, stopped: list, signum: int | None):
+        self.failed, self.stopped, self.signum = failed, stopped, signum
+        parts = [f"{len(failed)} cell(s) failed"] if failed else []
+        if signum:
+            parts.append(f"stopped by signal {signum}")
+        super().__init__("; ".join(parts))
+
+
+def check_cells(base: dict, cells: list[Cell], *, tau: float, steps: int) -> None:
+    """Every cell's config is valid (raises `ConfigError` naming the cell), before any work."""
+    from m2po_jax import config as config_lib
+
+    for c in cells:
+        try:
+            config_lib.from_configdict(cell_config(base, c, tau=tau, steps=steps))
+        except config_lib.ConfigError as e:
+            raise config_lib.ConfigError(f"cell {c.name}: {e}") from e
+
+
 def run_study(base: dict, cells: list[Cell], out, *, tau=0.04, steps=150, parallel=1) -> list:
     """Runs the cells not done yet (`parallel` at a time) and writes the report; returns the
-    cells it ran."""
+    cells it finished.
+
+    A cell that fails does not stop the others; a SIGTERM / SIGINT stops every running cell
+    after its step, with a checkpoint. Either way the report of the finished cells is written
+    and `StudyError` says which cells did not finish."""
     out = Path(out)
+    check_cells(base, cells, tau=tau, steps=steps)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    _write_json(out / "study_config.json", {"base": base, "tau": tau, "steps": steps})
-    warm = warmup(base, out)
+    env = environment()
+    made = out / "warmup" / "warmup.json"
+    if made.exists():
+        before = json.loads(made.read_text()).get("environment")
+        if before not in (None, env):
+            print(
+                f"m2po-study: note: the warm-up was made in {before}, this run is in {env}; "
+                "cells made here are not comparable bit for bit with the earlier ones",
+                file=sys.stderr,
+            )
+    _write_json(
+        out / "study_config.json", {"base": base, "tau": tau, "steps": steps, "environment": env}
+    )
+    global _STOP
+    _STOP = stop = _Stop()
+    previous = stop.install()
+    try:
+        finished, failed, stopped = _run_cells(base, cells, out, stop, tau, steps, parallel)
+    finally:
+        _STOP = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    report(out, cells, failed)
+    if failed or stop.stopped():
+        raise StudyError(failed, stopped, stop.stopped() or None)
+    return finished
+
+
+def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, parallel):
+    """(finished cells, {name: exception} of the failed, `CellStopped` of the stopped)."""
+    finished, failed, stopped = [], {}, []
+
+    def outcome(cell, error):
+        if error is None:
+            finished.append(cell)
+            print(f"m2po-study: {cell.name}: finished", flush=True)
+        elif isinstance(error, CellStopped):
+            stop.signum.value = stop.signum.value or error.signum  # the trainer's own handler
+            if error.step is not None:
+                stopped.append(error)
+                print(f"m2po-study: {cell.name}: stopped at step {error.step}", flush=True)
+        else:
+            failed[cell.name] = error
+            print(f"m2po-study: {cell.name}: failed: {_one_line(error)}", flush=True)
+
     todo = [c for c in cells if not (out / "cells" / c.name / DONE).exists()]
     for c in cells:
         if c not in todo:
             print(f"m2po-study: {c.name}: done, skipped", flush=True)
+    warm = warmup(base, out) if todo else None
+    if stop.stopped():  # during the warm-up
+        return finished, failed, stopped
     args = (tau, steps, str(out), None if warm is None else str(warm))
     if parallel <= 1:
         for c in todo:
-            run_cell(base, c, *args)
-            print(f"m2po-study: {c.name}: finished", flush=True)
-    else:
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            parallel, mp_context=spawn, max_tasks_per_child=1
-        ) as pool:
-            futures = {pool.submit(run_cell, base, c, *args): c for c in todo}
-            for f in concurrent.futures.as_completed(futures):
-                f.result()
-                print(f"m2po-study: {futures[f].name}: finished", flush=True)
-    report(out, cells)
-    return todo
+            try:
+                run_cell(base, c, *args)
+                outcome(c, None)
+            except Exception as e:  # noqa: BLE001 (reported per cell; the others run)
+                outcome(c, e)
+            if stop.stopped():
+                break
+        return finished, failed, stopped
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        parallel,
+        mp_context=spawn,
+        max_tasks_per_child=1,
+        initializer=_cell_process,
+        initargs=(stop.signum,),
+    ) as pool:
+        futures = {pool.submit(run_cell, base, c, *args): c for c in todo}
+        for f in concurrent.futures.as_completed(futures):
+            if f.cancelled():
+                continue
+            outcome(futures[f], f.exception())
+            if stop.stopped():
+                for g in futures:
+                    g.cancel()
+    return finished, failed, stopped
+
+
+def _one_line(error: BaseException) -> str:
+    from m2po_jax.common.errors import M2poError
+
+    if isinstance(error, M2poError):
+        return f"{error.what}: " + " ".join(str(error).split())
+    return f"{type(error).__name__}: " + " ".join(str(error).split())
 
 
 def _spread(values):
@@ -272,8 +475,9 @@ def _fmt(x, digits=3):
     return f"{x:.{digits}f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
-def report(out: Path, cells: list[Cell]) -> str:
-    """Writes `study.md`, `study.json` and the plots of the finished cells; returns the table."""
+def report(out: Path, cells: list[Cell], failed: dict | None = None) -> str:
+    """Writes `study.md`, `study.json` and the plots of the finished cells; returns the table.
+    `failed` ({cell name: exception}) are listed under it."""
     found = groups(out, cells)
     head = (
         "| k | method | lr | seeds | final (min-max) | best | masked | m2 p50 | m2 p99 | "
@@ -297,7 +501,8 @@ def report(out: Path, cells: list[Cell]) -> str:
             f"{_fmt(avg('m2po/masked_loss_share'))} | {_fmt(avg('m2po/masked_grad_share'))} |"
         )
     table = "\n".join(lines)
-    text = table + "\n\n" + "\n".join(f"- {v}" for v in verdicts(found)) + "\n"
+    notes = verdicts(found) + [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
+    text = table + "\n\n" + "\n".join(f"- {v}" for v in notes) + "\n"
     (out / "study.md").write_text(text)
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
     _plot(out, found)
@@ -366,9 +571,38 @@ def _main(argv) -> None:
     except ValueError as e:
         print(f"m2po-study: {e}", file=sys.stderr)
         sys.exit(2)
+    from m2po_jax.common.errors import M2poError
+
     base = FLAGS.config.to_dict()
-    run_study(base, cells, FLAGS.out, tau=FLAGS.tau, steps=FLAGS.steps, parallel=FLAGS.parallel)
+    try:
+        run_study(base, cells, FLAGS.out, tau=FLAGS.tau, steps=FLAGS.steps, parallel=FLAGS.parallel)
+    except M2poError as e:  # a config a cell refuses, before any work
+        print(f"m2po-study: {e.what}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except StudyError as e:
+        sys.exit(_exit_status(e, Path(FLAGS.out)))
     print((Path(FLAGS.out) / "study.md").read_text())
+
+
+def _exit_status(e: StudyError, out: Path) -> int:
+    """Reports a study that did not finish in one line per cell; its exit status: 128 +
+    signal if stopped, else 2 if every failure is the user's (`M2poError`), else 1 (an
+    error of the project's own, with its traceback)."""
+    from m2po_jax.common.errors import M2poError
+
+    for name, error in e.failed.items():
+        if not isinstance(error, M2poError):
+            traceback.print_exception(error)
+        print(f"m2po-study: {name}: {_one_line(error)}", file=sys.stderr)
+    where = ", ".join(f"{s.name} at step {s.step}" for s in e.stopped)
+    print(
+        f"m2po-study: {e}{f' ({where} checkpointed)' if where else ''}; the finished cells are in "
+        f"{out / 'study.md'}; the same command resumes the rest",
+        file=sys.stderr,
+    )
+    if e.signum:
+        return 128 + e.signum
+    return 2 if all(isinstance(x, M2poError) for x in e.failed.values()) else 1
 
 
 def run() -> None:
@@ -381,4 +615,7 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    # The cells' processes unpickle this module's functions and errors by its own name.
+    from m2po_jax.trainer import study
+
+    study.run()

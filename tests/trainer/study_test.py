@@ -1,11 +1,20 @@
-"""`m2po-study`: the grid, its table, and a resumed grid that skips the finished cells."""
+"""`m2po-study`: the grid, its table, a failing cell, a resumed grid that skips the finished
+cells, and a SIGTERM that checkpoints the running cells."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from m2po_jax.common.errors import ConfigError
 from m2po_jax.configs import arith
-from m2po_jax.trainer import study
+from m2po_jax.trainer import loop, study
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_grid_runs_grpo_on_policy_and_the_rest_stale():
@@ -19,13 +28,55 @@ def test_the_grid_runs_grpo_on_policy_and_the_rest_stale():
         study.grid([0], ["m2po"], [1e-4], [0])
 
 
-def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(tmp_path):
+def _tiny():
     base = arith.get_config("m2po,tiny").to_dict()
     base["mesh"]["data"] = 1  # one of the suite's 8 CPU devices
+    return base
+
+
+def test_a_cell_config_that_is_refused_stops_the_study_before_any_work(tmp_path):
     cells = study.grid([0, 2], ["grpo", "m2po"], [1e-3], [0])
-    ran = study.run_study(base, cells, tmp_path, steps=3)
-    assert [c.name for c in ran] == ["k0_grpo_lr0.001_seed0", "k2_m2po_lr0.001_seed0"]
+    with pytest.raises(ConfigError, match="cell k2_m2po_lr0.001_seed0: actor.m2_threshold"):
+        study.run_study(_tiny(), cells, tmp_path / "out", tau=-1.0, steps=3)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(
+    tmp_path, monkeypatch, capsys
+):
+    base = _tiny()
+    cells = study.grid([0, 2], ["grpo", "m2po"], [1e-3], [0])
+    run = loop.Trainer.run
+
+    def diverges(self, *args, **kwargs):  # the m2po cell's run ends as a diverged one does
+        if "m2po" in self.workdir.name:
+            raise loop.NonFiniteError("max_nonfinite_steps: 3 consecutive steps had NaN loss")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.Trainer, "run", diverges)
+    with pytest.raises(study.StudyError, match="1 cell") as failed:
+        study.run_study(base, cells, tmp_path, steps=3)
+    monkeypatch.undo()
+    assert list(failed.value.failed) == ["k2_m2po_lr0.001_seed0"] and failed.value.signum is None
+    assert (tmp_path / "cells" / "k0_grpo_lr0.001_seed0" / study.DONE).exists()  # went on
+    table = (tmp_path / "study.md").read_text()
+    assert "| 0 | grpo | 0.001 | 1 |" in table and "| 2 | m2po |" not in table
+    assert "- failed: k2_m2po_lr0.001_seed0: training stopped: max_nonfinite_steps: 3" in table
+    capsys.readouterr()
+    assert study._exit_status(failed.value, tmp_path) == 2  # the user's: no traceback
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "m2po-study: k2_m2po_lr0.001_seed0: training stopped: max_nonfinite_steps: 3 "
+        "consecutive steps had NaN loss"
+    )
+    assert err[1].startswith("m2po-study: 1 cell(s) failed; the finished cells are in")
+    assert len(err) == 2
+
+    ran = study.run_study(base, cells, tmp_path, steps=3)  # the failed cell again, alone
+    assert [c.name for c in ran] == ["k2_m2po_lr0.001_seed0"]
     assert (tmp_path / "warmup" / study.WARMUP_PARAMS).exists()  # one warm-up, shared
+    made = json.loads((tmp_path / "warmup" / "warmup.json").read_text())
+    assert made["environment"]["devices"] == 8 and made["environment"]["backend"] == "cpu"
     m2po_dir = tmp_path / "cells" / "k2_m2po_lr0.001_seed0"
     recorded = json.loads((m2po_dir / "config.json").read_text())
     assert recorded["config"]["sft.max_steps"] == 0  # the cells start from it
@@ -49,3 +100,45 @@ def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(tmp_pa
     table = (tmp_path / "study.md").read_text()
     assert "| 2 | stale_grpo | 0.001 | 1 |" in table
     assert "lr 0.001, k = 2: staleness" in table and "m2po" in table.splitlines()[-1]
+
+
+def _stepped(workdir: Path) -> int:
+    metrics = workdir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_sigterm_checkpoints_the_running_cells_and_the_study_resumes_them(tmp_path):
+    names = ["k2_m2po_lr0.001_seed0", "k2_stale_grpo_lr0.001_seed0"]
+    cmd = [
+        Path(sys.executable).with_name("m2po-study"), "--config=arith:m2po,tiny",
+        "--config.mesh.data=1", f"--out={tmp_path}", "--staleness=2",
+        "--methods=m2po,stale_grpo", "--lrs=1e-3", "--seeds=0", "--steps=2000", "--parallel=2",
+    ]  # fmt: skip
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while min(_stepped(tmp_path / "cells" / n) for n in names) < 2 and child.poll() is None:
+        assert time.monotonic() - t0 < 240, "the cells never stepped"
+        time.sleep(0.2)
+    child.send_signal(signal.SIGTERM)  # the study only: its cells are in their own groups
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    last = err.decode().strip().splitlines()[-1]
+    assert last.startswith("m2po-study: stopped by signal 15 (") and "Traceback" not in last
+    stopped = {}
+    for n in names:
+        workdir = tmp_path / "cells" / n
+        assert not (workdir / study.DONE).exists()
+        step = _stepped(workdir)  # rows 0 .. step - 1, then the checkpoint of that step
+        assert f"{n} at step {step}" in last
+        assert (workdir / "checkpoints" / str(step)).is_dir()
+        stopped[n] = step
+    assert step < 2000
+
+    base = arith.get_config("m2po,tiny").to_dict()
+    base["mesh"]["data"] = 1
+    cells = study.grid([2], ["m2po", "stale_grpo"], [1e-3], [0])
+    end = max(stopped.values()) + 2
+    assert [c.name for c in study.run_study(base, cells, tmp_path, steps=end)] == names
+    for n in names:  # each resumed from its checkpoint: every step once
+        rows = [json.loads(x) for x in (tmp_path / "cells" / n / "metrics.jsonl").open()]
+        assert [r["step"] for r in rows] == list(range(end))
