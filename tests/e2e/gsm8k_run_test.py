@@ -68,6 +68,10 @@ def checkpoint(tmp_path_factory):
 
 
 def small_gsm8k(checkpoint, **changes):
+    return config_lib.from_configdict(small_gsm8k_dict(checkpoint, **changes))
+
+
+def small_gsm8k_dict(checkpoint, **changes):
     c = gsm8k.get_config()
     c.model.path = str(checkpoint)
     c.model.dtype = "float32"
@@ -88,7 +92,7 @@ def small_gsm8k(checkpoint, **changes):
     c.logging.plots = False
     for key, value in changes.items():
         c.task[key] = value
-    return config_lib.from_configdict(c)
+    return c
 
 
 def completion_length_reward(completion: str, answer: str) -> float:
@@ -166,6 +170,27 @@ def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
         for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(loaded), strict=True)
     )
     assert 0.9 * lr < moved < 2.2 * lr
+
+
+def test_a_study_on_the_gsm8k_config_runs_its_cells_from_the_checkpoint(checkpoint, tmp_path):
+    from m2po_jax.trainer import study
+
+    base = small_gsm8k_dict(checkpoint, reward_fn=f"{__name__}:completion_length_reward")
+    cells = study.grid([0, 1], ["grpo", "m2po"], [1e-6], [0])
+    ran = study.run_study(base.to_dict(), cells, tmp_path, steps=2)
+    assert [c.name for c in ran] == ["k0_grpo_lr1e-06_seed0", "k1_m2po_lr1e-06_seed0"]
+    assert not (tmp_path / "warmup").exists()  # the config has no warm-up: the checkpoint
+    for c in ran:
+        workdir = tmp_path / "cells" / c.name
+        recorded = json.loads((workdir / "config.json").read_text())["config"]
+        assert recorded["model.path"] == str(checkpoint) and recorded["actor.optimizer.lr"] == 1e-6
+        rows = metrics_lib.read_metrics(workdir / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [0, 1] and rows[1]["staleness/max"] == c.staleness
+        assert all(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in rows)
+        done = json.loads((workdir / study.DONE).read_text())
+        assert done["final"] == rows[-1]["eval/accuracy"]
+    table = (tmp_path / "study.md").read_text()
+    assert "| 1 | m2po | 1e-06 | 1 |" in table and "| 0 | grpo | 1e-06 | 1 |" in table
 
 
 def test_gsm8k_errors_name_the_missing_file(checkpoint, tmp_path):
