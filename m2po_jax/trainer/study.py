@@ -361,7 +361,7 @@ def run_study(base: dict, cells: list[Cell], out, *, tau=0.04, steps=150, parall
         _STOP = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    report(out, cells, failed)
+    report(out, cells, failed, tau=tau)
     if failed or stop.stopped():
         raise StudyError(failed, stopped, stop.stopped() or None)
     return finished
@@ -475,9 +475,10 @@ def _fmt(x, digits=3):
     return f"{x:.{digits}f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
-def report(out: Path, cells: list[Cell], failed: dict | None = None) -> str:
+def report(out: Path, cells: list[Cell], failed: dict | None = None, tau=None) -> str:
     """Writes `study.md`, `study.json` and the plots of the finished cells; returns the table.
-    `failed` ({cell name: exception}) are listed under it."""
+    `failed` ({cell name: exception}) are listed under it; `tau` (the M2PO methods') titles
+    the plots."""
     found = groups(out, cells)
     head = (
         "| k | method | lr | seeds | final (min-max) | best | masked | m2 p50 | m2 p99 | "
@@ -505,11 +506,11 @@ def report(out: Path, cells: list[Cell], failed: dict | None = None) -> str:
     text = table + "\n\n" + "\n".join(f"- {v}" for v in notes) + "\n"
     (out / "study.md").write_text(text)
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
-    _plot(out, found)
+    _plot(out, found, tau)
     return text
 
 
-def _plot(out: Path, found: dict) -> None:
+def _plot(out: Path, found: dict, tau=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -530,7 +531,10 @@ def _plot(out: Path, found: dict) -> None:
                 label = f"{method} (k = {kk})"
                 ax.plot(steps, acc.mean(0), marker="o", ms=3, label=label)
                 ax.fill_between(steps, acc.min(0), acc.max(0), alpha=0.2)
-            ax.set(title=f"staleness {k}, lr {lr:g}", xlabel="RL step", ylabel="held-out accuracy")
+            title = f"staleness {k}, lr {lr:g}"
+            if tau is not None and any(m in ("m2po", "paper_final") for _, m, _ in found):
+                title += f", tau {tau:g}"
+            ax.set(title=title, xlabel="RL step", ylabel="held-out accuracy")
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"study_k{k}.png", dpi=110)
