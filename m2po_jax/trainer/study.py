@@ -9,15 +9,17 @@ started from the same params: the config's supervised warm-up (`sft.*`), run onc
 `<out>/warmup/` (a config without one starts every cell from `model.path` or the seed-0
 init). A cell that finished wrote `done.json` and is skipped when the study runs again; a
 cell that was stopped resumes from its checkpoints. `--parallel=N` runs N cells at once, each
-in its own process. Every cell's config is checked before any work. A cell that fails (a
+in its own process (the warm-up too); `--devices_per_cell=M` pins each to M GPUs of its own.
+Every cell's config is checked before any work. A cell that fails (a
 diverged run, a bad file) is reported in one line and does not stop the others; SIGTERM or
 Ctrl-C stops the running cells after their step, with a checkpoint (a second one: at once).
 Exit status: 0, every cell finished; 2, a cell refused its config or failed with an error of
 the user's; 1, an error of the project's own (its traceback printed); 128 + the signal if
-one stopped the study. At the end, finished or not: `<out>/study.md` (one row per staleness, method and learning
-rate: mean and range over seeds of the final and best held-out accuracy, and the run means
-of the diagnostics), `<out>/study.json` (every cell), and `<out>/study_k<K>.png` (held-out
-accuracy by step, mean over seeds with their range, per learning rate).
+one stopped the study. At the end, finished or not: `<out>/study.md` (one row per
+staleness, method and learning rate: mean and range over seeds of the final and best
+held-out accuracy, and the run means of the diagnostics), `<out>/study.json` (every cell),
+and `<out>/study_k<K>.png` (held-out accuracy by step, mean over seeds with their range, per
+learning rate).
 
 Methods (`METHODS`): `grpo` (on-policy, staleness 0 only), `stale_grpo` (decoupled PPO with
 the eps-clip, no M2PO), `m2po` (AReaL's rule, tau `--tau`), `paper_final` (the final paper's
@@ -42,6 +44,7 @@ from ml_collections import config_flags
 
 # Imported lazily where JAX is needed: a `--parallel` worker is a fresh process.
 DONE = "done.json"
+ENVIRONMENT = "environment.json"  # a cell's, written when it starts
 WARMUP_PARAMS = "params.msgpack"
 SUMMARY_MEANS = (
     "m2po/masked_fraction",
@@ -153,16 +156,24 @@ def environment() -> dict:
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
 
-def warmup(base: dict, out: Path) -> Path | None:
+def _use_devices(devices: str | None) -> None:
+    """Pins this (fresh) process to `devices` before JAX starts its backend."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+
+
+def warmup(base: dict, out: Path, devices: str | None = None) -> Path | None:
     """The shared warm-up's params file (run once; None: the config has no warm-up)."""
     if not base["sft"]["max_steps"]:
         return None
     path = out / "warmup" / WARMUP_PARAMS
     if path.exists():
         return path
+    _use_devices(devices)
     import jax
     import ml_collections
     import numpy as np
@@ -255,8 +266,17 @@ def _cell_process(signum) -> None:
     _STOP.install()
 
 
-def run_cell(base: dict, cell: Cell, tau: float, steps: int, out: str, warm: str | None):
-    """Trains one cell (resuming its checkpoints), writes its `done.json`; returns its summary.
+def run_cell(
+    base: dict,
+    cell: Cell,
+    tau: float,
+    steps: int,
+    out: str,
+    warm: str | None,
+    devices: str | None = None,
+):
+    """Trains one cell (resuming its checkpoints) on `devices` (`CUDA_VISIBLE_DEVICES`; None:
+    this process's), writes its `done.json`; returns its summary.
 
     Raises `CellStopped` if the study was signalled (before the cell began, or during it)."""
     from absl import logging as absl_logging
@@ -268,9 +288,12 @@ def run_cell(base: dict, cell: Cell, tau: float, steps: int, out: str, warm: str
     stop = _STOP
     if stop is not None and stop.stopped():
         raise CellStopped(cell.name, None, stop.stopped())
+    _use_devices(devices)
     absl_logging.set_verbosity(absl_logging.ERROR)
     compile_cache.enable()  # the cells share their programs
     workdir = Path(out) / "cells" / cell.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    _write_json(workdir / ENVIRONMENT, environment())
     cfg = config_lib.from_configdict(cell_config(base, cell, tau=tau, steps=steps))
     params = None if warm is None else serialization.msgpack_restore(Path(warm).read_bytes())
     trainer = loop.Trainer(cfg, workdir, initial_params=params)
@@ -286,6 +309,7 @@ def run_cell(base: dict, cell: Cell, tau: float, steps: int, out: str, warm: str
     if result.interrupted:
         raise CellStopped(cell.name, result.final_step, result.signal or signal.SIGTERM)
     summary = {**dataclasses.asdict(cell), **summarize(workdir / "metrics.jsonl")}
+    summary["environment"] = json.loads((workdir / ENVIRONMENT).read_text())
     _write_json(workdir / DONE, summary)
     return summary
 
@@ -329,34 +353,35 @@ def check_cells(base: dict, cells: list[Cell], *, tau: float, steps: int) -> Non
             raise config_lib.ConfigError(f"cell {c.name}: {e}") from e
 
 
-def run_study(base: dict, cells: list[Cell], out, *, tau=0.04, steps=150, parallel=1) -> list:
+def run_study(
+    base: dict,
+    cells: list[Cell],
+    out,
+    *,
+    tau=0.04,
+    steps=150,
+    parallel=1,
+    devices_per_cell=0,
+) -> list:
     """Runs the cells not done yet (`parallel` at a time) and writes the report; returns the
     cells it finished.
 
-    A cell that fails does not stop the others; a SIGTERM / SIGINT stops every running cell
-    after its step, with a checkpoint. Either way the report of the finished cells is written
-    and `StudyError` says which cells did not finish."""
+    `devices_per_cell` > 0 gives each of the `parallel` cells its own GPUs of this host
+    (`CUDA_VISIBLE_DEVICES`, `cell_devices`), and runs the warm-up in a process of its own
+    too, so that this process never holds an accelerator. A cell that fails does not stop
+    the others; a SIGTERM / SIGINT stops every running cell after its step, with a
+    checkpoint. Either way the report of the finished cells is written and `StudyError`
+    says which cells did not finish."""
     out = Path(out)
     check_cells(base, cells, tau=tau, steps=steps)
+    slots = cell_devices(parallel, devices_per_cell)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    env = environment()
-    made = out / "warmup" / "warmup.json"
-    if made.exists():
-        before = json.loads(made.read_text()).get("environment")
-        if before not in (None, env):
-            print(
-                f"m2po-study: note: the warm-up was made in {before}, this run is in {env}; "
-                "cells made here are not comparable bit for bit with the earlier ones",
-                file=sys.stderr,
-            )
-    _write_json(
-        out / "study_config.json", {"base": base, "tau": tau, "steps": steps, "environment": env}
-    )
+    _write_json(out / "study_config.json", {"base": base, "tau": tau, "steps": steps})
     global _STOP
     _STOP = stop = _Stop()
     previous = stop.install()
     try:
-        finished, failed, stopped = _run_cells(base, cells, out, stop, tau, steps, parallel)
+        finished, failed, stopped = _run_cells(base, cells, out, stop, tau, steps, slots)
     finally:
         _STOP = None
         for sig, handler in previous.items():
@@ -367,8 +392,29 @@ def run_study(base: dict, cells: list[Cell], out, *, tau=0.04, steps=150, parall
     return finished
 
 
-def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, parallel):
-    """(finished cells, {name: exception} of the failed, `CellStopped` of the stopped)."""
+def cell_devices(parallel: int, devices_per_cell: int) -> list:
+    """Each cell slot's `CUDA_VISIBLE_DEVICES` (None: the process's own devices, all of
+    them); `parallel` <= 1 and no pinning: no slots, the cells run in this process."""
+    if devices_per_cell < 0:
+        raise ValueError(f"--devices_per_cell: must be >= 0, got {devices_per_cell}")
+    if not devices_per_cell:
+        return [None] * parallel if parallel > 1 else []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x for x in visible.split(",") if x.strip()] if visible else None
+    need = parallel * devices_per_cell
+    if ids is not None and len(ids) < need:
+        raise ValueError(
+            f"--parallel={parallel} --devices_per_cell={devices_per_cell}: needs {need} "
+            f"devices, CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)}"
+        )
+    ids = ids or [str(i) for i in range(need)]
+    n = devices_per_cell
+    return [",".join(ids[i * n : (i + 1) * n]) for i in range(parallel)]
+
+
+def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, slots: list):
+    """(finished cells, {name: exception} of the failed, `CellStopped` of the stopped).
+    `slots`: the device sets of the cells' processes (`cell_devices`); none: this process."""
     finished, failed, stopped = [], {}, []
 
     def outcome(cell, error):
@@ -388,36 +434,43 @@ def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, parallel):
     for c in cells:
         if c not in todo:
             print(f"m2po-study: {c.name}: done, skipped", flush=True)
-    warm = warmup(base, out) if todo else None
-    if stop.stopped():  # during the warm-up
+    if not todo:
         return finished, failed, stopped
-    args = (tau, steps, str(out), None if warm is None else str(warm))
-    if parallel <= 1:
+    if not slots:
+        warm = warmup(base, out)
+        args = (tau, steps, str(out), None if warm is None else str(warm))
         for c in todo:
+            if stop.stopped():  # during the warm-up or the cell before
+                break
             try:
                 run_cell(base, c, *args)
                 outcome(c, None)
             except Exception as e:  # noqa: BLE001 (reported per cell; the others run)
                 outcome(c, e)
-            if stop.stopped():
-                break
         return finished, failed, stopped
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
-        parallel,
+        len(slots),
         mp_context=spawn,
         max_tasks_per_child=1,
         initializer=_cell_process,
         initargs=(stop.signum,),
     ) as pool:
-        futures = {pool.submit(run_cell, base, c, *args): c for c in todo}
-        for f in concurrent.futures.as_completed(futures):
-            if f.cancelled():
-                continue
-            outcome(futures[f], f.exception())
-            if stop.stopped():
-                for g in futures:
-                    g.cancel()
+        warm = pool.submit(warmup, base, out, slots[0]).result()
+        args = (tau, steps, str(out), None if warm is None else str(warm))
+        free, pending, running = list(slots), list(todo), {}
+        while pending or running:
+            while pending and free and not stop.stopped():
+                devices, cell = free.pop(0), pending.pop(0)
+                job = pool.submit(run_cell, base, cell, *args, devices=devices)
+                running[job] = (cell, devices)
+            if not running:
+                break
+            done, _ = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
+            for job in done:
+                cell, devices = running.pop(job)
+                free.append(devices)
+                outcome(cell, job.exception())
     return finished, failed, stopped
 
 
@@ -503,11 +556,37 @@ def report(out: Path, cells: list[Cell], failed: dict | None = None, tau=None) -
         )
     table = "\n".join(lines)
     notes = verdicts(found) + [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
+    notes += _mixed_environments(out, found)
     text = table + "\n\n" + "\n".join(f"- {v}" for v in notes) + "\n"
     (out / "study.md").write_text(text)
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
     _plot(out, found, tau)
     return text
+
+
+def _mixed_environments(out: Path, found: dict) -> list[str]:
+    """A note if the warm-up and the cells ran with different devices, flags or JAX (their
+    numbers are then not comparable bit for bit); which GPUs a cell had does not count."""
+
+    def key(env):
+        env = dict(env or {})
+        env.pop("cuda_visible_devices", None)
+        return json.dumps(env, sort_keys=True)
+
+    seen: dict = {}
+    made = out / "warmup" / "warmup.json"
+    if made.exists():
+        seen.setdefault(key(json.loads(made.read_text()).get("environment")), []).append("warm-up")
+    for (k, method, lr), runs in sorted(found.items()):
+        for r in runs:
+            name = Cell(k, method, lr, r["seed"]).name
+            seen.setdefault(key(r.get("environment")), []).append(name)
+    if len(seen) <= 1:
+        return []
+    return [
+        "environments differ (not comparable bit for bit): "
+        + "; ".join(f"{', '.join(names)}: {env}" for env, names in seen.items())
+    ]
 
 
 def _plot(out: Path, found: dict, tau=None) -> None:
@@ -559,6 +638,13 @@ def define_flags(default_config: str) -> None:
     flags.DEFINE_integer("steps", 150, "RL steps per cell.", lower_bound=1)
     flags.DEFINE_float("tau", 0.04, "M2PO threshold of the M2PO methods.")
     flags.DEFINE_integer("parallel", 1, "Cells run at once (one process each).", lower_bound=1)
+    flags.DEFINE_integer(
+        "devices_per_cell",
+        0,
+        "GPUs of this host per cell (CUDA_VISIBLE_DEVICES of each cell's process: the first "
+        "N for one cell, the next N for the next, ...); 0: every cell sees all devices.",
+        lower_bound=0,
+    )
 
 
 def _main(argv) -> None:
@@ -579,9 +665,20 @@ def _main(argv) -> None:
 
     base = FLAGS.config.to_dict()
     try:
-        run_study(base, cells, FLAGS.out, tau=FLAGS.tau, steps=FLAGS.steps, parallel=FLAGS.parallel)
+        run_study(
+            base,
+            cells,
+            FLAGS.out,
+            tau=FLAGS.tau,
+            steps=FLAGS.steps,
+            parallel=FLAGS.parallel,
+            devices_per_cell=FLAGS.devices_per_cell,
+        )
     except M2poError as e:  # a config a cell refuses, before any work
         print(f"m2po-study: {e.what}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as e:  # --devices_per_cell against CUDA_VISIBLE_DEVICES
+        print(f"m2po-study: {e}", file=sys.stderr)
         sys.exit(2)
     except StudyError as e:
         sys.exit(_exit_status(e, Path(FLAGS.out)))

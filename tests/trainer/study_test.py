@@ -2,6 +2,7 @@
 cells, and a SIGTERM that checkpoints the running cells."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,16 @@ def test_the_grid_runs_grpo_on_policy_and_the_rest_stale():
         study.grid([0], ["ppo"], [1e-4], [0])
     with pytest.raises(ValueError, match="no cell"):
         study.grid([0], ["m2po"], [1e-4], [0])
+
+
+def test_cell_devices_gives_each_parallel_cell_its_own_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert study.cell_devices(1, 0) == [] and study.cell_devices(3, 0) == [None] * 3
+    assert study.cell_devices(4, 2) == ["0,1", "2,3", "4,5", "6,7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert study.cell_devices(2, 2) == ["3,5", "6,7"] and study.cell_devices(1, 1) == ["3"]
+    with pytest.raises(ValueError, match="needs 6 devices, CUDA_VISIBLE_DEVICES='3,5,6,7' lists 4"):
+        study.cell_devices(3, 2)
 
 
 def _tiny():
@@ -100,6 +111,15 @@ def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(
     table = (tmp_path / "study.md").read_text()
     assert "| 2 | stale_grpo | 0.001 | 1 |" in table
     assert "lr 0.001, k = 2: staleness" in table and "m2po" in table.splitlines()[-1]
+    assert "environments differ" not in table
+
+    made = tmp_path / "warmup" / "warmup.json"  # as if the warm-up had run on one device
+    record = json.loads(made.read_text())
+    record["environment"]["devices"] = 1
+    made.write_text(json.dumps(record))
+    note = study.report(tmp_path, more).strip().splitlines()[-1]
+    assert note.startswith("- environments differ (not comparable bit for bit): warm-up: {")
+    assert '"devices": 1' in note and "k0_grpo_lr0.001_seed0, k2_m2po_lr0.001_seed0" in note
 
 
 def _stepped(workdir: Path) -> int:
@@ -113,8 +133,10 @@ def test_sigterm_checkpoints_the_running_cells_and_the_study_resumes_them(tmp_pa
         Path(sys.executable).with_name("m2po-study"), "--config=arith:m2po,tiny",
         "--config.mesh.data=1", f"--out={tmp_path}", "--staleness=2",
         "--methods=m2po,stale_grpo", "--lrs=1e-3", "--seeds=0", "--steps=2000", "--parallel=2",
+        "--devices_per_cell=1",
     ]  # fmt: skip
-    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     t0 = time.monotonic()
     while min(_stepped(tmp_path / "cells" / n) for n in names) < 2 and child.poll() is None:
         assert time.monotonic() - t0 < 240, "the cells never stepped"
@@ -133,6 +155,12 @@ def test_sigterm_checkpoints_the_running_cells_and_the_study_resumes_them(tmp_pa
         assert (workdir / "checkpoints" / str(step)).is_dir()
         stopped[n] = step
     assert step < 2000
+    # Each cell's process had its own device (a GPU host's CUDA_VISIBLE_DEVICES; the CPU
+    # backend ignores it), the warm-up the first cell's; this process held none.
+    pinned = [json.loads((tmp_path / "cells" / n / study.ENVIRONMENT).read_text()) for n in names]
+    assert sorted(e["cuda_visible_devices"] for e in pinned) == ["0", "1"]
+    made = json.loads((tmp_path / "warmup" / "warmup.json").read_text())["environment"]
+    assert made["cuda_visible_devices"] == "0"
 
     base = arith.get_config("m2po,tiny").to_dict()
     base["mesh"]["data"] = 1
