@@ -573,14 +573,16 @@ def _mixed_environments(out: Path, found: dict) -> list[str]:
         env.pop("cuda_visible_devices", None)
         return json.dumps(env, sort_keys=True)
 
-    seen: dict = {}
+    seen: dict = {}  # (what was not recorded does not count)
     made = out / "warmup" / "warmup.json"
-    if made.exists():
-        seen.setdefault(key(json.loads(made.read_text()).get("environment")), []).append("warm-up")
+    if made.exists() and "environment" in (record := json.loads(made.read_text())):
+        seen.setdefault(key(record["environment"]), []).append("warm-up")
     for (k, method, lr), runs in sorted(found.items()):
         for r in runs:
-            name = Cell(k, method, lr, r["seed"]).name
-            seen.setdefault(key(r.get("environment")), []).append(name)
+            if "environment" in r:
+                seen.setdefault(key(r["environment"]), []).append(
+                    Cell(k, method, lr, r["seed"]).name
+                )
     if len(seen) <= 1:
         return []
     return [
