@@ -506,20 +506,42 @@ def verdicts(found: dict) -> list[str]:
             lines.append(f"lr {lr:g}: no on-policy cells, no verdict")
             continue
         lo = min(s["final"] for s in on)
+        claim = None  # (k, staleness hurts, {rule: rescues}) at the largest k
         for k in sorted({k for k, _, x in found if x == lr and k > 0}):
             stale = found.get((k, "stale_grpo", lr))
             if not stale:
                 continue
             hurts = _spread([s["final"] for s in stale])[0] < lo
             parts = [f"lr {lr:g}, k = {k}: staleness {'hurts' if hurts else 'does not hurt'}"]
+            rescued = {}
             for rule in ("m2po", "paper_final"):
                 if (k, rule, lr) in found:
                     ok = _spread([s["final"] for s in found[(k, rule, lr)]])[0] >= lo
                     word = ("rescues" if ok else "does not rescue") if hurts else (
                         "harmless" if ok else "hurts")  # fmt: skip
                     parts.append(f"{rule} {word}")
+                    rescued[rule] = ok
             lines.append("; ".join(parts) + f" (on-policy final >= {lo:.3f})")
+            claim = (k, hurts, rescued)
+        if claim is not None and claim[2]:
+            lines.append(_claim(lr, *claim))
     return lines
+
+
+def _claim(lr: float, k: int, hurts: bool, rescued: dict) -> str:
+    """The protocol's verdict on the claim at a learning rate, from its largest staleness."""
+    head = f"lr {lr:g}: the claim is"
+    if not hurts:
+        return f"{head} not tested at k = {k} (staleness does not hurt there)"
+    if all(rescued.values()):
+        return f"{head} reproduced at k = {k} ({' and '.join(rescued)} rescue)"
+    if not any(rescued.values()):
+        return f"{head} not reproduced at k = {k} (no M2PO rule rescues)"
+    yes = [r for r, ok in rescued.items() if ok]
+    no = [r for r, ok in rescued.items() if not ok]
+    return (
+        f"{head} partly reproduced at k = {k} ({', '.join(yes)} rescues, {', '.join(no)} does not)"
+    )
 
 
 def _fmt(x, digits=3):

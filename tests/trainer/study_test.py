@@ -39,6 +39,43 @@ def test_cell_devices_gives_each_parallel_cell_its_own_gpus(monkeypatch):
         study.cell_devices(3, 2)
 
 
+def _runs(*finals):
+    return [{"final": f, "seed": i} for i, f in enumerate(finals)]
+
+
+def test_the_verdicts_follow_the_protocol():
+    # Grid A's second run (README), final accuracies by seed.
+    found = {
+        (0, "grpo", 1e-4): _runs(0.582, 0.586, 0.590),
+        (16, "stale_grpo", 1e-4): _runs(0.582, 0.586, 0.590),
+        (16, "m2po", 1e-4): _runs(0.562, 0.570, 0.578),
+        (256, "stale_grpo", 1e-4): _runs(0.527, 0.543, 0.578),
+        (256, "m2po", 1e-4): _runs(0.504, 0.550, 0.578),
+        (256, "paper_final", 1e-4): _runs(0.574, 0.594, 0.598),
+        (0, "grpo", 3e-4): _runs(0.605, 0.617, 0.664),
+        (256, "stale_grpo", 3e-4): _runs(0.422, 0.457, 0.512),
+        (256, "m2po", 3e-4): _runs(0.004, 0.320, 0.367),
+        (256, "paper_final", 3e-4): _runs(0.551, 0.562, 0.582),
+    }
+    assert study.verdicts(found) == [
+        "lr 0.0001, k = 16: staleness does not hurt; m2po hurts (on-policy final >= 0.582)",
+        "lr 0.0001, k = 256: staleness hurts; m2po does not rescue; paper_final rescues "
+        "(on-policy final >= 0.582)",
+        "lr 0.0001: the claim is partly reproduced at k = 256 (paper_final rescues, m2po does not)",
+        "lr 0.0003, k = 256: staleness hurts; m2po does not rescue; paper_final does not "
+        "rescue (on-policy final >= 0.605)",
+        "lr 0.0003: the claim is not reproduced at k = 256 (no M2PO rule rescues)",
+    ]
+    found[(256, "m2po", 3e-4)] = found[(256, "paper_final", 3e-4)] = _runs(0.60, 0.61, 0.62)
+    assert study.verdicts(found)[-1] == (
+        "lr 0.0003: the claim is reproduced at k = 256 (m2po and paper_final rescue)"
+    )
+    found[(256, "stale_grpo", 3e-4)] = _runs(0.60, 0.61, 0.62)  # mean 0.61 >= 0.605
+    assert study.verdicts(found)[-1] == (
+        "lr 0.0003: the claim is not tested at k = 256 (staleness does not hurt there)"
+    )
+
+
 def _tiny():
     base = arith.get_config("m2po,tiny").to_dict()
     base["mesh"]["data"] = 1  # one of the suite's 8 CPU devices
@@ -110,7 +147,9 @@ def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(
     assert (m2po_dir / study.DONE).stat().st_mtime_ns == stamp
     table = (tmp_path / "study.md").read_text()
     assert "| 2 | stale_grpo | 0.001 | 1 |" in table
-    assert "lr 0.001, k = 2: staleness" in table and "m2po" in table.splitlines()[-1]
+    verdict = [line for line in table.splitlines() if line.startswith("- lr 0.001, k = 2:")]
+    assert len(verdict) == 1 and "; m2po " in verdict[0]
+    assert table.strip().splitlines()[-1].startswith("- lr 0.001: the claim is ")
     assert "environments differ" not in table
 
     made = tmp_path / "warmup" / "warmup.json"  # as if the warm-up had run on one device
