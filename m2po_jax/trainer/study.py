@@ -22,8 +22,10 @@ and `<out>/study_k<K>.png` (held-out accuracy by step, mean over seeds with thei
 learning rate).
 
 Methods (`METHODS`): `grpo` (on-policy, staleness 0 only), `stale_grpo` (decoupled PPO with
-the eps-clip, no M2PO), `m2po` (AReaL's rule, tau `--tau`), `paper_final` (the final paper's
-rule, `m2po_jax/algorithm/variants.py`). The verdicts under the table follow
+the eps-clip, no M2PO), and the four M2PO rules, each at tau `--tau`: `m2po` (AReaL's),
+`paper` (the paper's Algorithm 1), `authors` (the authors' code: a capped-mean clip range on
+the harmful tokens), `paper_final` (the final paper's, `m2po_jax/algorithm/variants.py`). The
+default is the protocol's four (no `paper`, `authors`). The verdicts under the table follow
 `docs/stale_study_protocol.md`.
 """
 
@@ -74,6 +76,23 @@ def _m2po(c, tau):
     c.actor.m2po_candidates, c.actor.m2po_scope = "all", "global"
 
 
+def _paper(c, tau):
+    """The paper's Algorithm 1: m2 of the current policy against the behaviour one, the <=
+    rule over all tokens, the loss -A * r without a ratio clip over all valid tokens."""
+    c.actor.m2_threshold = tau
+    c.actor.m2po_second_moment, c.actor.m2po_stop_rule = "current_behav", "le"
+    c.actor.m2po_candidates, c.actor.m2po_scope = "all", "global"
+    c.actor.eps_clip = c.actor.eps_clip_higher = None
+    c.actor.loss_denominator = "valid"
+
+
+def _authors(c, tau):
+    """The authors' code: the harmful tokens' capped mean, turned into a PPO clip range."""
+    c.actor.m2_threshold = tau
+    c.actor.m2po_second_moment, c.actor.m2po_stop_rule = "behav_prox", "capped_clip"
+    c.actor.m2po_candidates, c.actor.m2po_scope = "harmful", "global"
+
+
 def _paper_final(c, tau):
     from m2po_jax.algorithm import variants
 
@@ -83,8 +102,17 @@ def _paper_final(c, tau):
     c.actor.rejection_sampling.enabled = False  # no proximal policy: nothing to correct
 
 
-METHODS = {"grpo": _grpo, "stale_grpo": _stale_grpo, "m2po": _m2po, "paper_final": _paper_final}
+METHODS = {
+    "grpo": _grpo,
+    "stale_grpo": _stale_grpo,
+    "m2po": _m2po,
+    "paper": _paper,
+    "authors": _authors,
+    "paper_final": _paper_final,
+}
 ON_POLICY = "grpo"
+RULES = ("m2po", "paper", "authors", "paper_final")  # the M2PO methods
+PROTOCOL_METHODS = ("grpo", "stale_grpo", "m2po", "paper_final")  # docs/stale_study_protocol.md
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,7 +542,7 @@ def verdicts(found: dict) -> list[str]:
             hurts = _spread([s["final"] for s in stale])[0] < lo
             parts = [f"lr {lr:g}, k = {k}: staleness {'hurts' if hurts else 'does not hurt'}"]
             rescued = {}
-            for rule in ("m2po", "paper_final"):
+            for rule in RULES:
                 if (k, rule, lr) in found:
                     ok = _spread([s["final"] for s in found[(k, rule, lr)]])[0] >= lo
                     word = ("rescues" if ok else "does not rescue") if hurts else (
@@ -635,7 +663,7 @@ def _plot(out: Path, found: dict, tau=None) -> None:
                 ax.plot(steps, acc.mean(0), marker="o", ms=3, label=label)
                 ax.fill_between(steps, acc.min(0), acc.max(0), alpha=0.2)
             title = f"staleness {k}, lr {lr:g}"
-            if tau is not None and any(m in ("m2po", "paper_final") for _, m, _ in found):
+            if tau is not None and any(m in RULES for _, m, _ in found):
                 title += f", tau {tau:g}"
             ax.set(title=title, xlabel="RL step", ylabel="held-out accuracy")
             ax.legend(fontsize=7)
@@ -656,7 +684,11 @@ def define_flags(default_config: str) -> None:
     )  # fmt: skip
     flags.DEFINE_string("out", "runs/stale_study", "Study directory (resumes a half-done grid).")
     flags.DEFINE_list("staleness", ["0", "16", "64", "256"], "Staleness values k.")
-    flags.DEFINE_list("methods", list(METHODS), f"Methods, of {sorted(METHODS)}.")
+    flags.DEFINE_list(
+        "methods",
+        list(PROTOCOL_METHODS),
+        f"Methods, of {sorted(METHODS)} (default: the protocol's).",
+    )
     flags.DEFINE_list("lrs", ["1e-4", "3e-4"], "Learning rates.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
     flags.DEFINE_integer("steps", 150, "RL steps per cell.", lower_bound=1)

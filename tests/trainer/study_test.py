@@ -39,6 +39,22 @@ def test_cell_devices_gives_each_parallel_cell_its_own_gpus(monkeypatch):
         study.cell_devices(3, 2)
 
 
+def test_the_paper_and_authors_methods_are_the_shipped_presets_rules():
+    base = arith.get_config("m2po").to_dict()
+    keys = (
+        "m2_threshold", "m2po_second_moment", "m2po_stop_rule", "m2po_candidates", "eps_clip",
+        "eps_clip_higher", "loss_denominator", "use_decoupled_loss", "ppo_n_minibatches",
+    )  # fmt: skip
+    for method in ("paper", "authors", "paper_final"):
+        cell = study.Cell(256, method, 1e-4, 0)
+        got = study.cell_config(base, cell, tau=0.04, steps=10).actor
+        want = arith.get_config(method).actor
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, method
+    cells = study.grid([0, 256], list(study.METHODS), [1e-4], [0])
+    assert [c.method for c in cells] == list(study.METHODS)
+    study.check_cells(base, cells, tau=0.04, steps=10)  # every method's config is valid
+
+
 def _runs(*finals):
     return [{"final": f, "seed": i} for i, f in enumerate(finals)]
 
