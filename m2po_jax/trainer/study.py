@@ -567,8 +567,10 @@ def _claim(lr: float, k: int, hurts: bool, rescued: dict) -> str:
         return f"{head} not reproduced at k = {k} (no M2PO rule rescues)"
     yes = [r for r, ok in rescued.items() if ok]
     no = [r for r, ok in rescued.items() if not ok]
+    rescue = "rescues" if len(yes) == 1 else "rescue"
+    fail = "does not" if len(no) == 1 else "do not"
     return (
-        f"{head} partly reproduced at k = {k} ({', '.join(yes)} rescues, {', '.join(no)} does not)"
+        f"{head} partly reproduced at k = {k} ({', '.join(yes)} {rescue}, {', '.join(no)} {fail})"
     )
 
 
