@@ -35,23 +35,17 @@ def _stale_grpo(c):
 
 def _paper(c):
     c.actor.m2_threshold = 0.04
-    c.actor.m2po_second_moment = "current_behav"
-    c.actor.m2po_stop_rule = "le"
-    c.actor.eps_clip = None  # no ratio clip: the loss is -A * r on the kept tokens
-    c.actor.loss_denominator = "valid"
+    variants.configure(c.actor, "paper")  # no ratio clip: the loss is -A * r on the kept tokens
 
 
 def _paper_final(c):
     c.actor.m2_threshold = 0.04
-    for key, value in variants.ACTOR["paper_final"].items():
-        c.actor[key] = value
-    c.actor.rejection_sampling.enabled = False  # no proximal policy, so nothing to correct
+    variants.configure(c.actor, "paper_final")
 
 
 def _authors(c):
     c.actor.m2_threshold = 0.04
-    c.actor.m2po_candidates = "harmful"
-    c.actor.m2po_stop_rule = "capped_clip"
+    variants.configure(c.actor, "authors")
 
 
 def _tiny(c):

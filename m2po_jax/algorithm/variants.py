@@ -20,6 +20,16 @@ MASK = {
 }
 
 ACTOR = {
+    # The paper's Algorithm 1: m2 of the current policy against the behaviour one, the <=
+    # rule over all tokens, the loss -A * r without a ratio clip over all valid tokens.
+    "paper": dict(
+        m2po_second_moment="current_behav",
+        m2po_stop_rule="le",
+        eps_clip=None,
+        loss_denominator="valid",
+    ),
+    # The authors' code: the harmful tokens' capped mean, turned into a PPO clip range.
+    "authors": dict(m2po_candidates="harmful", m2po_stop_rule="capped_clip"),
     "paper_final": dict(
         m2po_second_moment="current_behav",
         m2po_stop_rule="le",
@@ -33,3 +43,12 @@ ACTOR = {
         loss_denominator="valid",
     ),
 }
+
+
+def configure(actor, name: str) -> None:
+    """Sets variant `name`'s settings (`ACTOR[name]`) on a config's `actor` section; the
+    final paper's has no proximal policy, so its behaviour correction is off too."""
+    for key, value in ACTOR[name].items():
+        actor[key] = value
+    if name == "paper_final":
+        actor.rejection_sampling.enabled = False  # no proximal policy: nothing to correct

@@ -76,39 +76,26 @@ def _m2po(c, tau):
     c.actor.m2po_candidates, c.actor.m2po_scope = "all", "global"
 
 
-def _paper(c, tau):
-    """The paper's Algorithm 1: m2 of the current policy against the behaviour one, the <=
-    rule over all tokens, the loss -A * r without a ratio clip over all valid tokens."""
-    c.actor.m2_threshold = tau
-    c.actor.m2po_second_moment, c.actor.m2po_stop_rule = "current_behav", "le"
-    c.actor.m2po_candidates, c.actor.m2po_scope = "all", "global"
-    c.actor.eps_clip = c.actor.eps_clip_higher = None
-    c.actor.loss_denominator = "valid"
+def _variant(name):
+    """A published rule (`m2po_jax/algorithm/variants.py`) over AReaL's mask settings, so
+    that none of the base config's own M2PO settings carry over."""
 
+    def method(c, tau):
+        from m2po_jax.algorithm import variants
 
-def _authors(c, tau):
-    """The authors' code: the harmful tokens' capped mean, turned into a PPO clip range."""
-    c.actor.m2_threshold = tau
-    c.actor.m2po_second_moment, c.actor.m2po_stop_rule = "behav_prox", "capped_clip"
-    c.actor.m2po_candidates, c.actor.m2po_scope = "harmful", "global"
+        _m2po(c, tau)
+        variants.configure(c.actor, name)
 
-
-def _paper_final(c, tau):
-    from m2po_jax.algorithm import variants
-
-    c.actor.m2_threshold = tau
-    for key, value in variants.ACTOR["paper_final"].items():
-        c.actor[key] = value
-    c.actor.rejection_sampling.enabled = False  # no proximal policy: nothing to correct
+    return method
 
 
 METHODS = {
     "grpo": _grpo,
     "stale_grpo": _stale_grpo,
     "m2po": _m2po,
-    "paper": _paper,
-    "authors": _authors,
-    "paper_final": _paper_final,
+    "paper": _variant("paper"),
+    "authors": _variant("authors"),
+    "paper_final": _variant("paper_final"),
 }
 ON_POLICY = "grpo"
 RULES = ("m2po", "paper", "authors", "paper_final")  # the M2PO methods
@@ -503,11 +490,12 @@ def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, slots: list):
 
 
 def _one_line(error: BaseException) -> str:
+    """`<what>: <message>` in one line, as `m2po-train` reports errors."""
     from m2po_jax.common.errors import M2poError
+    from m2po_jax.trainer import main as train_main
 
-    if isinstance(error, M2poError):
-        return f"{error.what}: " + " ".join(str(error).split())
-    return f"{type(error).__name__}: " + " ".join(str(error).split())
+    what = error.what if isinstance(error, M2poError) else type(error).__name__
+    return f"{what}: {train_main._clean(error)}"
 
 
 def _spread(values):

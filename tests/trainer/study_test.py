@@ -50,6 +50,20 @@ def test_the_paper_and_authors_methods_are_the_shipped_presets_rules():
         got = study.cell_config(base, cell, tau=0.04, steps=10).actor
         want = arith.get_config(method).actor
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, method
+    # By hand, from the rules' definitions; a base config's own settings do not carry over.
+    other_base = arith.get_config("authors").to_dict()
+    want = {
+        "paper": dict(m2po_second_moment="current_behav", m2po_stop_rule="le",
+                      m2po_candidates="all", eps_clip=None, loss_denominator="valid"),
+        "authors": dict(m2po_second_moment="behav_prox", m2po_stop_rule="capped_clip",
+                        m2po_candidates="harmful", eps_clip=0.2),
+        "m2po": dict(m2po_second_moment="behav_prox", m2po_stop_rule="lt",
+                     m2po_candidates="all", eps_clip=0.2),
+    }  # fmt: skip
+    for method, values in want.items():
+        cell = study.Cell(256, method, 1e-4, 0)
+        got = study.cell_config(other_base, cell, tau=0.5, steps=10).actor
+        assert got.m2_threshold == 0.5 and {k: got[k] for k in values} == values, method
     cells = study.grid([0, 256], list(study.METHODS), [1e-4], [0])
     assert [c.method for c in cells] == list(study.METHODS)
     study.check_cells(base, cells, tau=0.04, steps=10)  # every method's config is valid
