@@ -16,7 +16,7 @@ Presets for real runs (combine left to right, e.g. `configs/gsm8k.py:qwen2.5-7b`
 README shows the memory plan of each (`python benchmarks/scale_bench.py --plans`):
   qwen2.5-0.5b   Qwen2.5-0.5B(-Instruct) on one 80 GB GPU
   qwen2.5-7b     Qwen2.5-7B(-Instruct) on 8 GPUs (fsdp=8), 512 rows in 4 minibatches
-  qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=16)
+  qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=4 x tensor=4)
   smollm2-135m-cpu  SmolLM2-135M-Instruct on a CPU (benchmarks/real_model.py)
 """
 
@@ -46,9 +46,11 @@ def _qwen25_7b(c):
 
 
 def _qwen3_8b(c):
-    """TPU v5e-16 (16 chips x 16 GB): fsdp=16, bfloat16 params (MaxText's v5e choice), 256
-    rows of 512 + 1,024 tokens in 4 minibatches, one row per chip per micro-batch."""
-    c.mesh.data, c.mesh.fsdp = 1, 16
+    """TPU v5e-16 (16 chips x 16 GB): fsdp=4 x tensor=4 (the sampling layout splits the
+    weights over tensor only: with fsdp=16 every chip would hold all 16 GB of them, which
+    the TPU compiler refuses), bfloat16 params (MaxText's v5e choice), 256 rows of 512 +
+    1,024 tokens in 4 minibatches."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 4
     c.model.param_dtype = "bfloat16"
     c.task.max_prompt_len = 512
     c.gconfig.max_new_tokens = 1024
@@ -126,6 +128,6 @@ def _base() -> ml_collections.ConfigDict:
     c.actor.optimizer.warmup_steps_proportion = 0.001
     c.eval.every = 20
     c.eval.num_examples = 200
-    c.eval.batch_size = 50
+    c.eval.batch_size = 40  # divides over 1, 2, 4 or 8 batch shards
     c.checkpoint.every = 20
     return c

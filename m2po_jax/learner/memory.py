@@ -192,7 +192,7 @@ class _Trunk:
             d=c.dim_per_head,
             f=split(c.intermediate_size),
             cbytes=cbytes,
-            dense_attention=attention_kind(c) in _DENSE_ATTENTION,
+            dense_attention=attention_kind(c, mesh_platform(mesh)) in _DENSE_ATTENTION,
             policy=policy,
         )
 
@@ -293,8 +293,17 @@ def blocks_pay_fn(model_config: model_config_lib.ModelConfig, mesh: Mesh, logp_c
     return pays
 
 
-def attention_kind(config: model_config_lib.ModelConfig) -> str:
-    """The attention implementation a config trains with on this backend."""
+def attention_kind(config: model_config_lib.ModelConfig, platform: str | None = None) -> str:
+    """The attention implementation a config trains with on `platform` (default: the
+    default backend)."""
     return attention.resolve(
-        config.attention, model_config_lib.as_dtype(config.dtype), config.dim_per_head
+        config.attention,
+        model_config_lib.as_dtype(config.dtype),
+        config.dim_per_head,
+        platform=platform or jax.default_backend(),
     )
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of a mesh's devices ("tpu", "gpu", "cpu")."""
+    return mesh.devices.flat[0].platform

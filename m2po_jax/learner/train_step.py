@@ -501,4 +501,5 @@ def make_train_step(
         groups=groups,
         fuse_prox=fuse_prox,
     )
-    return jax.jit(step, donate_argnums=(0,), **(jit_kwargs or {}))
+    mesh = None if layout is None else layout.mesh
+    return jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0,), **(jit_kwargs or {}))

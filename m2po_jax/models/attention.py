@@ -24,11 +24,13 @@ Implementations (`IMPLEMENTATIONS`):
   padding 0), one multi-query kernel per kv head.
 - "chunked": pure JAX flash-style attention, blockwise over keys with an online softmax
   and a custom VJP; memory O(T * block) per head on any backend.
-- "auto": resolved at trace time from `jax.default_backend()`: "cudnn" on GPU for
-  bfloat16/float16 with head_dim <= 128 and a multiple of 8 (CUDA assumed: "gpu" is also
-  ROCm's name), "splash" on TPU, else "xla".
-The "cudnn" and "splash" wrappers live in `attention_kernels.py`; off a TPU, splash runs
-in Pallas interpret mode (slow; what the tests run).
+- "auto": resolved at trace time from the platform of the devices the program is compiled
+  for (`attention_kernels.target_platform()`: the mesh in context, else
+  `jax.default_backend()`): "cudnn" on GPU for bfloat16/float16 with head_dim <= 128 and
+  a multiple of 8 (CUDA assumed: "gpu" is also ROCm's name), "splash" on TPU, else "xla".
+The "cudnn" and "splash" wrappers live in `attention_kernels.py`; splash runs inside
+`shard_map` over the mesh in context (a Pallas kernel cannot be partitioned by XLA), and
+for devices other than TPUs in Pallas interpret mode (slow; what the tests run).
 """
 
 from __future__ import annotations
@@ -48,8 +50,14 @@ IMPLEMENTATIONS = ("auto", "xla", "dot_product", "cudnn", "splash", "chunked")
 _MASKED = -1e30
 
 
-def resolve(implementation: str, dtype: Any, head_dim: int, cached: bool = False) -> str:
-    """The concrete implementation for `implementation` on the default backend.
+def resolve(
+    implementation: str,
+    dtype: Any,
+    head_dim: int,
+    cached: bool = False,
+    platform: str | None = None,
+) -> str:
+    """The concrete implementation for `implementation` on the target platform.
 
     Args:
       implementation: one of `IMPLEMENTATIONS`.
@@ -67,7 +75,8 @@ def resolve(implementation: str, dtype: Any, head_dim: int, cached: bool = False
             f"expected one of {', '.join(IMPLEMENTATIONS)}"
         )
     if implementation == "auto":
-        backend = jax.default_backend()
+        backend = platform or kernels.target_platform()
+        backend = "gpu" if backend in ("cuda", "rocm") else backend
         half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         if backend == "gpu" and half and head_dim <= 128 and head_dim % 8 == 0:
             implementation = "cudnn"
@@ -174,7 +183,7 @@ def attend(
             q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, mask.start_B, mask.length_B, "cudnn"
         )
     if implementation == "splash":
-        return kernels.splash_attention(
+        return kernels.splash_attention_sharded(
             q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, mask.segment_BxT, block_size
         )
     raise ValueError(f"attention: unresolved or unknown implementation {implementation!r}")

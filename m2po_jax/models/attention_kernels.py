@@ -2,12 +2,40 @@
 
 Both take the cache layout (k, v [B, K, S, D]) and T = S (no cache); see `attention.py`
 for the masking contract they implement.
+
+The devices a program is compiled for decide what runs, not the host's default backend:
+`target_platform()` is the platform of the mesh in context (`jax.set_mesh(mesh)`, or
+`jax.sharding.use_abstract_mesh` while tracing, which the trainer's program builders
+enter), so a CPU host compiling for a TPU mesh (a deviceless topology) builds the real
+Mosaic kernel, and a program for CPU devices on a TPU host runs Pallas' interpreter.
+A Pallas kernel cannot be partitioned by XLA: `splash_attention_sharded` runs it inside
+`jax.shard_map` over the mesh's batch and tensor axes.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from m2po_jax.common.mesh_axes import BATCH_AXES
+
+
+def target_mesh():
+    """The abstract mesh in context while tracing, or None when there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def target_platform() -> str:
+    """The platform ("tpu", "gpu", "cpu") of the devices the program is compiled for: the
+    mesh in context, else `jax.default_backend()`."""
+    mesh = target_mesh()
+    device = None if mesh is None else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    if platform in ("cuda", "rocm"):
+        platform = "gpu"
+    return platform or jax.default_backend()
 
 
 def _pad(x, multiple: int, axis: int):
@@ -83,7 +111,8 @@ def splash_attention(
       q_BxTxHxD, k_BxKxSxD, v_BxKxSxD: as in `attention.attend`; T = S (no cache).
       segment_BxT: 1 for real tokens, 0 for padding.
       block_size: query and key block of the kernel (rounded up to a multiple of 128).
-      interpret: Pallas interpret mode; None: off on TPU, on elsewhere (slow; for tests).
+      interpret: Pallas interpret mode; None: off when compiling for TPU devices
+        (`target_platform()`), on elsewhere (slow; for tests).
 
     Returns:
       [B, T, H, D] in q's dtype.
@@ -93,7 +122,7 @@ def splash_attention(
     b, t, h, d = q_BxTxHxD.shape
     k = k_BxKxSxD.shape[1]
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target_platform() != "tpu"
     block = min(-(-block_size // 128), -(-t // 128)) * 128
     tp = -(-t // block) * block
     scaled = q_BxTxHxD * jnp.asarray(d**-0.5, q_BxTxHxD.dtype)
@@ -118,3 +147,54 @@ def splash_attention(
 
     out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q, *kv, segment)
     return out[:, :, :, :t].reshape(b, h, t, d).transpose(0, 2, 1, 3)
+
+
+def splash_attention_sharded(
+    q_BxTxHxD: jax.Array,
+    k_BxKxSxD: jax.Array,
+    v_BxKxSxD: jax.Array,
+    segment_BxT: jax.Array,
+    block_size: int = 512,
+    mesh=None,
+) -> jax.Array:
+    """`splash_attention` on every device's block of rows and heads of a mesh.
+
+    `mesh` (default `target_mesh()`): with none, one device, or inside a `shard_map`
+    whose axes are all manual already, the kernel runs on the arrays as they are.
+    Otherwise it runs inside `jax.shard_map`: rows split over the batch axes
+    (`BATCH_AXES`, those whose product divides B), heads over "tensor". Query head h uses
+    kv head h // G, so contiguous blocks of H / t query heads match blocks of K / t kv
+    heads when t divides K; when t divides H but not K (fewer kv heads than tensor
+    shards), k and v are repeated to H heads first (G = 1 inside); else heads stay whole
+    on every tensor shard.
+    """
+    mesh = target_mesh() if mesh is None else mesh
+    if mesh is None or mesh.size == 1 or mesh.are_all_axes_manual:
+        return splash_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, segment_BxT, block_size)
+    b, _, h, _ = q_BxTxHxD.shape
+    k = k_BxKxSxD.shape[1]
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    rows, used = [], 1
+    for axis in BATCH_AXES:
+        size = shape.get(axis, 1)
+        if axis in shape and size > 1 and b % (used * size) == 0:
+            rows.append(axis)
+            used *= size
+    rows_axes = tuple(rows) or None
+    tensor = shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and h % tensor == 0 else None
+    if heads and k % tensor:
+        k_BxKxSxD = jnp.repeat(k_BxKxSxD, h // k, axis=1)
+        v_BxKxSxD = jnp.repeat(v_BxKxSxD, h // k, axis=1)
+    q_spec, kv_spec = P(rows_axes, None, heads, None), P(rows_axes, heads, None, None)
+
+    def local(q, k_, v, segment):
+        return splash_attention(q, k_, v, segment, block_size)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, P(rows_axes, None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, segment_BxT)

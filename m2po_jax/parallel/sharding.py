@@ -60,6 +60,26 @@ SAMPLE_RULES: Rules = (
 # ----------------------------------------------------------------------------- mesh
 
 
+def on_mesh(fn, mesh: Mesh | None):
+    """`fn` traced with `mesh` as the mesh in context (`jax.sharding.use_abstract_mesh`).
+
+    What depends on the devices a program is compiled for reads that context at trace
+    time: the attention implementation "auto" picks, Pallas' interpret mode, and the
+    `shard_map` around a kernel XLA cannot partition (`attention_kernels`). A program
+    built for a TPU mesh on a CPU host (a deviceless topology) thus gets TPU kernels.
+    Wrap the Python function before `jax.jit`; `mesh=None` returns `fn` itself.
+    """
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced_on_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced_on_mesh
+
+
 def make_mesh(
     shape: Mapping[str, int] | Sequence[int], devices: Sequence[Any] | None = None
 ) -> Mesh:

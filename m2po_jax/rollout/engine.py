@@ -42,6 +42,7 @@ import numpy as np
 
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import sharding
 from m2po_jax.rollout import sampling
 
 ENGINES = ("static", "continuous")
@@ -680,7 +681,10 @@ def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh) -> d
     from jax.sharding import PartitionSpec as P
 
     rows, rep = P(axes), P()
-    shard = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+
+    def shard(fn, **specs):  # traced with the mesh in context (`sharding.on_mesh`)
+        return sharding.on_mesh(jax.shard_map(fn, mesh=mesh, check_vma=False, **specs), mesh)
+
     # Every prefix and slot-state leaf is split by rows but the prefill's version.
     prefix_spec = _Prefixes(
         k=rows, v=rows, valid_QxP=rows, logits_QxV=rows, prompt_len_Q=rows, version=rep

@@ -16,6 +16,7 @@ running the same command again resumes it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 import traceback
@@ -59,6 +60,26 @@ def define_flags() -> None:
         False,
         "Resume even where training settings differ from the ones the workdir's checkpoints "
         "were trained with (<workdir>/config.json).",
+    )
+    flags.DEFINE_bool(
+        "compile_only",
+        False,
+        "Compile every program of the run (train step, warm-up, samplers, evaluation, "
+        "reshard) for --topology or this host's devices, print memory per chip and a "
+        "roofline, and exit: 0 if it fits, 2 with the setting that would make it fit.",
+    )
+    flags.DEFINE_string(
+        "topology",
+        "",
+        "With --compile_only: devices to compile for without having them: a TPU slice "
+        "(v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:2x4; the tpu extra) or GPUs (h100:8, h200:2x8 "
+        "for 2 hosts of 8; jax's CUDA plugin). Empty: this host's devices.",
+    )
+    flags.DEFINE_string(
+        "architecture",
+        "",
+        "With --compile_only: the model's architecture by name (qwen2.5-0.5b, qwen2.5-7b, "
+        "qwen3-8b, ...) when model.path does not hold its config.json.",
     )
     flags.DEFINE_string(
         "compile_cache",
@@ -142,6 +163,12 @@ def main(argv) -> None:
     from m2po_jax.parallel import distributed
     from m2po_jax.trainer import compile_cache, paths, workdir
 
+    if FLAGS.compile_only:
+        _compile_only(cfg)
+        return
+    if FLAGS.topology or FLAGS.architecture:
+        _fail("--topology and --architecture go with --compile_only", "usage error")
+
     try:  # a URL without its backend, or an unknown scheme: refused before any work
         directory = paths.workdir(FLAGS.workdir)
     except errors.M2poError as e:
@@ -178,6 +205,19 @@ def main(argv) -> None:
     if result.interrupted:
         sys.stdout.flush()
         sys.exit(128 + (result.signal or 15))
+
+
+def _compile_only(cfg) -> None:
+    """`--compile_only`: every program of the run compiled for `--topology`; nothing runs."""
+    from m2po_jax.trainer import compile_only
+
+    try:
+        compile_only.run(cfg, FLAGS.topology, FLAGS.architecture)
+    except MemoryError as e:
+        _report(e, "memory error")
+    except (ValueError, OSError) as e:
+        _report(e, "setup error")
+    print("m2po-train: compile-only: every program compiled; the run fits")
 
 
 def _remove_if_empty(directory) -> None:
@@ -271,6 +311,12 @@ def _clean(error: BaseException) -> str:
 def run() -> None:
     # Before the flags are defined: config_flags reads the `--config.*` overrides from argv.
     sys.argv = sys.argv[:1] + [spelled_our_way(arg) for arg in sys.argv[1:]]
+    if "--compile_only" in sys.argv and any(
+        re.match(r"--topology=h\d00:", arg) for arg in sys.argv
+    ):
+        # Compile-only GPUs: jax's CUDA plugin must skip its cuInit check, which fails on a
+        # host without a GPU, before jax starts its backends (`gpu_targets`).
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     try:
         define_flags()
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -284,7 +330,7 @@ def run() -> None:
 
 _OWN_FLAGS = (
     "config", "workdir", "overrides", "restore_step", "allow_config_change", "compile_cache",
-    "verbose",
+    "compile_only", "topology", "architecture", "verbose",
 )  # fmt: skip
 
 
@@ -317,8 +363,11 @@ def usage() -> str:
         "  m2po-train --config=gsm8k:qwen2.5-7b --workdir=/tmp/qwen7b \\",
         "      --config.model.path=/models/Qwen2.5-7B-Instruct \\",
         "      --config.task.train_path=/data/gsm8k/train.jsonl --actor.m2_threshold=0.04",
+        "  m2po-train --config=gsm8k:qwen3-8b --architecture=qwen3-8b --compile_only \\",
+        "      --topology=v5e:4x4    # every program built for a v5e-16, on this host",
         "",
-        "Exit status: 0 finished; 2 a config, data, model, workdir or disk error (one line);",
+        "Exit status: 0 finished (--compile_only: it fits); 2 a config, data, model, workdir",
+        "or disk error, or a run that does not fit (one line);",
         "128 + N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C).",
     ]
     return "\n".join(lines)

@@ -257,10 +257,11 @@ def check_rows(
         check("sft.batch_size", cfg.sft.batch_size)
 
 
-def check_memory(
+def memory_plan(
     cfg: Config, model_config: model_config_lib.ModelConfig, placement: placement_lib.Placement
-) -> memory.MemoryPlan:
-    """The per-device memory plan (logged); raises with remedies when it exceeds the device."""
+) -> tuple[memory.MemoryPlan, dict]:
+    """The run's analytic per-device memory plan, and the `memory.memory_plan` keyword
+    arguments it was made with (for `memory_check.remedies`)."""
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
     kwargs = dict(
         batch=rows_mb,
@@ -271,7 +272,14 @@ def check_memory(
         logp_chunk=cfg.actor.logp_chunk_size,
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
     )
-    plan = memory.memory_plan(model_config, placement.mesh, **kwargs)
+    return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
+
+
+def check_memory(
+    cfg: Config, model_config: model_config_lib.ModelConfig, placement: placement_lib.Placement
+) -> memory.MemoryPlan:
+    """The per-device memory plan (logged); raises with remedies when it exceeds the device."""
+    plan, kwargs = memory_plan(cfg, model_config, placement)
     if jax.process_index() == 0:
         metrics_lib.say(f"memory plan per device:\n{plan.format()}")
     limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None

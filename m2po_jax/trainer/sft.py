@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from m2po_jax.learner import logprobs
+from m2po_jax.parallel import sharding
 from m2po_jax.trainer import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
 
@@ -29,8 +30,11 @@ def sft_loss(params, model_config, tokens_BxT, valid_BxT, target_mask_BxT):
     return -jnp.sum(logp * target_mask_BxT) / count
 
 
-def make_sft_step(model_config, tx):
-    """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss)."""
+def make_sft_step(model_config, tx, mesh=None):
+    """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss).
+
+    `mesh`: the run's train mesh, the devices the step is compiled for (`sharding.on_mesh`).
+    """
 
     def step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
         loss, grads = jax.value_and_grad(sft_loss)(
@@ -39,7 +43,7 @@ def make_sft_step(model_config, tx):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0, 1))
 
 
 def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,7 +86,7 @@ def supervised_warmup(run: RunSetup, params, evaluate: Callable[[Any], float]) -
     """
     s = run.cfg.sft
     tx = optax.adamw(s.lr, weight_decay=0.0)
-    sft_step = make_sft_step(run.model_config, tx)
+    sft_step = make_sft_step(run.model_config, tx, run.placement.mesh)
     params = jax.tree.map(jnp.copy, params)  # the step donates its input
     opt_state = jax.jit(tx.init)(params)
     done, log = 0, []

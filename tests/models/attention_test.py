@@ -262,3 +262,55 @@ def test_model_logits_and_grads_agree_across_implementations(impl, monkeypatch):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), grads_i, grads
     )
     assert np.isfinite(np.asarray(logits_i)).all()
+
+
+@pytest.mark.parametrize(
+    "shape,heads,kv_heads",
+    [((2, 2, 2), 4, 2), ((1, 2, 2), 4, 1), ((2, 1, 1), 3, 3)],
+    ids=["rows_and_kv_heads", "kv_repeated", "rows_only"],
+)
+def test_splash_inside_shard_map_equals_one_device(shape, heads, kv_heads):
+    """Splash with the mesh in context runs per device block (rows over data x fsdp, heads
+    over tensor; kv heads repeated when tensor does not divide them): output and gradients
+    equal the unsharded kernel's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from m2po_jax.parallel import sharding
+
+    devices = jax.devices()[: int(np.prod(shape))]
+    mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)), devices)
+    b, t, d = 4, 8, 8
+    args, cotangent = qkv(7, b, t, t, heads, kv_heads, d, jnp.float32)
+    valid = jnp.asarray(padded_rows(b, t))
+    mask = A.make_mask("splash", valid, valid)
+
+    def loss(q, k, v):
+        return jnp.sum(A.attend("splash", q, k, v, mask, 128) * cotangent)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    sharded = jax.jit(sharding.on_mesh(jax.value_and_grad(loss, argnums=(0, 1, 2)), mesh))
+    lowered = sharded.lower(*[jax.device_put(x, rows) for x in args])
+    assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+    got = lowered.compile()(*[jax.device_put(x, rows) for x in args])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+def test_the_mesh_in_context_decides_auto(monkeypatch):
+    """"auto" and Pallas' interpret mode follow the mesh a program is traced for, not the
+    host's default backend."""
+    from m2po_jax.models import attention_kernels as K
+    from m2po_jax.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert A.resolve("auto", jnp.float32, 64) == "splash"  # no mesh: the default backend
+    seen = []
+    traced = sharding.on_mesh(
+        lambda x: seen.append((K.target_platform(), A.resolve("auto", jnp.float32, 64))) or x,
+        mesh,
+    )
+    jax.jit(traced)(jnp.zeros(2))
+    assert seen == [("cpu", "xla")]

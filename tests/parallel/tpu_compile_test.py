@@ -1,0 +1,141 @@
+"""Programs compiled by the TPU compiler for real TPU topologies, on this CPU host.
+
+libtpu's deviceless compile (`jax.experimental.topologies`) builds for a v5e slice that
+is not here: the real Mosaic kernels, XLA's TPU partitioner and its memory analysis.
+The `tpu` extra installs libtpu, and `.ci/run` installs it; without it these tests skip.
+"""
+
+import importlib.util
+
+import jax
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax.configs import arith
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.parallel import sharding
+from m2po_jax.trainer import compile_only
+from m2po_jax.trainer import setup as setup_lib
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (the tpu extra: pip install -e '.[tpu]')",
+)
+
+
+def _cfg(**mesh):
+    """A tiny arithmetic run with a model the splash kernel takes (head_dim 128, bf16)."""
+    c = arith.get_config("tiny")
+    c.rollout.batch_size, c.gconfig.n_samples = 4, 4
+    c.model.attention, c.model.dtype = "auto", "bfloat16"
+    c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = 4, 2, 128
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (mesh.pop(a, 1) for a in ("data", "fsdp", "tensor"))
+    config_lib.apply_dotted(c, mesh)  # the other settings, by dotted name
+    return config_lib.from_configdict(c)
+
+
+def _model(cfg):
+    return compile_only.model_for(cfg)[0]
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+    return compile_only.target("v5e:2x2")
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"fsdp": 4}, {"data": 2, "tensor": 2}], ids=["fsdp", "data_tensor"]
+)
+def test_train_step_with_splash_compiles_on_a_multi_chip_tpu(v5e_2x2, mesh):
+    """The train step with the attention a TPU picks compiles on 4 chips, the splash kernel
+    in it (a Mosaic `tpu_custom_call`); before splash ran inside shard_map the partitioner
+    refused it ("Mosaic kernels cannot be automatically partitioned")."""
+    cfg = _cfg(**mesh)
+    model_config = _model(cfg)
+    placement = placement_lib.Placement(
+        sharding.make_mesh(
+            {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor},
+            list(v5e_2x2.devices),
+        ),
+        model_config,
+    )
+    program, state = compile_only.train_step_program(cfg, model_config, placement)
+    assert not program.error
+    assert program.kernels >= 2  # the forward and backward kernels at least
+    text = program.compiled.as_text()
+    assert "tpu_custom_call" in text
+    # Params and optimizer state sharded as planned: the arguments hold the state's shards.
+    assert program.argument_bytes >= compile_only._bytes_per_device(state)
+    plan, _ = setup_lib.memory_plan(cfg, model_config, placement)
+    assert plan.params == pytest.approx(
+        compile_only._bytes_per_device(state.params), rel=0.05, abs=4096
+    )
+
+
+def test_dry_run_compiles_every_program_of_a_run(v5e_2x2):
+    """fsdp x tensor, the warm-up on, the continuous engine: every program compiles for
+    the v5e slice, the train and warm-up steps with the kernel, and the report sums what
+    is resident at once."""
+    cfg = _cfg(fsdp=2, tensor=2, **{"rollout.engine": "continuous", "sft.max_steps": 5})
+    model_config = _model(cfg)
+    report = compile_only.dry_run(cfg, model_config, v5e_2x2, say=lambda _: None)
+    names = [p.name for p in report.programs]
+    assert names == [
+        "train_step",
+        "sft_step",
+        "reshard",
+        "engine_prefill",
+        "engine_start",
+        "engine_run",
+        "evaluate",
+        "decode_step",
+    ]
+    by_name = {p.name: p for p in report.programs}
+    assert by_name["train_step"].kernels > 0 and by_name["sft_step"].kernels > 0
+    assert not any(p.error for p in report.programs)
+    assert by_name["decode_step"].probe and report.run_programs == report.programs[:-1]
+    # Sampling-side programs run beside the train state.
+    assert by_name["engine_run"].resident_beside == report.state_bytes
+    assert by_name["engine_run"].peak_bytes == by_name["engine_run"].held_bytes + report.state_bytes
+    assert report.fits is True
+    assert report.mesh_shape == {"data": 1, "fsdp": 2, "tensor": 2}
+    r = report.roofline
+    # A decode step reads at least its weights and the KV cache it attends over.
+    assert r["decode_bytes"] >= r["decode_floor_bytes"] > 0
+    assert r["train_bound_s"] > 0 and 0 < r["best_mfu"] <= 1
+    text = report.format()
+    assert "fits:" in text and "v5e:2x2" in text
+
+
+def test_async_split_compiles_on_one_topology(v5e_2x2):
+    """rollout.mode=async: two chips sample (their own mesh), two train; the learner's
+    params are gathered on the train mesh before the copy, as `WeightPublisher` does."""
+    cfg = _cfg(fsdp=2, **{"rollout.mode": "async", "mesh.rollout_devices": 2})
+    report = compile_only.dry_run(cfg, _model(cfg), v5e_2x2, say=lambda _: None)
+    by_name = {p.name: p for p in report.programs}
+    assert report.mesh_shape == {"data": 1, "fsdp": 2, "tensor": 1}
+    train_devices = by_name["train_step"].compiled.input_shardings[0][0].params
+    train_ids = {d.id for s in jax.tree.leaves(train_devices) for d in s.device_set}
+    sampler = by_name["sampler"].compiled.input_shardings[0][0]
+    sampler_ids = {d.id for s in jax.tree.leaves(sampler) for d in s.device_set}
+    assert len(train_ids) == 2 and len(sampler_ids) == 2 and not train_ids & sampler_ids
+    assert "gathered" in by_name["reshard"].what
+    assert by_name["sampler"].resident_beside == 0  # the train state is on other chips
+
+
+def test_a_run_over_the_chip_is_refused_with_what_the_compiler_said():
+    """A model whose params and AdamW moments alone exceed one v5e chip: the compiler
+    refuses the train step, and the dry run stops with a one-line MemoryError."""
+    cfg = _cfg(**{"model.vocab_size": 262144, "model.hidden_size": 4096, "sft.max_steps": 0})
+    with pytest.raises(MemoryError, match=r"v5e:1x1: train_step: .*HBM"):
+        compile_only.run(cfg, "v5e:1x1", say=lambda _: None)
+
+
+def test_topology_names():
+    assert len(compile_only.target("v5e:1x1").devices) == 1  # smaller than a host
+    v4 = compile_only.target("v4:2x2x1")
+    assert v4.devices_per_chip == 2 and v4.hbm_bytes == 16 * 2**30  # a device per core
+    with pytest.raises(ValueError, match="unknown chip 'v9'"):
+        compile_only.target("v9:2x2")
+    with pytest.raises(ValueError, match="expected a chip and its shape"):
+        compile_only.target("v5e-16")
