@@ -186,7 +186,6 @@ def presets_plans() -> str:
     """The memory plan of every configs/gsm8k.py preset, as the trainer would print it."""
     import jax
 
-    from m2po_jax.configs import gsm8k
     from m2po_jax.learner import batching, memory
     from m2po_jax.models import architectures
     from m2po_jax.parallel import placement as placement_lib
@@ -194,7 +193,7 @@ def presets_plans() -> str:
     from m2po_jax.trainer import setup as setup_lib
 
     out = []
-    for preset in gsm8k.PRESETS:
+    for preset in ARCH:  # the real-size presets (not the CPU one)
         cfg = _gsm8k_actor(preset)
         m = cfg.model
         model_config = architectures.model_config(

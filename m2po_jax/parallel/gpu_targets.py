@@ -125,7 +125,7 @@ def cuda_plugin_installed() -> bool:
 
     return any(
         importlib.util.find_spec(name) is not None
-        for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12")
+        for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")
     )
 
 

@@ -186,6 +186,14 @@ def compile_program(name: str, what: str, jitted, *args, **kwargs) -> Program:
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
+        if "cudaErrorInvalidDevice" in str(e):
+            # Seen compiling the train step for H100 without one: XLA sizes cub's radix
+            # sort (large sorts: the M2PO "sort" method) by asking the device.
+            raise ValueError(
+                f"{name}: jax's CUDA compiler asked for a GPU that is not there "
+                f"({_first_line(e)}); large sorts need one to be sized: "
+                "--config.actor.m2po_method=bisect (the same mask, sort-free) compiles"
+            ) from e
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         # The TPU compiler refuses a program over the chip's HBM and says by how much.
@@ -409,7 +417,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
             + (
                 f"REFUSED: {program.error}"
                 if program.error
-                else f"peak {program.peak_bytes / _GIB:.3f} GiB per device, "
+                else f"holds {program.held_bytes / _GIB:.3f} GiB per device, "
                 f"{program.kernels} kernels"
             )
         )

@@ -299,8 +299,8 @@ def test_splash_inside_shard_map_equals_one_device(shape, heads, kv_heads):
 
 
 def test_the_mesh_in_context_decides_auto(monkeypatch):
-    """"auto" and Pallas' interpret mode follow the mesh a program is traced for, not the
-    host's default backend."""
+    """Attention "auto" and Pallas' interpret mode follow the mesh a program is traced for,
+    not the host's default backend."""
     from m2po_jax.models import attention_kernels as K
     from m2po_jax.parallel import sharding
 

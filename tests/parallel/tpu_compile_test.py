@@ -1,4 +1,5 @@
-"""Programs compiled by the TPU compiler for real TPU topologies, on this CPU host.
+"""Programs compiled by the TPU compiler for real TPU topologies, on this CPU host (and by
+jax's CUDA plugin for GPUs, where it is installed).
 
 libtpu's deviceless compile (`jax.experimental.topologies`) builds for a v5e slice that
 is not here: the real Mosaic kernels, XLA's TPU partitioner and its memory analysis.
@@ -17,7 +18,7 @@ from m2po_jax.parallel import sharding
 from m2po_jax.trainer import compile_only
 from m2po_jax.trainer import setup as setup_lib
 
-pytestmark = pytest.mark.skipif(
+needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu is not installed (the tpu extra: pip install -e '.[tpu]')",
 )
@@ -43,14 +44,12 @@ def v5e_2x2():
     return compile_only.target("v5e:2x2")
 
 
-@pytest.mark.parametrize(
-    "mesh", [{"fsdp": 4}, {"data": 2, "tensor": 2}], ids=["fsdp", "data_tensor"]
-)
-def test_train_step_with_splash_compiles_on_a_multi_chip_tpu(v5e_2x2, mesh):
+@needs_libtpu
+def test_train_step_with_splash_compiles_on_a_multi_chip_tpu(v5e_2x2):
     """The train step with the attention a TPU picks compiles on 4 chips, the splash kernel
     in it (a Mosaic `tpu_custom_call`); before splash ran inside shard_map the partitioner
     refused it ("Mosaic kernels cannot be automatically partitioned")."""
-    cfg = _cfg(**mesh)
+    cfg = _cfg(data=2, tensor=2)  # fsdp x tensor: the dry run's test; fsdp alone: async's
     model_config = _model(cfg)
     placement = placement_lib.Placement(
         sharding.make_mesh(
@@ -72,6 +71,7 @@ def test_train_step_with_splash_compiles_on_a_multi_chip_tpu(v5e_2x2, mesh):
     )
 
 
+@needs_libtpu
 def test_dry_run_compiles_every_program_of_a_run(v5e_2x2):
     """fsdp x tensor, the warm-up on, the continuous engine: every program compiles for
     the v5e slice, the train and warm-up steps with the kernel, and the report sums what
@@ -107,6 +107,7 @@ def test_dry_run_compiles_every_program_of_a_run(v5e_2x2):
     assert "fits:" in text and "v5e:2x2" in text
 
 
+@needs_libtpu
 def test_async_split_compiles_on_one_topology(v5e_2x2):
     """rollout.mode=async: two chips sample (their own mesh), two train; the learner's
     params are gathered on the train mesh before the copy, as `WeightPublisher` does."""
@@ -123,14 +124,25 @@ def test_async_split_compiles_on_one_topology(v5e_2x2):
     assert by_name["sampler"].resident_beside == 0  # the train state is on other chips
 
 
-def test_a_run_over_the_chip_is_refused_with_what_the_compiler_said():
-    """A model whose params and AdamW moments alone exceed one v5e chip: the compiler
-    refuses the train step, and the dry run stops with a one-line MemoryError."""
+@needs_libtpu
+def test_a_program_over_the_chip_is_refused_with_what_the_compiler_said(monkeypatch):
+    """A model whose params and AdamW moments alone exceed one v5e chip: the TPU compiler
+    refuses the train step (recorded, not raised), and the dry run stops in one line."""
     cfg = _cfg(**{"model.vocab_size": 262144, "model.hidden_size": 4096, "sft.max_steps": 0})
-    with pytest.raises(MemoryError, match=r"v5e:1x1: train_step: .*HBM"):
+    tgt = compile_only.target("v5e:1x1")
+    model_config = _model(cfg)
+    placement = placement_lib.Placement(sharding.make_mesh({}, list(tgt.devices)), model_config)
+    refused, _ = compile_only.train_step_program(cfg, model_config, placement)
+    assert "RESOURCE_EXHAUSTED" in refused.error and "HBM" in refused.error
+    assert refused.temp_bytes > 16 * 2**30  # the compiler's figure, from its message
+    report = compile_only.Report(tgt, {"data": 1, "fsdp": 1, "tensor": 1}, [refused], 0, 0, {}, [])
+    assert report.fits is False
+    monkeypatch.setattr(compile_only, "dry_run", lambda *a, **k: report)
+    with pytest.raises(MemoryError, match=r"^v5e:1x1: train_step: RESOURCE_EXHAUSTED.*HBM"):
         compile_only.run(cfg, "v5e:1x1", say=lambda _: None)
 
 
+@needs_libtpu
 def test_topology_names():
     assert len(compile_only.target("v5e:1x1").devices) == 1  # smaller than a host
     v4 = compile_only.target("v4:2x2x1")
@@ -139,3 +151,19 @@ def test_topology_names():
         compile_only.target("v9:2x2")
     with pytest.raises(ValueError, match="expected a chip and its shape"):
         compile_only.target("v5e-16")
+
+
+@pytest.mark.skipif(
+    not __import__("m2po_jax.parallel.gpu_targets").parallel.gpu_targets.cuda_plugin_installed(),
+    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda12-local]' nvidia-cudnn-cu12)",
+)
+def test_dry_run_for_gpus_without_them():
+    """h100:2 through jax's CUDA plugin (JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax
+    starts): the train step holds cuDNN attention calls; no cost analysis, so the roofline
+    is the model's."""
+    cfg = _cfg(data=2, **{"actor.m2po_method": "bisect"})
+    report = compile_only.dry_run(cfg, _model(cfg), compile_only.target("h100:2"), say=print)
+    train = report.programs[0]
+    assert train.name == "train_step" and train.kernels > 0
+    assert "__cudnn$fmha" in train.compiled.as_text()
+    assert report.fits is True and report.roofline["cost_analysis"] is False
