@@ -37,7 +37,9 @@ _SAVED_PER_TOKEN = {
     "save_qkv_proj": lambda e, h, k, d, f: (h + 2 * k) * d,
     "save_attention_out": lambda e, h, k, d, f: h * d,
 }
-_FIELDS = ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
+_FIELDS = (
+    "params", "optimizer", "gradients", "activations", "logits", "kv_cache", "sampling_weights",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,7 @@ class MemoryPlan:
     activations: int
     logits: int  # the output head's chunk buffers
     kv_cache: int
+    sampling_weights: int = 0  # the sampler's copy of the params (sampling layout)
     mesh_shape: tuple[tuple[str, int], ...] = ()
     micro_batch: int = 0  # rows per micro-batch (global)
 
@@ -59,16 +62,17 @@ class MemoryPlan:
 
     @property
     def train_step(self) -> int:
-        """What the compiled train step holds (everything but the sampler's KV cache)."""
-        return self.total - self.kv_cache
+        """What the compiled train step holds (everything but the sampler's KV cache and
+        weights)."""
+        return self.total - self.kv_cache - self.sampling_weights
 
     def format(self) -> str:
         """A small table in MiB."""
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
         rows = [f"memory per device (mesh {mesh or '?'}, {self.micro_batch} rows per micro-batch)"]
         for name in _FIELDS:
-            rows.append(f"  {name:<12}{getattr(self, name) / 2**20:>12.2f} MiB")
-        rows.append(f"  {'total':<12}{self.total / 2**20:>12.2f} MiB")
+            rows.append(f"  {name:<17}{getattr(self, name) / 2**20:>12.2f} MiB")
+        rows.append(f"  {'total':<17}{self.total / 2**20:>12.2f} MiB")
         return "\n".join(rows)
 
 
@@ -108,7 +112,12 @@ def memory_plan(
     - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
       tensor), its softmax and its gradient;
     - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
-      fsdp and K over tensor (0 when `kv_cache_batch` is 0).
+      fsdp and K over tensor (0 when `kv_cache_batch` is 0);
+    - sampling_weights: the params resharded for sampling (`sharding.SAMPLE_RULES`:
+      split over tensor only), which the sampler holds beside the train state; 0 when
+      the two layouts are the same (one device, or data-parallel only) or without a
+      sampler (`kv_cache_batch` 0). With fsdp and no tensor axis every device then holds
+      all the weights: the TPU compiler refuses Qwen3-8B's on a 16 GiB v5e chip.
     `total` adds everything, an upper bound for a trainer that samples and trains on the
     same devices; `train_step` leaves the KV cache out.
 
@@ -141,6 +150,16 @@ def memory_plan(
     )
     params = param_items * pbytes
     gradients = params + (param_items * 4 if micro_batch < batch else 0)
+    sampling_weights = 0
+    if kv_cache_batch:
+        sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
+        leaves = (jax.tree.leaves(sample), jax.tree.leaves(shardings), jax.tree.leaves(shapes))
+        pairs = zip(*leaves, strict=True)
+        if not all(a.is_equivalent_to(b, len(x.shape)) for a, b, x in pairs):
+            sampling_weights = pbytes * sum(
+                math.prod(sh.shard_shape(s.shape))
+                for sh, s in zip(jax.tree.leaves(sample), jax.tree.leaves(shapes), strict=True)
+            )
 
     trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")
     b = _per_device(micro_batch, sharding.batch_shards(mesh))
@@ -160,6 +179,7 @@ def memory_plan(
         activations=activations,
         logits=logits,
         kv_cache=kv_cache,
+        sampling_weights=sampling_weights,
         mesh_shape=tuple(mesh.shape.items()),
         micro_batch=micro_batch,
     )

@@ -37,8 +37,9 @@ def remedies(
     """The settings that would make a plan fit in `limit` bytes, each with its total.
 
     Tried one knob at a time: more micro-batches (down to one row per device), remat of
-    every layer, and the data axis folded into fsdp (params and optimizer state sharded
-    over every batch shard).
+    every layer, fsdp traded for tensor (the sampler's weights are split over tensor only),
+    and the data axis folded into fsdp (params and optimizer state sharded over every
+    batch shard).
     """
     base = memory_lib.memory_plan(model_config, mesh, **plan_kwargs)
     batch, micro = plan_kwargs["batch"], base.micro_batch
@@ -65,6 +66,17 @@ def remedies(
             "model.remat=True",
             memory_lib.memory_plan(model_config.replace(remat=True), mesh, **plan_kwargs),
         )
+    # The sampler's weights are split over tensor only: trade fsdp for tensor.
+    fsdp, tensor = mesh.shape.get("fsdp", 1), mesh.shape.get("tensor", 1)
+    if base.sampling_weights:
+        t = tensor * 2
+        while fsdp * tensor % t == 0:
+            shape = {"data": mesh.shape.get("data", 1), "fsdp": fsdp * tensor // t, "tensor": t}
+            swapped = sharding.make_mesh(shape, mesh.devices.flatten().tolist())
+            plan = memory_lib.memory_plan(model_config, swapped, **plan_kwargs)
+            if note(f"mesh.fsdp={shape['fsdp']} mesh.tensor={t}", plan):
+                break
+            t *= 2
     data = mesh.shape.get("data", 1)
     if data > 1:
         shape = {

@@ -51,10 +51,15 @@ def test_memory_plan_scales_with_fsdp():
     assert remat.activations == 8 * 2 * 32 * 32 * 4 + 2 * full.activations // 8
     bf16 = memory.memory_plan(CFG, mesh_of("fsdp8"), **kwargs, param_dtype_bytes=2)
     assert bf16.params * 2 == fsdp8.params
-    assert fsdp8.total == sum(
-        getattr(fsdp8, f)
-        for f in ("params", "optimizer", "gradients", "activations", "logits", "kv_cache")
-    )
+    # The sampler's weights: split over tensor only. Data-parallel: the train layout.
+    assert data8.sampling_weights == 0
+    assert fsdp8.sampling_weights == data8.params  # fsdp without tensor: all of them
+    assert tp.sampling_weights < data8.params and tp.sampling_weights > data8.params // 2
+    no_sampler = memory.memory_plan(CFG, mesh_of("fsdp8"), **{**kwargs, "kv_cache_batch": 0})
+    assert no_sampler.sampling_weights == 0 and no_sampler.kv_cache == 0
+    fields = "params optimizer gradients activations logits kv_cache sampling_weights".split()
+    assert fsdp8.total == sum(getattr(fsdp8, f) for f in fields)
+    assert fsdp8.train_step == fsdp8.total - fsdp8.kv_cache - fsdp8.sampling_weights
     table = fsdp8.format()
     assert "params" in table and "total" in table and "fsdp=8" in table
 
@@ -158,6 +163,16 @@ def test_a_run_that_does_not_fit_is_told_which_setting_fits():
     assert len(fixes) == 1 and fixes[0].startswith("mesh.data=1 mesh.fsdp=8")
     with pytest.raises(MemoryError, match="no single setting makes it fit"):
         memory_check.check_fits(plan, plan.total // 100, [])
+    # The sampler's copy of the weights dominates (fsdp, no tensor: all of them on every
+    # device): tensor parallelism splits it.
+    fsdp8 = mesh_of("fsdp8")
+    sampled = dict(batch=8, seq_len=16, micro_batch=8, kv_cache_batch=8)
+    plan = memory.memory_plan(big_vocab, fsdp8, **sampled)
+    assert plan.sampling_weights == big_vocab.num_params() * 4
+    assert plan.sampling_weights > max(plan.logits, plan.optimizer, plan.activations)
+    limit = plan.total - plan.sampling_weights // 3
+    fixes = memory_check.remedies(big_vocab, fsdp8, limit, **sampled)
+    assert fixes and fixes[0].startswith("mesh.fsdp=4 mesh.tensor=2"), fixes
 
 
 def test_length_blocks_pay_where_activations_outweigh_the_branches_head_buffers():
