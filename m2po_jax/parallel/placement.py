@@ -170,9 +170,16 @@ def split_devices(rollout_per_process: int) -> tuple[list, list]:
     local = jax.local_devices()
     n = rollout_per_process or len(local) // 2
     if not 0 < n < len(local):
+        cpu = local[0].platform == "cpu"
         raise ValueError(
             f"mesh.rollout_devices={rollout_per_process}: each process has {len(local)} "
             f"devices; rollouts need at least one and training at least one"
+            + (
+                " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 before the "
+                "run makes two)"
+                if cpu and len(local) < 2
+                else ""
+            )
         )
     by_process: dict[int, list] = {}
     for d in jax.devices():

@@ -115,10 +115,25 @@ def _remove_leftovers(parent: str) -> None:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
+def _follow_umask(directory: str) -> None:
+    """The modes any file the user writes would have: `tempfile.mkdtemp` makes the
+    directory 0700 and the tensor files come out 0600 whatever the umask, so a serving
+    container running as another user could not read the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
 def _publish(tmp: str, out: epath.Path) -> None:
     """Moves a finished export into place: one rename locally; to an object store every
     file, the manifest last (a reader verifies against it)."""
     if paths.is_local(out):
+        _follow_umask(tmp)
         os.replace(tmp, os.fspath(out))
         return
     names = sorted(os.listdir(tmp), key=lambda n: n == ckpt_lib.MANIFEST)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -126,9 +127,17 @@ def test_an_interrupted_export_leaves_no_half_directory(run, tmp_path, monkeypat
     assert not out.exists() and [p.name for p in out.parent.iterdir()]  # only a leftover
     monkeypatch.undo()
     # The next export clears the leftover and writes a whole directory.
-    export_lib.export_params(trainer.state.params, trainer.model_config, source, out)
+    old_umask = os.umask(0o022)
+    try:
+        export_lib.export_params(trainer.state.params, trainer.model_config, source, out)
+    finally:
+        os.umask(old_umask)
     export_lib.verify_export(out)
     assert sorted(p.name for p in out.parent.iterdir()) == ["step_9"]
+    # Readable by other users, as any file written under umask 022 (not mkdtemp's 0700).
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
 
 
 def _dies_after(n):

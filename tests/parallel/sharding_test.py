@@ -386,3 +386,11 @@ def test_weights_publish_to_the_rollout_devices_unchanged(ref_params, train_shap
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(got.dtype)))
     with pytest.raises(ValueError, match="mesh.rollout_devices=8: each process has 8 devices"):
         placement_lib.split_devices(8)
+
+
+def test_async_on_a_one_device_cpu_says_how_to_get_two(monkeypatch):
+    from m2po_jax.parallel import placement as placement_lib
+
+    monkeypatch.setattr(jax, "local_devices", lambda: jax.devices()[:1])
+    with pytest.raises(ValueError, match=r"has 1 devices.*xla_force_host_platform_device_count=2"):
+        placement_lib.split_devices(0)
