@@ -26,12 +26,27 @@ from jax.sharding import Mesh
 from m2po_jax.parallel import sharding
 
 
+def _tpu_chips() -> int:
+    """TPU chips on this host's PCI bus (as jax counts them), without starting a backend.
+
+    libtpu alone says nothing: the tpu extra installs it on any host, a CPU one included,
+    to compile for TPU slices (`m2po-train --compile_only --topology=...`)."""
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # a jax without it: look for the accelerator device files
+        import glob
+
+        return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
+
+
 def _platform_hint() -> str | None:
     """The platform jax will pick, guessed without starting a backend."""
     platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip().lower()
-    if importlib.util.find_spec("libtpu"):
+    if importlib.util.find_spec("libtpu") and _tpu_chips() > 0:
         return "tpu"
     if any(
         importlib.util.find_spec(m)

@@ -132,7 +132,10 @@ def build_task(
         )
         if tokenizer is not None:
             kwargs["tokenizer"] = tokenizer
-        return make_task("arith", **kwargs)
+        names = {name: f"task.{name}" for name in ("seed", "ops", "min_digits", "max_digits")}
+        names |= {"eval_size": "eval.num_examples", "format_reward": "task.format_reward"}
+        with _named_as_in_the_config(names):
+            return make_task("arith", **kwargs)
     if tokenizer is None:
         raise ValueError("task.name='gsm8k' needs a tokenizer: set model.path to a HF checkpoint")
     if not t.train_path:

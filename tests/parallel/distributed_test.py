@@ -6,7 +6,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import types
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -16,6 +18,32 @@ from m2po_jax.parallel import distributed, sharding
 
 def mesh_of(shape):
     return sharding.make_mesh(shape)
+
+
+def test_libtpu_on_a_host_without_tpus_is_one_process(monkeypatch):
+    """The tpu extra (libtpu, for compile-only runs) on a CPU host: no TPU pod to join,
+    so `m2po-train` runs as one process instead of waiting for a coordinator."""
+    import importlib.util
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    fake_jax = types.SimpleNamespace(
+        config=types.SimpleNamespace(jax_platforms=""), distributed=jax.distributed
+    )
+    monkeypatch.setattr(distributed, "jax", fake_jax)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "libtpu" else real(name, *a),
+    )
+    monkeypatch.setattr(distributed, "_tpu_chips", lambda: 0)
+    assert distributed._platform_hint() == "cpu"
+    assert distributed.initialize_distributed() is False
+    monkeypatch.setattr(distributed, "_tpu_chips", lambda: 4)
+    assert distributed._platform_hint() == "tpu"
 
 
 def test_initialize_distributed_single_process(monkeypatch):

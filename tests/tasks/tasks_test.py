@@ -330,3 +330,16 @@ def test_the_attributes_the_trainer_reads_are_declared_on_every_task():
     task = make_task("arith", seed=0)
     assert task.prompt_lengths == {} and task.prompts_filtered is None
     assert {"prompt_lengths", "prompts_filtered"} <= set(Task.__annotations__)
+
+
+def test_a_bad_arith_setting_is_named_as_in_the_config():
+    """`--config.task.ops=7` names `task.ops`, the field the user wrote, not the library's
+    `ops` argument."""
+    from m2po_jax import config as config_lib
+    from m2po_jax.configs import arith
+    from m2po_jax.trainer import setup as setup_lib
+
+    c = arith.get_config("tiny")
+    c.task.ops = "7"
+    with pytest.raises(ValueError, match=r"^task\.ops: expected distinct operators"):
+        setup_lib.build_task(config_lib.from_configdict(c))
