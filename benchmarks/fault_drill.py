@@ -11,7 +11,15 @@ is missing or differs is lost. The last line reads `N faults, 0 lost` when nothi
   python benchmarks/fault_drill.py child --fault=kill:step:3 -- --workdir=... [flags]
 Faults: kill:step:N (SIGKILL as step N's update starts), kill:save:N:{orbax,manifest,rotate}
 (SIGKILL inside the save of step N), signal:N:{TERM,INT,TERM2} (TERM2: twice),
-full:N:{tensorboard,metrics,checkpoint} (ENOSPC on those writes from step N on).
+warmup:N:TERM (SIGTERM in supervised warm-up step N), stall:N (the async rollout worker hangs
+on batch N), full:N:{tensorboard,metrics,checkpoint}
+(ENOSPC on those writes from step N on).
+
+The `Np_*` cases run N processes of one run (`JAX_NUM_PROCESSES`, one CPU device each, gloo),
+the fault in one or more of them, and compare rows and final params with an uninterrupted
+N-process run:
+
+  python benchmarks/fault_drill.py --cases=multi     # every multi-process case
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = ["--config=configs/arith.py:m2po,tiny", "--config.mesh.data=1"]
@@ -82,6 +92,31 @@ def _arm(fault: str, workdir: Path) -> None:
     elif kind == "signal":
         sig = {"TERM": [signal.SIGTERM], "INT": [signal.SIGINT]}.get(args[1], [signal.SIGTERM] * 2)
         at_step(int(args[0]), lambda: [os.kill(os.getpid(), s) for s in sig])
+    elif kind == "warmup":
+        from m2po_jax.trainer import sft
+
+        real_batch, calls = sft.sft_batch, []
+
+        def batch(run, start, count):
+            calls.append(start)
+            if len(calls) == int(args[0]):
+                print(f"fault_drill: fault at {time.time()}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), _SIGNALS[args[1]])
+            return real_batch(run, start, count)
+
+        sft.sft_batch = batch
+    elif kind == "stall":  # the async rollout worker hangs making batch N
+        from m2po_jax.trainer import async_rollouts
+
+        real_generate = async_rollouts.AsyncRollouts.generate
+
+        def generate(self, index, version, params):
+            if index == int(args[0]):
+                print(f"fault_drill: fault at {time.time()}", file=sys.stderr, flush=True)
+                time.sleep(3600)
+            return real_generate(self, index, version, params)
+
+        async_rollouts.AsyncRollouts.generate = generate
     elif kind == "full":
         _arm_full_disk(int(args[0]), args[1], workdir, at_step)
     else:
@@ -260,9 +295,9 @@ def _case(name: str, workdir: Path, reference: Path) -> str:
                 return f"FAILED: exit {rc}: {err.strip()[-300:]}"
             outcome = f"one-line error {took:.1f}s after the fault, exit 2; resumed"
         elif name == "double_sigterm":
-            if rc != -signal.SIGTERM:
-                return f"FAILED: exit {rc}, expected death by the second SIGTERM"
-            outcome = "second SIGTERM ended it at once; resumed"
+            if rc != 128 + signal.SIGTERM or "signal 15 again: exiting now" not in err:
+                return f"FAILED: exit {rc}, expected exit 143 at the second SIGTERM"
+            outcome = "second SIGTERM ended it at once (exit 143, one line); resumed"
         elif kill:
             outcome = "resumed"
         elif rc != 128 + _SIGNALS[faults[name].split(":")[-1]] or "interrupted at step" not in out:
@@ -314,16 +349,247 @@ CASES = [
 ]
 
 
+# ---- several processes -------------------------------------------------------------------
+
+MULTI = [
+    "--config=configs/arith.py:m2po,tiny",
+    "--config.rollout.batch_size=8",
+    "--config.task.format_reward=0.5",
+    "--config.logging.tensorboard=False",
+    # Steps of a fraction of a second: a stop is agreed about a second after its signal
+    # (the runtime's notifier polls once a second), so the run is long enough to see it.
+    "--config.total_steps=10",
+]
+HEARTBEAT_S = 10
+# Async: each process rolls out on 2 of its 4 CPU devices and trains on the other 2.
+ASYNC = ("--config.rollout.mode=async", "--config.rollout.worker_timeout_s=20")
+MULTI_CASES = {
+    # name: (processes, {process: fault}[, extra flags, devices per process]); async runs
+    # are timing-dependent (which batch is how stale), so they are compared by prompts
+    # (none lost or repeated), not by rows and params.
+    "2p_sigterm_p0": (2, {0: "signal:2:TERM"}),
+    "2p_sigterm_p1": (2, {1: "signal:2:TERM"}),
+    "2p_sigint_p1": (2, {1: "signal:1:INT"}),
+    "2p_sigterm_both_apart": (2, {0: "signal:1:TERM", 1: "signal:3:TERM"}),
+    "2p_sigterm_warmup_p1": (2, {1: "warmup:2:TERM"}),
+    "2p_double_sigterm_p1": (2, {1: "signal:2:TERM2"}),
+    "2p_sigkill_p1": (2, {1: "kill:step:2"}),
+    "2p_sigkill_p0": (2, {0: "kill:step:2"}),
+    "4p_sigterm_p0": (4, {0: "signal:2:TERM"}),
+    "4p_sigterm_p1": (4, {1: "signal:2:TERM"}),
+    "4p_sigterm_p2": (4, {2: "signal:2:TERM"}),
+    "4p_sigterm_p3": (4, {3: "signal:2:TERM"}),
+    "4p_sigterm_all_apart": (4, {0: "signal:1:TERM", 1: "signal:2:TERM", 2: "signal:3:TERM"}),
+    "4p_sigkill_p2": (4, {2: "kill:step:2"}),
+    "2p_async_sigterm_p1": (2, {1: "signal:3:TERM"}, ASYNC, 4),
+    "2p_async_stalled_worker_p1": (2, {1: "stall:4"}, ASYNC, 4),
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_processes(
+    workdir: Path,
+    n: int,
+    faults: dict[int, str] | None = None,
+    *extra: str,
+    xla_flags: str = "",
+    heartbeat_s: int = HEARTBEAT_S,
+    devices: int = 1,
+):
+    """One run as `n` processes (`devices` CPU devices each); returns [(exit code, stdout, stderr,
+    seconds from the first fault to this process's end)] by process."""
+    faults = faults or {}
+    port = _free_port()
+    procs = []
+    for pid in range(n):
+        cmd = [sys.executable, __file__, "child", f"--fault={faults.get(pid, '')}", "--"]
+        cmd += [*MULTI, f"--workdir={workdir}", *extra]
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES=str(n),
+            JAX_PROCESS_ID=str(pid),
+            M2PO_HEARTBEAT_TIMEOUT_S=str(heartbeat_s),
+            XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count={devices}".strip(),
+            JAX_COMPILATION_CACHE_DIR=str(CACHE),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
+    ended = {}
+    deadline = time.time() + 600
+    while len(ended) < n and time.time() < deadline:
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.1)
+    results = []
+    for i, p in enumerate(procs):
+        if p.poll() is None:  # a hang: what this drill exists to catch
+            p.kill()
+            ended[i] = float("inf")
+        out, err = p.communicate()
+        results.append([p.returncode, out, err, ended[i]])
+    times = [t for t in (_fault_time(r[2]) for r in results) if t == t]
+    first_fault = min(times, default=float("nan"))
+    for r in results:
+        r[3] = r[3] - first_fault
+    return [tuple(r) for r in results]
+
+
+def final_params(workdir: Path):
+    """The newest checkpoint's step and params, as numpy arrays (leaves in tree order)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    directory = workdir / "checkpoints"
+    step = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(directory / str(step) / "state").item_metadata
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        state = checkpointer.restore(directory / str(step) / "state", target)
+    return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def _interrupted_step(out: str) -> int | None:
+    for line in out.splitlines():
+        if line.startswith("m2po-train: interrupted at step "):
+            return int(line.split("at step ")[1].split(";")[0])
+    return None
+
+
+def _spec(name: str):
+    n, faults, *rest = MULTI_CASES[name]
+    extra = tuple(rest[0]) if rest else ()
+    devices = rest[1] if len(rest) > 1 else 1
+    return n, faults, extra, devices
+
+
+def _multi_case(name: str, workdir: Path) -> tuple[str, float]:
+    """Runs multi-process case `name`; returns its outcome and the seconds from the fault to
+    the last process's end."""
+    n, faults, extra, devices = _spec(name)
+    results = train_processes(workdir, n, faults, *extra, devices=devices)
+    took = max(r[3] for r in results)
+    codes = [r[0] for r in results]
+    if any(t == float("inf") for _, _, _, t in results):
+        return f"FAILED: a process hung (exits {codes})", took
+    killed = [p for p, f in faults.items() if f.startswith(("kill", "stall"))]
+    double = [p for p, f in faults.items() if f.endswith("TERM2")]
+    if killed or double:
+        dead = killed or double
+        stalled = any(faults[p].startswith("stall") for p in dead)
+        want_dead = (
+            2 if stalled else -signal.SIGKILL if killed else 128 + signal.SIGTERM
+        )  # a stalled worker: the one-line worker error
+        others = [p for p in range(n) if p not in dead]
+        bad = [p for p in dead if codes[p] != want_dead]
+        # Others: our line and exit 75, or (the coordinator gone) the runtime's abort.
+        ends = {}
+        for p in others:
+            err = results[p][2]
+            if codes[p] == 75 and f"m2po-train: lost process {dead[0]} of {n}" in err:
+                ends[p] = "lost-peer line, exit 75"
+            elif codes[p] == -signal.SIGABRT and "Terminating process because the JAX" in err:
+                ends[p] = "runtime abort (exit 134)"
+            else:
+                bad.append(p)
+        if bad:
+            tails = "; ".join(f"p{p} exit {codes[p]}: {results[p][2].strip()[-300:]}" for p in bad)
+            return f"FAILED: {tails}", took
+        kinds = sorted(set(ends.values()))
+        what = (
+            "worker stalled (one-line error, exit 2)"
+            if stalled
+            else "SIGKILL"
+            if killed
+            else "second SIGTERM (exit 143, one line)"
+        )
+        outcome = f"p{dead[0]} {what}; others: {', '.join(kinds)}"
+    else:
+        signum = signal.SIGINT if any(f.endswith("INT") for f in faults.values()) else 15
+        steps = {_interrupted_step(r[1]) for r in results}
+        if set(codes) != {128 + signum} or len(steps) != 1 or None in steps:
+            tails = "; ".join(
+                f"p{i} exit {r[0]}: {r[2].strip()[-200:]}" for i, r in enumerate(results)
+            )
+            return f"FAILED: {tails}", took
+        outcome = f"all {n} stopped after step {steps.pop()}, exit {128 + signum}"
+    rerun = train_processes(workdir, n, None, *extra, devices=devices)
+    if any(r[0] != 0 for r in rerun):
+        return f"FAILED: rerun exits {[r[0] for r in rerun]}: {rerun[0][2][-300:]}", took
+    return outcome + "; resumed", took
+
+
+def _prompts_once(workdir: Path) -> bool:
+    """An async run's rows: every step once, and each batch's prompts the next ones."""
+    rows = _rows(workdir)
+    return sorted(rows) == list(range(len(rows))) and all(
+        r["data/first_prompt"] == r["data/prompts"] * s for s, r in rows.items()
+    )
+
+
+def multi_drill(cases: list[str], root: Path) -> list[tuple[str, str, int, float]]:
+    rows = []
+    references = {}
+    for name in cases:
+        n, _, extra, devices = _spec(name)
+        is_async = "--config.rollout.mode=async" in extra
+        if not is_async and n not in references:
+            references[n] = root / f"reference_{n}p"
+            codes = [r[0] for r in train_processes(references[n], n)]
+            if codes != [0] * n:
+                raise SystemExit(f"fault_drill: the {n}-process reference run failed: {codes}")
+        workdir = root / name
+        outcome, took = _multi_case(name, workdir)
+        if "FAILED" in outcome:
+            lost = 0
+        elif is_async:
+            lost = 0 if _prompts_once(workdir) else 1
+            outcome += "; every prompt once" if not lost else "; PROMPTS LOST OR REPEATED"
+        else:
+            lost = _lost_rows(workdir, references[n])
+            ref_step, ref_params = final_params(references[n])
+            step, params = final_params(workdir)
+            same = step == ref_step and all(
+                np.array_equal(a, b) for a, b in zip(params, ref_params, strict=True)
+            )
+            outcome += "; params equal" if same else "; PARAMS DIFFER"
+            lost += 0 if same else 1
+        rows.append((name, outcome, lost, took))
+        print(f"  {name}: {outcome}; {lost} rows lost; ended {took:.1f}s after the fault")
+    return rows
+
+
+def _lost_rows(workdir: Path, reference: Path) -> int:
+    want, got = _rows(reference), _rows(workdir)
+    return sum(got.get(s) != r for s, r in want.items()) + len(set(got) - set(want))
+
+
 def drill(cases: list[str]) -> int:
     root = Path(tempfile.mkdtemp(prefix="fault_drill_"))
+    multi = [c for c in cases if c in MULTI_CASES]
+    cases = [c for c in cases if c not in MULTI_CASES]
     reference = root / "reference"
-    rc, _, err = _train(reference)
-    if rc != 0:
-        raise SystemExit(f"fault_drill: the reference run failed: {err[-2000:]}")
+    rows = []
+    if cases:
+        rc, _, err = _train(reference)
+        if rc != 0:
+            raise SystemExit(f"fault_drill: the reference run failed: {err[-2000:]}")
     reference6 = root / "reference6"
     if "second_trainer" in cases:
         _train(reference6, "--config.total_steps=6")
-    rows = []
     for name in cases:
         workdir = root / name
         t0 = time.perf_counter()
@@ -331,11 +597,19 @@ def drill(cases: list[str]) -> int:
         lost = _lost(workdir, reference6 if name == "second_trainer" else reference)
         rows.append((name, outcome, lost, time.perf_counter() - t0))
         print(f"  {name}: {outcome}; {lost} rows lost ({rows[-1][3]:.0f}s)", flush=True)
+    multi_rows = multi_drill(multi, root) if multi else []
     print()
     print("| case | outcome | rows lost |")
     print("|---|---|---|")
     for name, outcome, lost, _ in rows:
         print(f"| {name} | {outcome} | {lost} |")
+    if multi_rows:
+        print()
+        print(f"| case ({HEARTBEAT_S} s heartbeat) | outcome | last process ended | rows lost |")
+        print("|---|---|---|---|")
+        for name, outcome, lost, took in multi_rows:
+            print(f"| {name} | {outcome} | {took:.1f} s after the fault | {lost} |")
+    rows += multi_rows
     total = sum(r[2] for r in rows) + sum("FAILED" in r[1] for r in rows)
     print(f"\n{len(rows)} faults, {total} lost")
     shutil.rmtree(root, ignore_errors=True)
@@ -347,9 +621,12 @@ def main() -> None:
         child(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES + list(MULTI_CASES)))
     args = parser.parse_args()
-    sys.exit(drill([c for c in args.cases.split(",") if c]))
+    cases = [c for c in args.cases.split(",") if c]
+    if cases == ["multi"]:
+        cases = list(MULTI_CASES)
+    sys.exit(drill(cases))
 
 
 if __name__ == "__main__":

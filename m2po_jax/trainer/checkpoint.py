@@ -134,6 +134,16 @@ def _sync(name: str) -> None:
         ocp.multihost.sync_global_processes(name)
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager without its own read of the runtime's preemption sync point (at each
+    save, with the step as the counter): the trainer reads it once per step with its own
+    count (`stopping.RunStop`), and a second reader with other numbers would move the point
+    where the processes meet."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     """A `CheckpointManager` under `workdir/checkpoints`, keeping the last `keep` verified."""
 
@@ -146,7 +156,7 @@ class Checkpointer:
         try:
             # Rotation is ours (`_rotate`): orbax's max_to_keep would delete the previous step
             # before the new one is hashed.
-            self._manager = ocp.CheckpointManager(
+            self._manager = _Manager(
                 self.directory, options=ocp.CheckpointManagerOptions(create=True)
             )
         except OSError as e:
@@ -189,8 +199,12 @@ class Checkpointer:
         queue: list[RolloutBatch],
         meta: dict,
         ref_params: Any = None,
+        warmup_opt_state: Any = None,
     ) -> None:
-        """Writes checkpoint `step`, hashes it, then rotates; refuses an existing step."""
+        """Writes checkpoint `step`, hashes it, then rotates; refuses an existing step.
+
+        `warmup_opt_state`: the AdamW state of an unfinished supervised warm-up (a stop
+        during it), saved at step 0 with the warm-up's params in `state`."""
         if step in self._manager.all_steps():
             raise CheckpointError(
                 f"{self.step_dir(step)}: already exists; a committed checkpoint is not rewritten"
@@ -206,6 +220,8 @@ class Checkpointer:
             )
         if ref_params is not None:
             items["ref_params"] = ocp.args.StandardSave(ref_params)
+        if warmup_opt_state is not None:
+            items["warmup_opt_state"] = ocp.args.StandardSave(warmup_opt_state)
         try:
             with _orbax_errors_raised_not_logged():
                 self._manager.save(step, args=ocp.args.Composite(**items))
@@ -293,17 +309,28 @@ class Checkpointer:
         """True if the step's save stopped before writing its manifest."""
         return not (self.step_dir(step) / MANIFEST).exists()
 
-    def restore(self, step: int | None, *, state_like: Any, ref_like: Any = None) -> dict:
+    def meta(self, step: int) -> dict:
+        """The JSON record of checkpoint `step` (data position, warm-up steps, ...)."""
+        try:
+            return self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.step_dir(step)}: unreadable record ({e})") from e
+
+    def restore(
+        self, step: int | None, *, state_like: Any, ref_like: Any = None, warmup_like: Any = None
+    ) -> dict:
         """Restores a checkpoint into the structure, dtypes and shardings of `state_like`.
 
         Returns a dict with state, rng, queue (`RolloutBatch` records of numpy arrays,
-        oldest first), meta, ref_params.
+        oldest first), meta, ref_params, warmup_opt_state (restored like `warmup_like`).
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"{self.directory}: no checkpoint")
         try:
-            return self._restore(step, state_like, ref_like)
+            return self._restore(step, state_like, ref_like, warmup_like)
         except (OSError, ValueError, KeyError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(
@@ -311,7 +338,7 @@ class Checkpointer:
                 f"({type(e).__name__}: {first[:300]})"
             ) from e
 
-    def _restore(self, step: int, state_like: Any, ref_like: Any) -> dict:
+    def _restore(self, step: int, state_like: Any, ref_like: Any, warmup_like: Any) -> dict:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"
         ]
@@ -323,6 +350,8 @@ class Checkpointer:
             items["queue"] = ocp.args.StandardRestore()
         if ref_like is not None:
             items["ref_params"] = ocp.args.StandardRestore(_abstract(ref_like))
+        if warmup_like is not None:
+            items["warmup_opt_state"] = ocp.args.StandardRestore(_abstract(warmup_like))
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         queue = []
         if meta["queue_len"]:
@@ -340,4 +369,5 @@ class Checkpointer:
             "queue": queue,
             "meta": meta,
             "ref_params": restored["ref_params"] if ref_like is not None else None,
+            "warmup_opt_state": restored["warmup_opt_state"] if warmup_like is not None else None,
         }

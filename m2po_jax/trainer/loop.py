@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
+from m2po_jax.parallel import distributed
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout.worker import RolloutWorkerError
 from m2po_jax.trainer import async_rollouts as async_lib
@@ -32,7 +32,7 @@ from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import evaluate as evaluate_lib
 from m2po_jax.trainer import export as export_lib
 from m2po_jax.trainer import metrics as metrics_lib
-from m2po_jax.trainer import paths, plots, run_record, sft
+from m2po_jax.trainer import paths, plots, run_record, sft, stopping
 from m2po_jax.trainer import setup as setup_lib
 from m2po_jax.trainer import workdir as workdir_lib
 
@@ -56,6 +56,7 @@ class RunResult:
     eval_accuracy: list[tuple[int, float]]
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
+    already_finished: bool = False  # the workdir had finished before: nothing was done
 
 
 class Trainer:
@@ -111,8 +112,8 @@ class Trainer:
         self.checkpointer = ckpt_lib.Checkpointer(self.workdir, keep=cfg.checkpoint.keep)
         # rollout.mode="async": the worker side, made when the run starts (`_start_async`)
         self.async_rollouts: async_lib.AsyncRollouts | None = None
-        self._stop_requested = False
-        self._stop_signal = None
+        self.stop = stopping.RunStop()
+        self._warmup_resume: sft.Warmup | None = None
 
     def _jitted_step(self) -> StepFn:
         """The jitted train step (`setup.build_train_step`: what the benchmarks compile)."""
@@ -127,14 +128,45 @@ class Trainer:
         params = self.state.params if params is None else params
         return evaluate_lib.evaluate(self.setup, params, jax.random.fold_in(self.rng, _EVAL))
 
-    def supervised_warmup(self) -> None:
-        """The warm-up of `cfg.sft` (nothing when `sft.max_steps` is 0); RL starts from it."""
+    def supervised_warmup(self) -> bool:
+        """The warm-up of `cfg.sft` (nothing when `sft.max_steps` is 0); RL starts from it.
+
+        A stop agreed during it (a signal) ends it after that warm-up step with a
+        checkpoint of the warm-up (step 0), which a resume continues; returns True then."""
         if self.cfg.sft.max_steps == 0 or self.warm_started:
-            return
-        warm = sft.supervised_warmup(self.setup, self.state.params, self.evaluate)
+            return False
+        warm = sft.supervised_warmup(
+            self.setup,
+            self.state.params,
+            self.evaluate,
+            resume=self._warmup_resume,
+            should_stop=self.stop.agreed,
+        )
+        self._warmup_resume = None
         self.sft_steps = warm.steps
-        self.sft_log.extend(warm.log)
+        self.sft_log = list(warm.log)
         self.state = setup_lib.init_state(self.setup, warm.params, self.tx)
+        if not warm.stopped:
+            return False
+        self.checkpointer.save(
+            0,
+            state=self.state,
+            rng=self.rng,
+            queue=[],
+            meta={
+                "data_position": 0,
+                "sft_steps": warm.steps,
+                "warmup_unfinished": True,
+                "sft_log": warm.log,
+            },
+            warmup_opt_state=warm.opt_state,
+        )
+        if jax.process_index() == 0:
+            metrics_lib.say(
+                f"warm-up stopped after step {warm.steps} of {self.cfg.sft.max_steps}; saved "
+                f"{self.checkpointer.step_dir(0)} (the same command continues it)"
+            )
+        return True
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -178,6 +210,8 @@ class Trainer:
         step = self.checkpointer.choose(restore_step, warn=logging.warning)
         if step is None:
             return False
+        if self.checkpointer.meta(step).get("warmup_unfinished"):
+            return self._resume_warmup(step)
         need_ref = self.cfg.actor.kl_ctl > 0
         restored = self.checkpointer.restore(
             step, state_like=self.state, ref_like=self.state.params if need_ref else None
@@ -193,6 +227,36 @@ class Trainer:
         self.sft_steps = restored["meta"]["sft_steps"]
         self.ref_params = restored["ref_params"]
         return True
+
+    def _resume_warmup(self, step: int) -> bool:
+        """An unfinished warm-up (checkpoint 0): `_begin` continues it. Returns False (RL
+        has not begun)."""
+        restored = self.checkpointer.restore(
+            step,
+            state_like=self.state,
+            warmup_like=sft.init_opt_state(self.setup, self.state.params),
+        )
+        meta = restored["meta"]
+        self.rng = restored["rng"]
+        self._warmup_resume = sft.Warmup(
+            restored["state"].params,
+            meta["sft_steps"],
+            list(meta.get("sft_log", [])),
+            opt_state=restored["warmup_opt_state"],
+        )
+        if jax.process_index() == 0:
+            metrics_lib.say(
+                f"continuing the warm-up from step {meta['sft_steps']} "
+                f"({self.checkpointer.step_dir(step)})"
+            )
+        return False
+
+    def _where_saved(self) -> str:
+        """Where the last checkpoint is, for the line of a process that ends at once."""
+        steps = [s for s in self.checkpointer.all_steps() if self.checkpointer.verify(s) is None]
+        if not steps:
+            return "no checkpoint yet"
+        return f"the last checkpoint is {self.checkpointer.step_dir(steps[-1])}"
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -219,6 +283,8 @@ class Trainer:
                 logging.warning("resuming with changed settings: %s", ", ".join(changed))
             resumed = self.try_resume(restore_step)
             start = int(self.state.step)
+            if resumed and start >= cfg.total_steps and stop_after is None:
+                return RunResult(self.workdir, start, [], already_finished=True)
             with contextlib.ExitStack() as stack:
                 writer = stack.enter_context(
                     metrics_lib.MetricsWriter(
@@ -234,18 +300,19 @@ class Trainer:
                         cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
                     )
                 )
-                stack.enter_context(self._signals())
-                if not resumed:
-                    self._begin()
+                stack.enter_context(self.stop.signals(self._where_saved))
+                distributed.set_lost_peer_note(self._where_saved)
+                interrupted = not resumed and self._begin()
                 end = cfg.total_steps if stop_after is None else start + stop_after
                 end = min(end, cfg.total_steps)
-                if cfg.rollout.mode == "async":
-                    stack.push(self._stop_async)
-                    self._start_async()
-                interrupted = self._loop(writer, progress, start, end, accuracies)
+                if not interrupted:
+                    if cfg.rollout.mode == "async":
+                        stack.push(self._stop_async)
+                        self._start_async()
+                    interrupted = self._loop(writer, progress, start, end, accuracies)
             if cfg.logging.plots and primary:
                 self._plot()
-        signum = self._stop_signal if interrupted else None
+        signum = self.stop.signal if interrupted else None
         return RunResult(self.workdir, int(self.state.step), accuracies, interrupted, signum)
 
     def _plot(self) -> None:
@@ -262,16 +329,19 @@ class Trainer:
         except OSError as e:
             raise WriterError(describe_os_error(e, self.workdir)) from e
 
-    def _begin(self) -> None:
-        """A new run: the warm-up, the KL reference policy, and k batches in the queue."""
-        self.supervised_warmup()
+    def _begin(self) -> bool:
+        """A new run: the warm-up, the KL reference policy, and k batches in the queue.
+        True if a stop ended it during the warm-up."""
+        if self.supervised_warmup():
+            return True
         if self.cfg.actor.kl_ctl > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.state.params)
         if self.cfg.rollout.mode == "async":
-            return  # the worker fills its buffer as soon as it starts
+            return False  # the worker fills its buffer as soon as it starts
         for i in range(self.cfg.rollout.max_head_offpolicyness):
             rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
             self.queue.push(self._rollout(rng, version=0)[0])
+        return False
 
     def _start_async(self) -> None:
         """Starts the rollout worker with the buffered batches of the queue (a resume)."""
@@ -297,7 +367,11 @@ class Trainer:
         return False
 
     def _loop(self, writer, progress, start: int, end: int, accuracies: list) -> bool:
-        """Steps `start` .. `end - 1`, then a checkpoint; True if a signal stopped them.
+        """Steps `start` .. `end - 1`, then a checkpoint; True if a stop ended them early.
+
+        A stop (a signal or `request_stop` on any process) ends every process after the
+        same step (`RunStop.agreed`), with one checkpoint; one agreed at the run's last step
+        lets the run finish.
 
         Each step's row is written; its evaluations are appended to `accuracies` too. A
         step's device metrics are fetched one step late, after the next update has been
@@ -314,8 +388,12 @@ class Trainer:
                 record, device_metrics = self._step(step)
             except RolloutWorkerError:
                 # The learner's state so far; the worker's unfinished batch is made again.
-                self.save(writer, pause_worker=False)
+                # (With several processes a save is a collective the others, waiting in the
+                # step, never join: they notice this one is gone and stop.)
+                if jax.process_count() == 1:
+                    self.save(writer, pause_worker=False)
                 raise
+            stop = self.stop.agreed() and step + 1 < cfg.total_steps
             if pending is not None:
                 self._finish(writer, progress, *pending, current=(step, record, device_metrics))
                 pending = None
@@ -327,13 +405,11 @@ class Trainer:
                 accuracies.append((step, accuracy))
             save = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
             export = cfg.checkpoint.hf_every and (step + 1) % cfg.checkpoint.hf_every == 0
-            if not (
-                save or export or accuracy is not None or self._stop_requested or step + 1 == end
-            ):
+            if not (save or export or accuracy is not None or stop or step + 1 == end):
                 pending = (step, record, device_metrics)
                 continue
             self._finish(writer, progress, step, record, device_metrics)
-            if self._stop_requested:
+            if stop:
                 self.save(writer)
                 return True
             if save:
@@ -494,33 +570,6 @@ class Trainer:
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stops `run()` after the step it is on, with a checkpoint, as SIGTERM does; before
-        `run()` has begun, after its first step. Its `RunResult` names `signum`."""
-        self._stop_requested = True
-        self._stop_signal = signum
-
-    @contextlib.contextmanager
-    def _signals(self):
-        """SIGTERM / SIGINT stop the run after the current step (a second one: at once)."""
-
-        def handler(signum, frame):
-            if self._stop_requested:
-                # A second signal ends the process now, whatever the main thread waits on.
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            self.request_stop(signum)
-            logging.warning(
-                "signal %d: stopping after this step (send it again to stop now)", signum
-            )
-
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+        `run()` has begun, after its first step. With several processes, every one stops
+        after the same step. Its `RunResult` names `signum`."""
+        self.stop.request(signum)

@@ -10,7 +10,10 @@ line, `m2po-train: <what>: <file or field>: <problem>`, and exit with status 2;
 `--verbose` adds the traceback. A run stopped by SIGTERM or Ctrl-C checkpoints, then exits
 with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a
 process a signal ended, so a preemption wrapper tells it from a finished run (exit 0);
-running the same command again resumes it.
+running the same command again resumes it. With several processes (a pod), a stop on any
+one stops all of them after the same step, and each exits so; a process that loses another
+(killed, out of memory, its host gone) says which in one line and exits 75 (EX_TEMPFAIL:
+run the same command on every host again).
 """
 
 from __future__ import annotations
@@ -176,7 +179,10 @@ def main(argv) -> None:
 
     compile_cache.enable(FLAGS.compile_cache)
     # Multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a TPU pod.
-    distributed.initialize_distributed()
+    try:
+        distributed.initialize_distributed()
+    except ValueError as e:
+        _report(e, "config error")
     logging.info("workdir %s", FLAGS.workdir)
     import jax
 
@@ -194,17 +200,47 @@ def main(argv) -> None:
         if fresh:  # a run that failed before writing anything leaves no empty workdir
             _remove_if_empty(directory)
         raise
+    except Exception as e:
+        if jax.process_count() > 1 and _collective_failure(e):
+            # gloo (CPU) fails at once when a peer is gone: the peer watch names it.
+            distributed.wait_if_peer_lost(distributed.heartbeat_timeout_s() + 15)
+        raise
+    distributed.leaving()  # every process ends here together: no lost peer
+    metrics_file = result.workdir / "metrics.jsonl"
+    if result.already_finished:
+        print(
+            f"m2po-train: {result.workdir} finished at step {result.final_step} already; "
+            "nothing to do (raise --config.total_steps to train further); metrics in "
+            f"{metrics_file}"
+        )
+        return
     status = "interrupted" if result.interrupted else "finished"
-    print(
-        f"m2po-train: {status} at step {result.final_step}; metrics in "
-        f"{result.workdir / 'metrics.jsonl'}"
-    )
-    if result.eval_accuracy:
-        steps = ", ".join(f"{s}: {a:.3f}" for s, a in result.eval_accuracy)
+    print(f"m2po-train: {status} at step {result.final_step}; metrics in {metrics_file}")
+    accuracy = _accuracy_by_step(metrics_file, result.eval_accuracy)
+    if accuracy:
+        steps = ", ".join(f"{s}: {a:.3f}" for s, a in accuracy)
         print(f"m2po-train: held-out accuracy by step: {steps}")
     if result.interrupted:
         sys.stdout.flush()
         sys.exit(128 + (result.signal or 15))
+
+
+def _collective_failure(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}".lower()
+    return any(w in text for w in ("gloo", "connection", "peer", "unavailable", "collective"))
+
+
+def _accuracy_by_step(metrics_file, this_run: list) -> list[tuple[int, float]]:
+    """Every held-out evaluation of the workdir's run, before a resume too."""
+    from m2po_jax.trainer import metrics as metrics_lib
+
+    try:
+        rows = metrics_lib.read_metrics(metrics_file)
+    except (OSError, ValueError):
+        return list(this_run)
+    found = {int(r["step"]): float(r["eval/accuracy"]) for r in rows if "eval/accuracy" in r}
+    found.update(dict(this_run))
+    return sorted(found.items())
 
 
 def _compile_only(cfg) -> None:

@@ -71,26 +71,50 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
 
 @dataclasses.dataclass
 class Warmup:
-    """What the warm-up left: its params, the steps it took, and its evaluation rows."""
+    """What the warm-up left: its params, the steps it took, and its evaluation rows.
+
+    `stopped`: a stop was agreed after step `steps` (a signal): the warm-up is unfinished,
+    and `opt_state` (its AdamW state) continues it from a checkpoint."""
 
     params: Any
     steps: int
     log: list[dict]
+    stopped: bool = False
+    opt_state: Any = None
 
 
-def supervised_warmup(run: RunSetup, params, evaluate: Callable[[Any], float]) -> Warmup:
+def optimizer(run: RunSetup) -> optax.GradientTransformation:
+    return optax.adamw(run.cfg.sft.lr, weight_decay=0.0)
+
+
+def init_opt_state(run: RunSetup, params) -> Any:
+    """The warm-up's fresh optimizer state for `params` (sharded as they are)."""
+    return jax.jit(optimizer(run).init)(params)
+
+
+def supervised_warmup(
+    run: RunSetup,
+    params,
+    evaluate: Callable[[Any], float],
+    *,
+    resume: Warmup | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Warmup:
     """Up to `sft.max_steps` AdamW steps on a copy of `params`.
 
     Every `sft.eval_every` steps (and at the last) `evaluate(params)` gives the held-out
     accuracy; the warm-up stops early once it reaches `sft.stop_at_accuracy`.
+    `resume`: an unfinished warm-up (params, AdamW state, steps, log) to continue.
+    `should_stop()`, asked after every step, ends the warm-up there (`Warmup.stopped`).
     """
     s = run.cfg.sft
-    tx = optax.adamw(s.lr, weight_decay=0.0)
-    sft_step = make_sft_step(run.model_config, tx, run.placement.mesh)
-    params = jax.tree.map(jnp.copy, params)  # the step donates its input
-    opt_state = jax.jit(tx.init)(params)
-    done, log = 0, []
-    for i in range(s.max_steps):
+    sft_step = make_sft_step(run.model_config, optimizer(run), run.placement.mesh)
+    if resume is not None:
+        params, opt_state, done, log = resume.params, resume.opt_state, resume.steps, resume.log
+    else:
+        params = jax.tree.map(jnp.copy, params)  # the step donates its input
+        opt_state, done, log = init_opt_state(run, params), 0, []
+    for i in range(done, s.max_steps):
         batch = run.placement.to_global(sft_batch(run, i * s.batch_size, s.batch_size))
         params, opt_state, loss = sft_step(params, opt_state, *batch)
         done = i + 1
@@ -103,4 +127,6 @@ def supervised_warmup(run: RunSetup, params, evaluate: Callable[[Any], float]) -
             log.append({"sft_step": done, "sft/loss": float(loss), "sft/accuracy": accuracy})
             if accuracy >= s.stop_at_accuracy:
                 break
+        if should_stop is not None and should_stop() and done < s.max_steps:
+            return Warmup(params, done, log, stopped=True, opt_state=opt_state)
     return Warmup(params, done, log)

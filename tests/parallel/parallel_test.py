@@ -6,8 +6,10 @@ are cheaper).
 """
 
 import functools
+import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -249,21 +251,61 @@ def _two_processes(devices_each):
     return env
 
 
-def test_two_processes_checkpoint_resume_equal_one_process(tmp_path):
-    multi = _two_processes(2)
+def _drill():
+    spec = importlib.util.spec_from_file_location(
+        "fault_drill", REPO / "benchmarks" / "fault_drill.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_after_one_step_then_resumes_like_one(tmp_path):
+    """SIGTERM to process 1 only: both processes stop after the same step with one
+    checkpoint and exit 143 (the runtime's preemption sync point, not a deadlock); the same
+    command resumes to the end; the rows equal one process with both devices."""
+    drill = _drill()
+    # Steps of a fraction of a second here; a stop is agreed about a second after its signal
+    # (the runtime's notifier polls once a second).
+    steps = ("--config.total_steps=12",)
+    stopped = drill.train_processes(
+        tmp_path / "multi", 2, {1: "signal:2:TERM"}, *steps, xla_flags=FLAGS
+    )
+    assert [r[0] for r in stopped] == [143, 143], stopped[0][2][-2000:] + stopped[1][2][-2000:]
+    at = {drill._interrupted_step(r[1]) for r in stopped}
+    assert len(at) == 1 and 2 <= at.pop() < 11
+    assert "every process stops after the same step" in stopped[1][2]
+    resumed = drill.train_processes(tmp_path / "multi", 2, None, *steps, xla_flags=FLAGS)
+    assert [r[0] for r in resumed] == [0, 0], resumed[0][2][-3000:]
 
     def single(pid, port):
-        return {"XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=4"}
+        return {"XLA_FLAGS": f"{FLAGS} --xla_force_host_platform_device_count=2"}
 
-    _train(tmp_path / "multi", 3, multi, 2)
-    _train(tmp_path / "multi", 5, multi, 2)  # restores step 3, continues to 5
-    _train(tmp_path / "single", 5, single, 1)
+    _train(tmp_path / "single", 12, single, 1)
     multi_records = metrics_lib.read_metrics(tmp_path / "multi" / "metrics.jsonl")
     single_records = metrics_lib.read_metrics(tmp_path / "single" / "metrics.jsonl")
-    assert [r["step"] for r in multi_records] == list(range(5))
+    assert [r["step"] for r in multi_records] == list(range(12))
     for a, b in zip(multi_records, single_records, strict=True):
         for key in ("train/param_norm", "loss", "reward/mean", "m2po/masked_fraction"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_killed_process_ends_the_other_in_one_line_with_exit_75(tmp_path):
+    """SIGKILL of process 1: process 0 does not wait in a collective forever; it names the
+    lost process in one line and exits 75 with its checkpoints intact."""
+    drill = _drill()
+    extra = ("--config.checkpoint.every=1",)
+    ended = drill.train_processes(
+        tmp_path, 2, {1: "kill:step:2"}, *extra, xla_flags=FLAGS, heartbeat_s=5
+    )
+    assert ended[1][0] == -signal.SIGKILL
+    code, _, err, after = ended[0]
+    lines = [x for x in err.splitlines() if x.startswith("m2po-train: lost process")]
+    assert code == 75 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("m2po-train: lost process 1 of 2 (") and "checkpoints/2" in lines[0]
+    assert after < 5 + 30  # the heartbeat, and the poll
+    checkpointer = ckpt_lib.Checkpointer(tmp_path)
+    assert checkpointer.all_steps() == [1, 2] and checkpointer.verify(2) is None
 
 
 def test_two_processes_train_async_checkpoint_and_resume_without_losing_a_prompt(tmp_path):

@@ -12,6 +12,7 @@ from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
 from m2po_jax.learner import batching
 from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.trainer import sft
 
 CONTRACT_KEYS = (
     "step",
@@ -104,6 +105,46 @@ def test_sigterm_checkpoint_and_resume_match_a_straight_run(straight_run, tmp_pa
     resumed = trainer_lib.Trainer(cfg, tmp_path)
     result = resumed.run()
     assert result.final_step == 4 and not result.interrupted
+    assert strip_times(read(tmp_path)) == strip_times(read(straight_dir))
+    for a, b in zip(
+        jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_in_the_warmup_stops_after_that_warmup_step_and_the_resume_continues_it(
+    straight_run, tmp_path, monkeypatch
+):
+    """The tiny preset warms up for 4 steps: SIGTERM during warm-up step 2 stops after it
+    with a checkpoint of the warm-up (params and AdamW state at step 0), and the resumed run
+    (warm-up steps 3-4, then RL) equals a straight one, rows and params."""
+    straight_dir, straight, _ = straight_run
+    cfg = tiny_config()
+    real_batch = sft.sft_batch
+    calls, fired = [], []
+
+    def batch_then_sigterm(run, start, count):
+        calls.append(start)
+        if len(calls) == 2 and not fired:
+            fired.append(start)
+            signal.raise_signal(signal.SIGTERM)
+        return real_batch(run, start, count)
+
+    monkeypatch.setattr(sft, "sft_batch", batch_then_sigterm)
+    first = trainer_lib.Trainer(cfg, tmp_path)
+    result = first.run()
+    assert result.interrupted and result.signal == signal.SIGTERM and result.final_step == 0
+    assert len(calls) == 2 and first.sft_steps == 2
+    assert first.checkpointer.all_steps() == [0]
+    assert first.checkpointer.meta(0)["warmup_unfinished"] is True
+    assert not (tmp_path / "metrics.jsonl").exists() or read(tmp_path) == []
+
+    calls.clear()
+    resumed = trainer_lib.Trainer(cfg, tmp_path)
+    result = resumed.run()
+    assert not result.interrupted and result.final_step == 4
+    assert calls == [2 * cfg.sft.batch_size, 3 * cfg.sft.batch_size]  # steps 3 and 4 only
+    assert resumed.sft_steps == straight.sft_steps and resumed.sft_log == straight.sft_log
     assert strip_times(read(tmp_path)) == strip_times(read(straight_dir))
     for a, b in zip(
         jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params), strict=True
