@@ -127,3 +127,12 @@ def test_two_process_global_batch(tmp_path):
     assert [r["rows"] for r in results] == [[0, 4], [4, 8]]
     for r in results:
         assert r["devices"] == 4 and r["shape"] == [8, 3] and r["total"] == total
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5"])
+def test_a_bad_heartbeat_timeout_is_refused_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(distributed.HEARTBEAT_ENV, raw)
+    with pytest.raises(ValueError, match=rf"M2PO_HEARTBEAT_TIMEOUT_S={raw!r}: expected"):
+        distributed._heartbeat_from_env()
+    monkeypatch.setenv(distributed.HEARTBEAT_ENV, "7")
+    assert distributed._heartbeat_from_env() == 7

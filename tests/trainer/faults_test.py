@@ -134,6 +134,15 @@ def test_sigterm_exits_143_after_its_checkpoint_and_the_same_command_resumes(tmp
     resumed = _child(tmp_path)
     assert resumed.returncode == 0 and "m2po-train: finished at step" in resumed.stdout
     assert [r["step"] for r in read(tmp_path)] == [0, 1, 2, 3]
+    # The accuracy line lists the evaluations from before the resume too (steps 0 and 1).
+    evaluated = [r["step"] for r in read(tmp_path) if "eval/accuracy" in r]
+    line = next(x for x in resumed.stdout.splitlines() if "held-out accuracy by step" in x)
+    assert [int(part.split(":")[0]) for part in line.split("step: ")[1].split(", ")] == evaluated
+    assert evaluated[0] == 0
+    again = _child(tmp_path)
+    assert again.returncode == 0, again.stderr[-500:]
+    assert "finished at step 4 already; nothing to do" in again.stdout
+    assert [r["step"] for r in read(tmp_path)] == [0, 1, 2, 3]
 
 
 def test_a_second_trainer_is_refused_while_the_first_runs_on(tmp_path):
