@@ -10,7 +10,10 @@ resolved (OmegaConf's syntax, on the whole document), then every key is
 - accepted only at the value this trainer implements where the key would change training
   (`gconfig.min_new_tokens: 0`, `actor.optimizer.type: adam`), refused with the reason otherwise;
 - or listed, in one warning line, when it only means something to AReaL's launcher and
-  services (cluster, allocation, SGLang / vLLM servers, savers, tracing).
+  services (cluster, allocation, SGLang / vLLM servers, savers, tracing): by name
+  (`LAUNCHER`), by what the field does in a training section (`SERVICE_FIELD`: `backend`,
+  `fileroot`, `dump_to_file`, `*_spec`, `*_timeout`, ...), or as a top-level section that is
+  not one of the training sections (`TRAINING`).
 
 A key that is none of these is refused: it may change training, and silently dropping it
 would train something else than the file says.
@@ -45,6 +48,7 @@ EQUAL = {
     "actor.temperature": "gconfig.temperature",
     "actor.max_new_tokens": "gconfig.max_new_tokens",
     "rollout.consumer_batch_size": "train_dataset.batch_size",
+    "rollout.tokenizer_path": "actor.path",
     "ref.dtype": "actor.dtype",
 }
 # AReaL key -> (the values implemented here, why another value is refused).
@@ -76,6 +80,23 @@ LAUNCHER = (
 )  # fmt: skip
 # Sections whose keys this config shares by name (`actor.eps_clip` is `actor.eps_clip`).
 SHARED = ("seed", "gconfig.", "rollout.", "actor.")
+# The sections and top-level keys that say what is trained; any other top-level section
+# (a dict: `cluster`, `sglang`, `perf_tracer`, one AReaL adds next) configures AReaL's
+# launcher and services and is ignored in the warning line. A top-level value that is not
+# a section and not known is refused.
+TRAINING = (
+    "seed", "enable_offload", "tokenizer_path", "total_train_epochs", "actor", "ref",
+    "rollout", "gconfig", "train_dataset", "valid_dataset",
+)  # fmt: skip
+# Fields, by their own name in any training section, that place processes, address servers
+# or write files (`rollout.backend: "sglang:d4p1t1"`, `actor.backend: "fsdp:d4p1t1"`,
+# `rollout.fileroot`, `rollout.dump_to_file`, `*.scheduling_spec`, `*_timeout`): the mesh,
+# the sampler and the workdir are this trainer's own.
+SERVICE_FIELD = re.compile(
+    r"backend|fileroot|experiment_name|trial_name|scheduling_\w+|\w+_spec|dump_\w+|\w+_dir"
+    r"|\w+_tracing|\w+_timeout|\w+_retries|\w+_port|\w+_addr(ess)?|num_workers|pin_memory"
+    r"|weight_update_mode|max_concurrent_rollouts|queue_size|pause_grace_period"
+)
 
 _REF = re.compile(r"\$\{([^}]*)\}")
 
@@ -182,11 +203,25 @@ def translate(data: dict, known: set[str], source: str = "overrides") -> tuple[d
             ignored.append(key)
         elif key.startswith(SHARED) and key in known:
             out[key] = value
+        elif (service := _service(key, data)) is not None:
+            ignored.append(service)
         else:
             refused.append(f"{key}: no counterpart in this trainer")
     if refused:
         raise ConfigError(f"{source}: AReaL keys this trainer cannot honour: {'; '.join(refused)}")
     return out, _collapse(ignored)
+
+
+def _service(key: str, data: dict) -> str | None:
+    """The launcher / service entry `key` belongs to (what the warning line names), or None
+    when the key may say something about training."""
+    parts = key.split(".")
+    if parts[0] not in TRAINING:
+        return parts[0] if isinstance(data.get(parts[0]), dict) else None
+    for i, part in enumerate(parts[1:], start=2):
+        if SERVICE_FIELD.fullmatch(part):
+            return ".".join(parts[:i])
+    return None
 
 
 def _adv_norm(value: Any, refused: list[str]) -> bool:

@@ -96,3 +96,29 @@ def test_yaml_exponents_without_a_dot_are_floats_in_our_files_too(tmp_path):
     path.write_text("actor:\n  optimizer:\n    eps: 1e-6\n    lr: 3E-5\n")
     assert overrides.overlay_file(base, str(path)) == []
     assert (base.actor.optimizer.eps, base.actor.optimizer.lr) == (1e-6, 3e-5)
+
+
+def test_arealss_launcher_keys_are_ignored_by_what_they_do_and_training_keys_still_refused():
+    # AReaL's current gsm8k_m2po.yaml: the allocation moved into per-section `backend` keys.
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["rollout"].update(backend="sglang:d4p1t1", fileroot="/tmp/areal", dump_to_file=True,
+                           tokenizer_path="${tokenizer_path}", request_timeout=3600)  # fmt: skip
+    data["actor"]["backend"] = "fsdp:d4p1t1"
+    data["ref"]["backend"] = "${actor.backend}"
+    data["name_resolve"] = {"type": "nfs"}  # a section AReaL might add next
+    out, ignored = _translate(data)
+    for key in ("rollout.backend", "actor.backend", "ref.backend", "rollout.fileroot",
+                "rollout.dump_to_file", "rollout.request_timeout", "name_resolve"):  # fmt: skip
+        assert key in ignored, key
+    assert out["actor.m2_threshold"] == 0.04 and out["model.path"] == data["actor"]["path"]
+    assert not any(k.endswith(("backend", "fileroot", "dump_to_file")) for k in out)
+
+    data["rollout"]["tokenizer_path"] = "/other/tokenizer"  # the tokenizer is the model's
+    with pytest.raises(ConfigError, match=r"rollout.tokenizer_path='/other/tokenizer' must equal"):
+        _translate(data)
+    data["rollout"]["tokenizer_path"] = "${actor.path}"
+    for where, key in (("rollout", "use_lora"), ("actor", "backend_loss_scale"), (None, "async")):
+        edited = copy.deepcopy(data)
+        (edited[where] if where else edited)[key] = True
+        with pytest.raises(ConfigError, match=f"{key}: no counterpart in this trainer"):
+            _translate(edited)
