@@ -377,6 +377,7 @@ def run_study(
     steps=150,
     parallel=1,
     devices_per_cell=0,
+    config=None,
 ) -> list:
     """Runs the cells not done yet (`parallel` at a time) and writes the report; returns the
     cells it finished.
@@ -386,7 +387,7 @@ def run_study(
     too, so that this process never holds an accelerator. A cell that fails does not stop
     the others; a SIGTERM / SIGINT stops every running cell after its step, with a
     checkpoint. Either way the report of the finished cells is written and `StudyError`
-    says which cells did not finish."""
+    says which cells did not finish. `config`: the base config's name, for the report."""
     out = Path(out)
     check_cells(base, cells, tau=tau, steps=steps)
     slots = cell_devices(parallel, devices_per_cell)
@@ -401,7 +402,7 @@ def run_study(
         _STOP = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    report(out, cells, failed, tau=tau)
+    report(out, cells, failed, tau=tau, config=config, steps=steps)
     if failed or stop.stopped():
         raise StudyError(failed, stopped, stop.stopped() or None)
     return finished
@@ -540,7 +541,14 @@ def verdicts(found: dict) -> list[str]:
             lines.append("; ".join(parts) + f" (on-policy final >= {lo:.3f})")
             claim = (k, hurts, rescued)
         if claim is not None and claim[2]:
-            lines.append(_claim(lr, *claim))
+            seeds = min(len(runs) for (_, _, x), runs in found.items() if x == lr)
+            verdict = _claim(lr, *claim)
+            if seeds < 2:  # one run per cell: a reading, not a verdict
+                verdict = (
+                    f"lr {lr:g}: one seed cannot support a verdict on the claim (run "
+                    f"--seeds=0,1,2); on this seed it reads:{verdict.split(':', 1)[1]}"
+                )
+            lines.append(verdict)
     return lines
 
 
@@ -550,7 +558,8 @@ def _claim(lr: float, k: int, hurts: bool, rescued: dict) -> str:
     if not hurts:
         return f"{head} not tested at k = {k} (staleness does not hurt there)"
     if all(rescued.values()):
-        return f"{head} reproduced at k = {k} ({' and '.join(rescued)} rescue)"
+        verb = "rescues" if len(rescued) == 1 else "rescue"
+        return f"{head} reproduced at k = {k} ({' and '.join(rescued)} {verb})"
     if not any(rescued.values()):
         return f"{head} not reproduced at k = {k} (no M2PO rule rescues)"
     yes = [r for r, ok in rescued.items() if ok]
@@ -568,10 +577,55 @@ def _fmt(x, digits=3):
     return f"{x:.{digits}f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
-def report(out: Path, cells: list[Cell], failed: dict | None = None, tau=None) -> str:
-    """Writes `study.md`, `study.json` and the plots of the finished cells; returns the table.
+LEGEND = (
+    "k: the staleness bound (`rollout.max_head_offpolicyness`: RL steps the rollouts may lag); "
+    "lr: the learning rate; seeds: the finished cells in the row; final: held-out accuracy at "
+    "the last evaluation, mean over seeds (min-max); best: each run's best held-out accuracy, "
+    "mean over seeds. The rest are means over each run's steps, then over seeds: masked: the "
+    "fraction of tokens M2PO masked; m2 p50 / p99 / p99.9: quantiles of the tokens' second "
+    "moment (the squared log-ratio of behaviour and proximal policies), to read against tau; "
+    "clip: the fraction of tokens at the PPO clip; grad norm: the update's gradient norm; ESS "
+    "(min): the effective sample size (sum w)^2 / (n sum w^2) of the behaviour weights (its "
+    "smallest step); masked loss: the masked tokens' share of the absolute per-token loss; "
+    "masked grad: the norm of their gradient over that of the unmasked loss."
+)
+
+
+def header(cells: list[Cell], *, config=None, steps=None, tau=None) -> str:
+    """`study.md`'s title, the grid and config it ran, and the legend of its columns."""
+
+    def values(xs):
+        return ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)
+
+    def unique(attr):
+        return list(dict.fromkeys(getattr(c, attr) for c in cells))
+
+    title = "# m2po-study" + (f": {config}" if config else "")
+    grid_line = (
+        f"Grid ({len(cells)} cells): staleness k = {values(sorted(unique('staleness')))}; "
+        f"methods {values(unique('method'))} (grpo at k = 0 only); learning rates "
+        f"{values(sorted(unique('lr')))}; seeds {values(sorted(unique('seed')))}."
+    )
+    ran = []
+    if steps is not None:
+        ran.append(f"{steps} RL steps per cell from one shared warm-up")
+    if tau is not None and any(c.method in RULES for c in cells):
+        ran.append(f"tau {tau:g} for the M2PO methods")
+    setup = (
+        (f"Config: `{config}`" if config else "Config: see study_config.json")
+        + (f", {'; '.join(ran)}" if ran else "")
+        + " (every setting: study_config.json; each cell's: cells/<name>/config.json)."
+    )
+    return "\n\n".join([title, grid_line, setup, "Columns: " + LEGEND]) + "\n\n"
+
+
+def report(
+    out: Path, cells: list[Cell], failed: dict | None = None, tau=None, *, config=None, steps=None
+) -> str:
+    """Writes `study.md` (a title, the grid, the config, a legend, the table of the finished
+    cells and the protocol's verdicts), `study.json` and the plots; returns the text.
     `failed` ({cell name: exception}) are listed under it; `tau` (the M2PO methods') titles
-    the plots."""
+    the plots; `config` (its name on the command line) and `steps` go in the header."""
     found = groups(out, cells)
     head = (
         "| k | method | lr | seeds | final (min-max) | best | masked | m2 p50 | m2 p99 | "
@@ -597,7 +651,8 @@ def report(out: Path, cells: list[Cell], failed: dict | None = None, tau=None) -
     table = "\n".join(lines)
     notes = verdicts(found) + [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
     notes += _mixed_environments(out, found)
-    text = table + "\n\n" + "\n".join(f"- {v}" for v in notes) + "\n"
+    text = header(cells, config=config, steps=steps, tau=tau) + table + "\n\n"
+    text += "\n".join(f"- {v}" for v in notes) + "\n"
     (out / "study.md").write_text(text)
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
     _plot(out, found, tau)
@@ -677,7 +732,7 @@ def define_flags(default_config: str) -> None:
     flags.DEFINE_list(
         "methods",
         list(PROTOCOL_METHODS),
-        f"Methods, of {sorted(METHODS)} (default: the protocol's).",
+        f"Methods, of {sorted(METHODS)}; the default is the protocol's four.",
     )
     flags.DEFINE_list("lrs", ["1e-4", "3e-4"], "Learning rates.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
@@ -699,10 +754,10 @@ def _main(argv) -> None:
     logging.set_verbosity(logging.ERROR)
     try:
         cells = grid(
-            [int(k) for k in FLAGS.staleness],
+            _numbers("staleness", int, "0,16,64"),
             FLAGS.methods,
-            [float(x) for x in FLAGS.lrs],
-            [int(s) for s in FLAGS.seeds],
+            _numbers("lrs", float, "1e-4,3e-4"),
+            _numbers("seeds", int, "0,1,2"),
         )
     except ValueError as e:
         print(f"m2po-study: {e}", file=sys.stderr)
@@ -719,6 +774,7 @@ def _main(argv) -> None:
             steps=FLAGS.steps,
             parallel=FLAGS.parallel,
             devices_per_cell=FLAGS.devices_per_cell,
+            config=config_flags.get_config_filename(FLAGS["config"]),
         )
     except M2poError as e:  # a config a cell refuses, before any work
         print(f"m2po-study: {e.what}: {e}", file=sys.stderr)
@@ -729,6 +785,82 @@ def _main(argv) -> None:
     except StudyError as e:
         sys.exit(_exit_status(e, Path(FLAGS.out)))
     print((Path(FLAGS.out) / "study.md").read_text())
+
+
+def _numbers(name: str, kind, example: str) -> list:
+    """The comma-separated values of `--name` as `kind`, or a ValueError naming the flag."""
+    values = getattr(FLAGS, name)
+    if not values:
+        raise ValueError(f"--{name}: no values; give a list such as --{name}={example}")
+    try:
+        return [kind(x) for x in values]
+    except ValueError:
+        bad = next(x for x in values if not _parses(kind, x))
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(
+            f"--{name}={','.join(values)}: {bad!r} is not {what} (e.g. --{name}={example})"
+        ) from None
+
+
+def _parses(kind, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+_OWN_FLAGS = (
+    "config", "out", "staleness", "methods", "lrs", "seeds", "steps", "tau", "parallel",
+    "devices_per_cell",
+)  # fmt: skip
+
+
+def usage() -> str:
+    """`m2po-study --help`: its flags, examples and exit status (absl's `--helpfull` lists its
+    own flags too)."""
+    lines = [
+        "usage: m2po-study [--config=FILE[:PRESET,...]] [--out=DIR] [--staleness=K,...] "
+        "[--methods=M,...]",
+        "                  [--lrs=LR,...] [--seeds=S,...] [--steps=N] [--tau=T] "
+        "[--parallel=N] [--config.SECTION.FIELD=VALUE ...]",
+        "",
+        "Runs a grid of m2po-train cells (staleness x method x learning rate x seed) from one",
+        "shared supervised warm-up, and writes <out>/study.md (the table and the protocol's",
+        "verdicts, docs/stale_study_protocol.md), <out>/study.json and <out>/study_k<K>.png.",
+        "The same command resumes a stopped or half-done study; finished cells are skipped.",
+        "",
+        "flags:",
+    ]
+    for name in _OWN_FLAGS:
+        flag = FLAGS[name]
+        default = flag.default
+        if isinstance(default, list):
+            default = ",".join(default)
+        shown = "" if default in (None, "") else f" (default: {default})"
+        if name == "config":
+            shown = " (default: the built-in default config)"
+        lines.append(f"  --{name}: {flag.help}{shown}")
+    lines += [
+        "",
+        f"Methods: {', '.join(METHODS)} (grpo runs at staleness 0, the others at k > 0).",
+        "Any config field of the base: --config.SECTION.FIELD=VALUE, as m2po-train.",
+        "",
+        "examples:",
+        "  m2po-study --config=arith:m2po --out=runs/stale_study --staleness=0,16,64,256 \\",
+        "      --lrs=1e-4,3e-4 --seeds=0,1,2 --steps=150 --parallel=2",
+        "  m2po-study --config=arith:m2po,tiny --out=/tmp/study --staleness=0,2 \\",
+        "      --methods=grpo,m2po --lrs=1e-3 --seeds=0 --steps=3    # a minute on a CPU",
+        "  m2po-study --config=gsm8k:qwen2.5-0.5b --out=/tmp/gsm8k_study --parallel=4 \\",
+        "      --devices_per_cell=2 --config.model.path=/models/Qwen2.5-0.5B-Instruct \\",
+        "      --config.task.train_path=/data/gsm8k/train.jsonl    # 4 cells at once on 8 GPUs",
+        "",
+        "Exit status: 0 every cell finished; 2 a flag or a cell's config refused, or a cell",
+        "failed with an error of the user's (one line each); 1 an error of the project's own",
+        "(its traceback); 128 + N stopped by signal N, the running cells checkpointed",
+        "(143 SIGTERM, 130 Ctrl-C).",
+    ]
+    return "\n".join(lines)
 
 
 def _exit_status(e: StudyError, out: Path) -> int:
@@ -758,6 +890,9 @@ def run() -> None:
 
     sys.argv = sys.argv[:1] + [train_main.spelled_our_way(arg) for arg in sys.argv[1:]]
     define_flags(train_main.DEFAULT_CONFIG)
+    if any(arg in ("--help", "-h", "-?", "--helpshort") for arg in sys.argv[1:]):
+        print(usage())
+        sys.exit(0)
     app.run(_main)
 
 

@@ -106,6 +106,44 @@ def test_the_verdicts_follow_the_protocol():
     )
 
 
+def test_one_seed_gives_a_reading_not_a_verdict():
+    found = {
+        (0, "grpo", 1e-4): _runs(0.60),
+        (256, "stale_grpo", 1e-4): _runs(0.50),
+        (256, "m2po", 1e-4): _runs(0.61),
+    }
+    assert study.verdicts(found)[-1] == (
+        "lr 0.0001: one seed cannot support a verdict on the claim (run --seeds=0,1,2); on this "
+        "seed it reads: the claim is reproduced at k = 256 (m2po rescues)"
+    )
+    found[(0, "grpo", 1e-4)] = _runs(0.60, 0.61)  # one group with one seed is enough to say so
+    assert study.verdicts(found)[-1].startswith("lr 0.0001: one seed cannot support a verdict")
+
+
+def _study_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_jax.trainer.study", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_study_help_and_a_bad_list_name_the_flag():
+    shown = _study_cli("--help")
+    assert shown.returncode == 0, shown.stderr
+    for needle in ("usage: m2po-study", "--lrs: Learning rates. (default: 1e-4,3e-4)", "--tau:",
+                   "--devices_per_cell:", "examples:", "Exit status:", "128 + N"):  # fmt: skip
+        assert needle in shown.stdout, needle
+    assert "--stderrthreshold" not in shown.stdout and "helpfull" not in shown.stdout
+    for flag, value, message in (
+        ("lrs", "1e-4,abc", "m2po-study: --lrs=1e-4,abc: 'abc' is not a number (e.g. --lrs="),
+        ("seeds", "0,1.5", "m2po-study: --seeds=0,1.5: '1.5' is not an integer (e.g. --seeds="),
+        ("staleness", "", "m2po-study: --staleness: no values; give a list such as"),
+    ):
+        bad = _study_cli(f"--{flag}={value}", "--out=/nonexistent/never")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
+
+
 def _tiny():
     base = arith.get_config("m2po,tiny").to_dict()
     base["mesh"]["data"] = 1  # one of the suite's 8 CPU devices
@@ -179,7 +217,15 @@ def test_a_study_writes_its_table_and_a_resumed_grid_skips_finished_cells(
     assert "| 2 | stale_grpo | 0.001 | 1 |" in table
     verdict = [line for line in table.splitlines() if line.startswith("- lr 0.001, k = 2:")]
     assert len(verdict) == 1 and "; m2po " in verdict[0]
-    assert table.strip().splitlines()[-1].startswith("- lr 0.001: the claim is ")
+    last = table.strip().splitlines()[-1]
+    assert last.startswith(
+        "- lr 0.001: one seed cannot support a verdict on the claim (run --seeds=0,1,2); on this "
+        "seed it reads: the claim is "
+    )
+    assert table.startswith("# m2po-study\n\nGrid (3 cells): staleness k = 0, 2; methods grpo, "
+                            "m2po, stale_grpo (grpo at k = 0 only); learning rates 0.001; seeds 0.")  # fmt: skip
+    assert "3 RL steps per cell from one shared warm-up; tau 0.04 for the M2PO methods" in table
+    assert "\n\nColumns: k: the staleness bound" in table
     assert "environments differ" not in table
 
     made = tmp_path / "warmup" / "warmup.json"  # as if the warm-up had run on one device
