@@ -82,9 +82,13 @@ def _normalize(
     Mirrors areal/utils/data.py (`Normalization.affine_parameters`, `_compute_mean`,
     `_compute_std`): the std is taken around the chosen centre (per element when
     leave-one-out, zero when `mean_level` is None); a group or batch with at most one
-    element has std 1 when unbiased; a row group of size 1 with leave-one-out uses the
-    element itself as its mean; no std level means divide by exactly 1 (no eps); the
+    element has std 1 when unbiased; no std level means divide by exactly 1 (no eps); the
     result is zero outside the mask, and an all-false mask returns `x` unchanged.
+
+    One deliberate difference: a group (or batch) with a single valid element gives 0 with
+    leave-one-out, as it does without (its own mean) and as AReaL gives for a row group of
+    size 1. AReaL's leave-one-out mean of the others is 0 there, which keeps the raw x: a
+    baseline-free advantage that moves with `reward_bias` (docs/algorithm.md).
     """
     shape = x_BxN.shape
     m = mask_BxN.astype(jnp.float32)
@@ -162,10 +166,10 @@ def normalize_rewards(
     `(R - mean) / (std + eps)` with statistics over each group of `group_size`
     consecutive rows (`"group"`), the whole batch (`"batch"`), or none (`None`:
     mean 0, resp. std 1 and no eps). With `mean_leave1out` the mean for row i is
-    `(sum - R_i) / (n - 1)` (0 when n <= 1); the std is then taken around those
-    per-row means (AReaL `_compute_std`). Unbiased std divides by n - 1 and is 1
-    when n <= 1 (AReaL default since v0.3.4). A group of one with leave-one-out is
-    centred on itself (result 0).
+    `(sum - R_i) / (n - 1)`; the std is then taken around those per-row means (AReaL
+    `_compute_std`). Unbiased std divides by n - 1 and is 1 when n <= 1 (AReaL default
+    since v0.3.4). A group of one is centred on itself (result 0), with leave-one-out
+    too: there are no others to compare with (AReaL keeps R there; docs/algorithm.md).
 
     Args:
       rewards_B: one scalar reward per row, shape [B].

@@ -42,7 +42,11 @@ def ref_normalize(x, mask, group_size, mean_level, std_level, loo, unbiased, eps
             n, total = len(elems), sum(x[e] for e in elems)
             for b in rows:
                 for t in range(T):
-                    if loo and mean_level == "group" and group_size == 1:
+                    if loo and n == 1:
+                        # Ours: a lone element is its own mean (AReaL's mean of the others
+                        # is 0 here and keeps x; test_a_single_valid_element_gives_zero).
+                        mean[b, t] = x[b, t]
+                    elif loo and mean_level == "group" and group_size == 1:
                         mean[b, t] = x[b, t]
                     elif loo:
                         mean[b, t] = 0.0 if n <= 1 else (total - x[b, t]) / (n - 1)
@@ -63,6 +67,31 @@ def ref_normalize(x, mask, group_size, mean_level, std_level, loo, unbiased, eps
             for b in rows:
                 scale[b, :] = std + eps
     return np.where(mask, (x - mean) / scale, 0.0)
+
+
+def test_a_single_valid_element_gives_zero():
+    # Two groups of two rows; group 0 has one valid token (row 1 is empty), group 1 three.
+    adv = np.array([[0.0, 0.7, 0.0], [5.0, 5.0, 5.0], [1.0, 2.0, 0.0], [4.0, 0.0, 0.0]])
+    mask = np.array([[0, 1, 0], [0, 0, 0], [1, 1, 0], [1, 0, 0]], bool)
+    for level, loo in itertools.product(("group",), (False, True)):
+        got = np.asarray(
+            normalize_advantages(
+                adv, mask, mean_level=level, std_level=level, mean_leave1out=loo, group_size=2
+            )
+        )
+        assert got[0, 1] == 0.0, (level, loo)  # nothing to compare the lone token with
+        want = ref_normalize(adv, mask, 2, level, level, loo, True, 1e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert np.abs(got[2:]).max() > 0.1  # the other group still normalises
+    # AReaL's leave-one-out: the mean of no others is 0 and the std of one element 1, so
+    # its value here would be the raw 0.7 / (1 + eps), which moves with the reward's offset.
+    areal_value = (0.7 - 0.0) / (1.0 + 1e-5)
+    assert abs(areal_value - got[0, 1]) > 0.69
+    # A batch with one valid token: the same decision.
+    one = np.zeros((2, 3), bool)
+    one[1, 2] = True
+    out = normalize_advantages(np.full((2, 3), 3.0), one, mean_leave1out=True)
+    assert float(np.abs(np.asarray(out)).max()) == 0.0
 
 
 def ref_kl(logp, ref_logp, estimator):
