@@ -88,8 +88,14 @@ def optimizer(run: RunSetup) -> optax.GradientTransformation:
 
 
 def init_opt_state(run: RunSetup, params) -> Any:
-    """The warm-up's fresh optimizer state for `params` (sharded as they are)."""
-    return jax.jit(optimizer(run).init)(params)
+    """The warm-up's fresh optimizer state for `params`, laid out as the train state's
+    (moments like the params, the step count replicated over the mesh: a scalar left on one
+    device is not addressable by the other processes of a multi-process run)."""
+    init = optimizer(run).init
+    shape = jax.eval_shape(init, params)
+    placement = run.placement
+    layout = sharding.opt_state_shardings(shape, placement.train_params, placement.mesh)
+    return jax.jit(init, out_shardings=layout)(params)
 
 
 def supervised_warmup(
