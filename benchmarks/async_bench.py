@@ -70,13 +70,14 @@ def measure(mode: str, case: str, steps: int, warmup: int, reward_workers: int, 
     with tempfile.TemporaryDirectory() as workdir:
         trainer = trainer_lib.Trainer(cfg, workdir)
         if case == "b":
-            base = trainer.task.reward
+            scorer = trainer.setup.rewards  # what the sync step and the worker score with
+            base = scorer.fn
 
-            def slow_reward(example, text):
+            def slow_reward(completion, answer):
                 time.sleep(REWARD_S)
-                return base(example, text)
+                return base(completion, answer)
 
-            trainer.task.reward = slow_reward
+            scorer.fn = slow_reward
         real = trainer.train_step
         calls: list[tuple[float, float]] = []
 

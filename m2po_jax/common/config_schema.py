@@ -43,6 +43,9 @@ class TaskSection:
     eval_size: int
     question_key: str
     answer_key: str
+    solution_key: str
+    prompt_template: str
+    verifier: str
     max_prompt_len: int
     long_prompts: str
     chat_template: str
@@ -76,6 +79,7 @@ class RolloutSection:
     max_head_offpolicyness: int
     mode: str  # sync | async
     reward_workers: int
+    reward_timeout_s: float
     worker_timeout_s: float
     publish_dtype: str  # "" (the params' dtype) | bfloat16 | float32
     engine: str  # static | continuous
@@ -165,6 +169,10 @@ class EvalSection:
     every: int
     num_examples: int
     batch_size: int
+    sets: str
+    n_samples: int
+    temperature: float
+    reward: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,12 @@ class ModelError(M2poError, ValueError):
     what = "model error"
 
 
+class RewardError(M2poError):
+    """A reward function raised, or returned something that is not a finite number."""
+
+    what = "reward error"
+
+
 class WorkdirError(M2poError):
     """The workdir cannot be used (another run holds it, or it is not writable)."""
 

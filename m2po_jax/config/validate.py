@@ -286,15 +286,41 @@ def validate(cfg: Config) -> Config:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_derived(cfg)
-    _check_choice("task.name", cfg.task.name, tuple(tasks.TASKS))
+    if ":" in cfg.task.name:
+        try:
+            tasks.task_class(cfg.task.name)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
+    else:
+        _check_choice("task.name", cfg.task.name, tuple(tasks.TASKS))
+    if cfg.task.verifier:
+        _check_choice("task.verifier", cfg.task.verifier, tuple(tasks.VERIFIERS))
+    if cfg.task.prompt_template:
+        try:
+            tasks.prompt_template_text(cfg.task.prompt_template)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _check_range("rollout.reward_timeout_s", cfg.rollout.reward_timeout_s, 0.0)
+    try:
+        tasks.parse_eval_sets(cfg.eval.sets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_range("eval.n_samples", cfg.eval.n_samples, 1)
+    _check_range("eval.temperature", cfg.eval.temperature, 0.0)
+    if cfg.eval.temperature == 0 and cfg.eval.n_samples > 1:
+        raise ConfigError(
+            f"eval.n_samples={cfg.eval.n_samples} with eval.temperature=0 (greedy) gives "
+            f"{cfg.eval.n_samples} equal completions; set eval.temperature (the paper "
+            "samples at 0.6) or eval.n_samples=1"
+        )
+    _check_choice("eval.reward", cfg.eval.reward, ("train", "verifier"))
     _check_range("task.min_digits", cfg.task.min_digits, 1)
     _check_range("task.max_digits", cfg.task.max_digits, cfg.task.min_digits)
     _check_range("task.max_prompt_len", cfg.task.max_prompt_len, 1)
     _check_choice("task.long_prompts", cfg.task.long_prompts, LONG_PROMPT_MODES)
     _check_choice("task.chat_template", cfg.task.chat_template, CHAT_TEMPLATE_MODES)
-    for key in ("question_key", "answer_key"):
-        if not getattr(cfg.task, key):
-            raise ConfigError(f"task.{key}: expected a column name, got ''")
+    if not cfg.task.answer_key:
+        raise ConfigError("task.answer_key: expected a column name, got ''")
     _check_range("task.format_reward", cfg.task.format_reward, 0.0, 1.0, high_open=True)
     _check_range("eval.every", cfg.eval.every, 0)
     _check_range("eval.num_examples", cfg.eval.num_examples, 1)

@@ -18,6 +18,7 @@ import numpy as np
 
 from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
 
 # Host-side rollouts are `RolloutBatch` records of numpy arrays; checkpoints store their
@@ -211,18 +212,24 @@ def _sampled(
 
 
 def score_rollout(sampled: SampledRollout, reward_fn: Callable, workers: int = 1) -> RolloutBatch:
-    """The host half of `generate_rollout`: the batch with `reward_fn(example, text)` of
-    every completion. `workers` > 1 scores that many completions at once on threads
-    (for rewards that wait on I/O: sandboxes, remote verifiers); the rewards are the same
-    and in the same order."""
+    """The host half of `generate_rollout`: the batch with the reward of every completion.
+
+    `reward_fn` is a `rewards.RewardScorer` (its workers and timeout apply) or a function
+    `(example, text) -> float`; then `workers` > 1 scores that many completions at once on
+    threads (for rewards that wait on I/O: sandboxes, remote verifiers). The rewards are
+    the same and in the same order either way."""
     n = sampled.n_samples
-    one = lambda i: float(reward_fn(sampled.examples[i // n], sampled.texts[i]))
-    rows = range(len(sampled.texts))
-    if workers > 1:
-        with futures.ThreadPoolExecutor(workers, thread_name_prefix="m2po-reward") as pool:
-            rewards = list(pool.map(one, rows))
+    examples = [sampled.examples[i // n] for i in range(len(sampled.texts))]
+    if isinstance(reward_fn, rewards_lib.RewardScorer):
+        rewards = reward_fn(examples, sampled.texts)
     else:
-        rewards = [one(i) for i in rows]
+        one = lambda i: float(reward_fn(examples[i], sampled.texts[i]))
+        rows = range(len(sampled.texts))
+        if workers > 1:
+            with futures.ThreadPoolExecutor(workers, thread_name_prefix="m2po-reward") as pool:
+                rewards = list(pool.map(one, rows))
+        else:
+            rewards = [one(i) for i in rows]
     return sampled.batch.replace(rewards_B=np.asarray(rewards, np.float32))
 
 

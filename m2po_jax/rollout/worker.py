@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from m2po_jax.common.errors import M2poError
 from m2po_jax.common.types import RolloutBatch
 from m2po_jax.rollout.staleness import Admission
 
@@ -96,6 +97,7 @@ class RolloutBuffer:
         self._cond = threading.Condition()
         self._batches: collections.deque[RolloutBatch] = collections.deque(batches)
         self._error: str | None = None
+        self._user_error: BaseException | None = None
 
     def __len__(self) -> int:
         with self._cond:
@@ -108,10 +110,12 @@ class RolloutBuffer:
             self._batches.append(batch)
             self._cond.notify_all()
 
-    def fail(self, message: str) -> None:
-        """Makes every later `get` raise `RolloutWorkerError(message)`."""
+    def fail(self, message: str, user_error: BaseException | None = None) -> None:
+        """Makes every later `get` raise `RolloutWorkerError(message)`, or `user_error` (a
+        user's error the worker met, such as a reward function's `RewardError`) as itself."""
         with self._cond:
             self._error = message
+            self._user_error = user_error
             self._cond.notify_all()
 
     def get(self, timeout: float, describe: Callable[[], str] = lambda: "") -> RolloutBatch:
@@ -121,6 +125,8 @@ class RolloutBuffer:
             if self._batches:
                 return self._batches.popleft()
             if self._error:
+                if self._user_error is not None:
+                    raise self._user_error
                 raise RolloutWorkerError(self._error)
             assert not ready
             raise RolloutWorkerError(
@@ -257,7 +263,8 @@ class RolloutWorker(threading.Thread):
             self.error = error
             self.buffer.fail(
                 f"rollout worker: {type(error).__name__}: {error} (batch {index}); its "
-                f"traceback:\n{trace}"
+                f"traceback:\n{trace}",
+                error if isinstance(error, M2poError) else None,
             )
 
     def run(self) -> None:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
+
+from m2po_jax.common.errors import RewardError
 
 RewardFn = Callable[[str, str], float]
 
@@ -66,34 +70,41 @@ def reward_fn_from_name(name: str) -> RewardFn:
       ValueError: malformed name, module not found, or attribute missing.
       TypeError: the attribute is not callable.
     """
-    if not isinstance(name, str) or name.count(":") != 1:
+    if not isinstance(name, str) or name.count(":") != 1 or "" in name.split(":"):
         raise ValueError(f"reward_fn: expected 'package.module:function', got {name!r}")
-    module_name, attr_path = name.split(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"reward_fn: expected 'package.module:function', got {name!r}")
+    target = import_by_name(name, "reward_fn")
+    if not callable(target):
+        raise TypeError(
+            f"reward_fn {name!r}: expected a callable (completion, answer) -> float, "
+            f"got {type(target).__name__}"
+        )
+    return target
+
+
+def import_by_name(name: str, field: str):
+    """The object `name` ("package.module:attr", attr may be dotted) names; ValueError
+    naming `field` when the name is malformed, its module is missing or has no such
+    attribute. A missing dependency of an existing module is raised as it is, so that its
+    own name shows."""
+    module_name, colon, attr_path = name.partition(":")
+    if not colon or not module_name or not attr_path:
+        raise ValueError(f"{field}: expected 'package.module:name', got {name!r}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        # Only a missing target module is the user's typo; a missing dependency of an
-        # existing module is re-raised as is so its own name shows.
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise ValueError(
-                f"reward_fn {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)"
+                f"{field} {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)"
             ) from e
         raise
     target = module
     for part in attr_path.split("."):
         if not hasattr(target, part):
             raise ValueError(
-                f"reward_fn {name!r}: {getattr(target, '__name__', target)!r} has no attribute "
+                f"{field} {name!r}: {getattr(target, '__name__', target)!r} has no attribute "
                 f"{part!r}"
             )
         target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(
-            f"reward_fn {name!r}: expected a callable (completion, answer) -> float, "
-            f"got {type(target).__name__}"
-        )
     return target
 
 
@@ -145,13 +156,89 @@ class Task(abc.ABC):
         """(prompt, target) pairs for a supervised warm-up; the caller appends EOS."""
         raise NotImplementedError(f"{type(self).__name__} has no supervised warm-up data")
 
+    @classmethod
+    def from_config(cls, task, tokenizer: Tokenizer, **kwargs) -> Task:
+        """The task of a run whose `task.name` is "package.module:ThisClass".
+
+        `task` is the config's task section (`task.train_path`, `task.eval_path`,
+        `task.seed`, `task.reward_fn`, ... as attributes); `tokenizer` the model's (or None
+        for a run without `model.path`: then the task brings its own); `kwargs` what the
+        trainer offers besides (`prompt_encode`, `max_prompt_len`, `long_prompts`,
+        `eval_sets`, `num_eval`). The default is `cls(tokenizer, reward_fn=task.reward_fn
+        or None)`; override it to read more of the config.
+        """
+        del kwargs
+        return cls(tokenizer, reward_fn=task.reward_fn or None)
+
+    def eval_sets(self) -> dict[str, list[Example]]:
+        """The held-out sets by name; the default is {"held_out": `eval_examples()`}."""
+        return {"held_out": self.eval_examples()}
+
+    @property
+    def reward_name(self) -> str:
+        """What scores completions: the reward function's name, or the task's verifier."""
+        if self._reward_fn is None:
+            return self.verifier_name
+        return callable_name(self._reward_fn)
+
+    @property
+    def verifier_name(self) -> str:
+        """The task's own verifier (`verify`), by name."""
+        return f"{type(self).__name__}.verify"
+
+    @property
+    def scorer(self) -> RewardFn:
+        """`(completion, answer) -> reward`, what `reward` calls: the reward function, or
+        `verify`. A task whose verifier is a picklable object returns that object, so
+        scoring can run in worker processes with a timeout (`rollout.reward_timeout_s`)."""
+        return self._reward_fn if self._reward_fn is not None else self.verify
+
     def reward(self, example: Example, completion_text: str) -> float:
-        """Reward of `completion_text` (decoded, up to EOS) for `example`."""
-        fn = self._reward_fn if self._reward_fn is not None else self.verify
-        value = fn(completion_text, example.answer)
+        """Reward of `completion_text` (decoded, up to EOS) for `example`.
+
+        Raises `RewardError` naming the function, the problem and the completion when the
+        function raises or returns anything but a finite number."""
         try:
-            return float(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"reward_fn {fn!r} returned {value!r}; expected a float-convertible number"
-            ) from e
+            return call_reward(self.scorer, completion_text, example.answer)
+        except RewardFailure as failure:
+            raise reward_error(self.reward_name, failure.reason, example, completion_text) from (
+                failure.__cause__
+            )
+
+
+class RewardFailure(Exception):
+    """A reward function raised or returned a non-number (`reason` says which)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def call_reward(fn: RewardFn, completion: str, answer: str) -> float:
+    """`fn(completion, answer)` as a finite float; `RewardFailure` otherwise."""
+    try:
+        value = fn(completion, answer)
+    except Exception as e:  # noqa: BLE001 (any error of the user's function is reported)
+        raise RewardFailure(f"raised {type(e).__name__}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardFailure(f"returned {value!r}; expected a finite number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardFailure(f"returned {value}; expected a finite number")
+    return value
+
+
+def reward_error(name: str, reason: str, example: Example, completion: str) -> RewardError:
+    """The one-line error of a failed reward: function, problem id, completion's start."""
+    head = completion[:200]
+    return RewardError(
+        f"{name} {reason} (problem {example.uid}, completion: {head!r}"
+        f"{' ...' if len(completion) > 200 else ''})"
+    )
+
+
+def callable_name(fn) -> str:
+    """ "module:qualname" of a function or method; a callable object's class otherwise."""
+    if not hasattr(fn, "__qualname__"):
+        fn = type(fn)
+    return f"{getattr(fn, '__module__', '?')}:{fn.__qualname__}"

@@ -127,7 +127,7 @@ class AsyncRollouts:
     def score(self, sampled: rollout_lib.SampledRollout) -> RolloutBatch:
         """The rewards of a sampled batch (the task's reward function, on the host)."""
         workers = self.cfg.rollout.reward_workers
-        return rollout_lib.score_rollout(sampled, self.run.task.reward, workers)
+        return rollout_lib.score_rollout(sampled, self.run.rewards or self.run.task.reward, workers)
 
     # ---- start, publish, take -----------------------------------------------------------
 

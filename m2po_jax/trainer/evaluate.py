@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy completions of the task's eval examples, scored by its verifier."""
+"""Held-out evaluation: each held-out set's problems, `eval.n_samples` completions each,
+scored as training scores them (or by the task's verifier), as avg@k and pass@k."""
 
 from __future__ import annotations
 
@@ -8,38 +9,87 @@ import jax
 import numpy as np
 
 from m2po_jax.rollout import batches as rollout_lib
-from m2po_jax.trainer.setup import RunSetup
+from m2po_jax.trainer.setup import RunSetup, build_engine
+
+_ENGINES: dict = {}  # (id of the run's placement, decoding) -> the evaluation's engine
 
 
-def evaluate(run: RunSetup, params, rng: jax.Array) -> float:
-    """Fraction of the first `eval.num_examples` eval examples whose greedy answer verifies.
+def decoding(run: RunSetup):
+    """The evaluation's sampling settings: greedy at `eval.temperature` 0, else sampled."""
+    e = run.cfg.eval
+    if e.temperature == 0:
+        return dataclasses.replace(run.sampling_config, greedy=True)
+    return dataclasses.replace(run.sampling_config, greedy=False, temperature=float(e.temperature))
 
-    The task's verifier decides (1 = right), not a custom `task.reward_fn`. Examples go in
-    chunks of `eval.batch_size`; the last chunk is padded so every call has one shape.
+
+def _engine(run: RunSetup, settings):
+    """The continuous engine for evaluation (`rollout.engine=continuous`), over the training
+    devices with the evaluation's decoding; None for the static sampler."""
+    if run.engine is None:
+        return None
+    key = (id(run.placement), settings)
+    if key not in _ENGINES:
+        _ENGINES.clear()  # one run's at a time
+        _ENGINES[key] = build_engine(run.cfg, run.model_config, settings, run.placement)
+    return _ENGINES[key]
+
+
+def evaluate(run: RunSetup, params, rng: jax.Array) -> dict[str, float]:
+    """The held-out metrics of `params`.
+
+    Every set of `task.eval_sets()` (the first `eval.num_examples` problems of each) gets
+    `eval.n_samples` = k completions per problem, in chunks of `eval.batch_size` prompts
+    (the last chunk padded so every call has one shape), through the rollout engine. A
+    completion is right when its reward is >= 1: the training reward (`task.reward_fn`
+    if set, else the task's verifier) with `eval.reward="train"`, the verifier alone with
+    "verifier". Returns `eval/accuracy` (avg@k, the mean over sets), with `eval.sets` also
+    `eval/<set>/avg@k` and `eval/<set>/pass@k`, and with k > 1 `eval/pass@k`.
     """
     cfg = run.cfg
-    greedy = dataclasses.replace(run.sampling_config, greedy=True)
-    verify = lambda example, text: run.task.verify(text, example.answer)
+    k = cfg.eval.n_samples
+    settings = decoding(run)
+    if cfg.eval.reward == "train" and run.rewards is not None:
+        score = run.rewards
+    else:
+        score = lambda example, text: run.task.verify(text, example.answer)
     params = run.placement.for_sampling(params)
-    examples = run.task.eval_examples()[: cfg.eval.num_examples]
+    engine = _engine(run, settings)
     size = cfg.eval.batch_size
-    correct = []
-    for start in range(0, len(examples), size):
-        chunk = examples[start : start + size]
-        # Pad the last chunk so every call has the same shape (no recompile).
-        padded = chunk + [chunk[-1]] * (size - len(chunk))
-        batch, _ = rollout_lib.generate_rollout(
-            params,
-            run.model_config,
-            greedy,
-            padded,
-            run.prompts,
-            verify,
-            rng,
-            n_samples=1,
-            version=0,
-            max_prompt_len=cfg.task.max_prompt_len,
-            placement=run.placement,
-        )
-        correct.extend((batch.rewards_B[: len(chunk)] >= 1.0).tolist())
-    return float(np.mean(correct))
+    out: dict[str, float] = {}
+    avg, passed = [], []
+    for index, (name, examples) in enumerate(run.task.eval_sets().items()):
+        examples = examples[: cfg.eval.num_examples]
+        if not examples:
+            continue
+        right = []
+        for start in range(0, len(examples), size):
+            chunk = examples[start : start + size]
+            padded = chunk + [chunk[-1]] * (size - len(chunk))
+            sampled = rollout_lib.sample_rollout(
+                params,
+                run.model_config,
+                settings,
+                padded,
+                run.prompts,
+                jax.random.fold_in(jax.random.fold_in(rng, index), start),
+                n_samples=k,
+                version=0,
+                max_prompt_len=cfg.task.max_prompt_len,
+                placement=run.placement,
+                engine=engine,
+            )
+            rows = len(chunk) * k  # the padding's rows are not scored
+            batch = jax.tree.map(lambda x, rows=rows: x[:rows], sampled.batch)
+            kept = dataclasses.replace(sampled, texts=sampled.texts[:rows], batch=batch)
+            rewards = rollout_lib.score_rollout(kept, score).rewards_B
+            right.append(np.asarray(rewards >= 1.0).reshape(len(chunk), k))
+        correct = np.concatenate(right)
+        avg.append(float(correct.mean()))
+        passed.append(float(correct.any(axis=1).mean()))
+        if cfg.eval.sets:
+            out[f"eval/{name}/avg@{k}"] = avg[-1]
+            out[f"eval/{name}/pass@{k}"] = passed[-1]
+    out["eval/accuracy"] = float(np.mean(avg)) if avg else float("nan")
+    if k > 1:
+        out[f"eval/pass@{k}"] = float(np.mean(passed)) if passed else float("nan")
+    return out

@@ -19,7 +19,13 @@ import jax.numpy as jnp
 from absl import logging
 
 from m2po_jax.common.config_schema import Config
-from m2po_jax.common.errors import M2poError, WorkdirError, WriterError, describe_os_error
+from m2po_jax.common.errors import (
+    M2poError,
+    RewardError,
+    WorkdirError,
+    WriterError,
+    describe_os_error,
+)
 from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
@@ -57,6 +63,7 @@ class RunResult:
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped the run (SIGTERM, SIGINT)
     already_finished: bool = False  # the workdir had finished before: nothing was done
+    scored_by: str = ""  # what decided eval/accuracy: the reward's name (`Task.reward_name`)
 
 
 class Trainer:
@@ -124,7 +131,18 @@ class Trainer:
     # ---- evaluation and warm-up ---------------------------------------------------------
 
     def evaluate(self, params=None) -> float:
-        """Held-out greedy accuracy of `params` (default: the current policy)."""
+        """Held-out accuracy of `params` (default: the current policy): `eval/accuracy`."""
+        return self.evaluate_all(params)["eval/accuracy"]
+
+    @property
+    def scored_by(self) -> str:
+        """What decides `eval/accuracy` (`eval.reward`): the training reward or the verifier."""
+        if self.cfg.eval.reward == "train":
+            return self.task.reward_name
+        return self.task.verifier_name
+
+    def evaluate_all(self, params=None) -> dict[str, float]:
+        """Every held-out metric of `params` (`evaluate.evaluate`: per set, avg@k, pass@k)."""
         params = self.state.params if params is None else params
         return evaluate_lib.evaluate(self.setup, params, jax.random.fold_in(self.rng, _EVAL))
 
@@ -301,6 +319,8 @@ class Trainer:
                     )
                 )
                 stack.enter_context(self.stop.signals(self._where_saved))
+                if self.setup.rewards is not None:  # its worker processes end with the run
+                    stack.callback(self.setup.rewards.close)
                 distributed.set_lost_peer_note(self._where_saved)
                 interrupted = not resumed and self._begin()
                 end = cfg.total_steps if stop_after is None else start + stop_after
@@ -313,7 +333,14 @@ class Trainer:
             if cfg.logging.plots and primary:
                 self._plot()
         signum = self.stop.signal if interrupted else None
-        return RunResult(self.workdir, int(self.state.step), accuracies, interrupted, signum)
+        return RunResult(
+            self.workdir,
+            int(self.state.step),
+            accuracies,
+            interrupted,
+            signum,
+            scored_by=self.scored_by,
+        )
 
     def _plot(self) -> None:
         """The run's PNGs in the workdir (an async run's timeline too)."""
@@ -383,25 +410,31 @@ class Trainer:
         pending = None  # (step, record, device metrics) of the previous step
         for step in range(start, end):
             # Step 0 evaluates the initial policy; later evaluations follow the update.
-            accuracy = self.evaluate() if step == 0 else None
+            evaluation = self.evaluate_all() if step == 0 else None
             try:
                 record, device_metrics = self._step(step)
-            except RolloutWorkerError:
+            except (RolloutWorkerError, RewardError):
                 # The learner's state so far; the worker's unfinished batch is made again.
                 # (With several processes a save is a collective the others, waiting in the
                 # step, never join: they notice this one is gone and stop.)
                 if jax.process_count() == 1:
                     self.save(writer, pause_worker=False)
                 raise
+            if self.setup.rewards is not None:
+                record["reward/timeouts"] = self.setup.rewards.take_timeouts()
             stop = self.stop.agreed() and step + 1 < cfg.total_steps
             if pending is not None:
                 self._finish(writer, progress, *pending, current=(step, record, device_metrics))
                 pending = None
             last = step + 1 == cfg.total_steps
-            if accuracy is None and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-                accuracy = self.evaluate()
-            if accuracy is not None:
-                record["eval/accuracy"] = accuracy
+            if evaluation is None and (
+                last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+            ):
+                evaluation = self.evaluate_all()
+            accuracy = None
+            if evaluation is not None:
+                record.update(evaluation)
+                accuracy = evaluation["eval/accuracy"]
                 accuracies.append((step, accuracy))
             save = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
             export = cfg.checkpoint.hf_every and (step + 1) % cfg.checkpoint.hf_every == 0
@@ -486,7 +519,8 @@ class Trainer:
             placement=self.placement,
             engine=self.setup.engine,
         )
-        batch = rollout_lib.score_rollout(sampled, self.task.reward, cfg.rollout.reward_workers)
+        rewards = self.setup.rewards or self.task.reward
+        batch = rollout_lib.score_rollout(sampled, rewards, cfg.rollout.reward_workers)
         return batch, truncated, metrics_lib.engine_stats(sampled.generation)
 
     def _step(self, step: int) -> tuple[dict, dict]:

@@ -13,7 +13,9 @@ process a signal ended, so a preemption wrapper tells it from a finished run (ex
 running the same command again resumes it. With several processes (a pod), a stop on any
 one stops all of them after the same step, and each exits so; a process that loses another
 (killed, out of memory, its host gone) says which in one line and exits 75 (EX_TEMPFAIL:
-run the same command on every host again).
+run the same command on every host again). A rollout worker that stalls past
+`rollout.worker_timeout_s` ends the run in one line, exit 2, after a checkpoint; an error of
+the project's own prints its traceback and exits 1.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ml_collections import config_flags
 
 import m2po_jax.configs
 from m2po_jax.common.errors import M2poError
+from m2po_jax.rollout.worker import RolloutWorkerError
 
 DEFAULT_CONFIG = str(Path(m2po_jax.configs.__file__).parent / "default.py")
 
@@ -196,6 +199,11 @@ def main(argv) -> None:
         _report(e, e.what)
     except MemoryError as e:
         _report(e, "memory error")
+    except RolloutWorkerError as e:
+        if not str(e).startswith("rollout.worker_timeout_s:"):
+            raise  # the worker crashed: its traceback is in the message (a bug of ours)
+        # Stalled (a hung reward or device): one line, after the checkpoint of the steps so far.
+        _report(e, "rollout worker stalled")
     except SystemExit:
         if fresh:  # a run that failed before writing anything leaves no empty workdir
             _remove_if_empty(directory)
@@ -219,7 +227,8 @@ def main(argv) -> None:
     accuracy = _accuracy_by_step(metrics_file, result.eval_accuracy)
     if accuracy:
         steps = ", ".join(f"{s}: {a:.3f}" for s, a in accuracy)
-        print(f"m2po-train: held-out accuracy by step: {steps}")
+        scored = f" (scored by {result.scored_by})" if result.scored_by else ""
+        print(f"m2po-train: held-out accuracy by step: {steps}{scored}")
     if result.interrupted:
         sys.stdout.flush()
         sys.exit(128 + (result.signal or 15))
@@ -402,9 +411,11 @@ def usage() -> str:
         "  m2po-train --config=gsm8k:qwen3-8b --architecture=qwen3-8b --compile_only \\",
         "      --topology=v5e:4x4    # every program built for a v5e-16, on this host",
         "",
-        "Exit status: 0 finished (--compile_only: it fits); 2 a config, data, model, workdir",
-        "or disk error, or a run that does not fit (one line);",
-        "128 + N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C).",
+        "Exit status: 0 finished (--compile_only: it fits); 2 a config, data, model, workdir,",
+        "disk or reward error, a stalled rollout worker, or a run that does not fit (one line);",
+        "128 + N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C); 75 another",
+        "process of the run was lost (run the same command on every host); 1 a bug of ours",
+        "(its traceback).",
     ]
     return "\n".join(lines)
 

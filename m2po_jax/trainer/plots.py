@@ -85,6 +85,18 @@ def _draw_panel(
     return drawn
 
 
+def _panels(records: Sequence[Mapping[str, Any]]):
+    """`PANELS`, the evaluation panel with every held-out set's avg@k and pass@k
+    (`eval.sets`, `eval.n_samples`) that the run logged beside `eval/accuracy`."""
+    found = sorted({k for r in records for k in r if k.startswith("eval/") and "@" in k})
+    out = []
+    for stem, title, keys, log_y in PANELS:
+        if stem == "eval_accuracy" and found:
+            keys, title = (*keys, *found), "held-out accuracy (per set: avg@k, pass@k)"
+        out.append((stem, title, keys, log_y))
+    return out
+
+
 def plot_metrics(
     metrics_path: str | os.PathLike, out_dir: str | os.PathLike, *, tau: float | None = None
 ) -> list[str]:
@@ -99,7 +111,7 @@ def plot_metrics(
     out_dir = paths.as_path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written, available = [], []
-    for stem, title, keys, log_y in PANELS:
+    for stem, title, keys, log_y in _panels(records):
         fig = Figure(figsize=(6, 4), layout="constrained")
         if _draw_panel(fig.add_subplot(), records, title, keys, log_y, tau):
             path = os.fspath(out_dir / f"{stem}.png")

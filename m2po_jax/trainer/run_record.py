@@ -28,7 +28,7 @@ CONFIG_FILE = "config.json"
 MAY_CHANGE = (
     "total_steps", "logging.", "eval.", "checkpoint.", "mesh.", "model.path",
     "task.train_path", "task.eval_path", "max_nonfinite_steps",
-    "rollout.worker_timeout_s", "rollout.reward_workers",
+    "rollout.worker_timeout_s", "rollout.reward_workers", "rollout.reward_timeout_s",
     # the continuous engine's tokens depend on the sequence, not on its slot
     "rollout.engine_slots", "rollout.insert_lanes", "rollout.chunk_steps",
     "rollout.stream_batches",

@@ -27,8 +27,9 @@ from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
-from m2po_jax.tasks import Task, make_task
+from m2po_jax.tasks import Task, make_task, parse_eval_sets, task_class
 from m2po_jax.trainer import memory_check
 from m2po_jax.trainer import metrics as metrics_lib
 
@@ -50,6 +51,9 @@ class RunSetup:
     # rollout.engine="continuous": the engine of the training rollouts (on the rollout
     # devices in an async run), else None (`sampling.generate`)
     engine: engine_lib.ContinuousEngine | None = None
+    # scores the rollouts (and evaluations with eval.reward="train"): the task's reward,
+    # rollout.reward_workers at once, rollout.reward_timeout_s each
+    rewards: rewards_lib.RewardScorer | None = None
 
 
 def build(cfg: Config) -> RunSetup:
@@ -86,6 +90,9 @@ def build(cfg: Config) -> RunSetup:
         memory_plan=check_memory(cfg, model_config, placement),
         rollout_placement=rollout_placement,
         engine=build_engine(cfg, model_config, decoding, rollout_placement or placement),
+        rewards=rewards_lib.RewardScorer(
+            task, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
+        ),
     )
 
 
@@ -117,7 +124,8 @@ def build_prompts(cfg: Config, tokenizer) -> prompts_lib.PromptEncoder:
 def build_task(
     cfg: Config, tokenizer=None, prompts: prompts_lib.PromptEncoder | None = None
 ) -> Task:
-    """The configured task; a gsm8k task screens its prompts with `prompts` once, here."""
+    """The configured task; a file task (gsm8k, math) screens its prompts with `prompts`
+    once, here; a task named "package.module:Class" is that class's `from_config`."""
     t = cfg.task
     reward_fn = t.reward_fn or None
     if t.name == "arith":
@@ -136,27 +144,47 @@ def build_task(
         names |= {"eval_size": "eval.num_examples", "format_reward": "task.format_reward"}
         with _named_as_in_the_config(names):
             return make_task("arith", **kwargs)
+    prompts = prompts or (build_prompts(cfg, tokenizer) if tokenizer is not None else None)
+    screen = dict(
+        prompt_encode=prompts.encode if prompts is not None else None,
+        max_prompt_len=t.max_prompt_len,
+        long_prompts=t.long_prompts,
+    )
+    eval_sets = parse_eval_sets(cfg.eval.sets)
+    if ":" in t.name:  # a Task subclass of the user's
+        cls = task_class(t.name)
+        task = cls.from_config(t, tokenizer, num_eval=t.eval_size, eval_sets=eval_sets, **screen)
+        if not isinstance(task, Task):
+            raise TypeError(
+                f"task.name {t.name!r}: {cls.__name__}.from_config returned "
+                f"{type(task).__name__}, not a Task"
+            )
+        return task
     if tokenizer is None:
-        raise ValueError("task.name='gsm8k' needs a tokenizer: set model.path to a HF checkpoint")
+        raise ValueError(
+            f"task.name={t.name!r} needs a tokenizer: set model.path to a HF checkpoint"
+        )
     if not t.train_path:
         raise ValueError(
-            "task.train_path: required for task.name='gsm8k' (a local JSONL or .parquet file)"
+            f"task.train_path: required for task.name={t.name!r} (a local JSONL or .parquet "
+            "file, or a datasets.save_to_disk directory)"
         )
-    prompts = prompts or build_prompts(cfg, tokenizer)
     with _named_as_in_the_config({"num_eval": "task.eval_size"}):
         return make_task(
-            "gsm8k",
+            t.name,
             path=t.train_path,
             tokenizer=tokenizer,
             eval_path=t.eval_path or None,
             num_eval=t.eval_size,
+            eval_sets=eval_sets,
+            prompt_template=t.prompt_template,
+            verifier=t.verifier,
             seed=t.seed,
             reward_fn=reward_fn,
             question_key=t.question_key,
             answer_key=t.answer_key,
-            prompt_encode=prompts.encode,
-            max_prompt_len=t.max_prompt_len,
-            long_prompts=t.long_prompts,
+            solution_key=t.solution_key,
+            **screen,
         )
 
 

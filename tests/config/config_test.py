@@ -11,6 +11,7 @@ import pytest
 from m2po_jax import config as config_lib
 from m2po_jax.algorithm import rejection as rejection_lib
 from m2po_jax.configs import arith, default, gsm8k
+from m2po_jax.configs import math as math_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +109,14 @@ def test_default_and_presets_build():
     assert g.task.name == "gsm8k" and g.actor.eps_clip == 0.0
     assert (g.task.long_prompts, cfg.task.long_prompts) == ("filter", "left")
     assert (cfg.task.chat_template, cfg.task.enable_thinking) == ("auto", None)
-    assert (cfg.task.question_key, cfg.task.answer_key) == ("question", "answer")
+    assert (cfg.task.question_key, cfg.task.answer_key) == ("", "answer")  # "": the task's
+    m = config_lib.from_configdict(math_config.get_config("qwen3-4b-base"))
+    assert (m.task.name, m.task.chat_template, m.rollout.max_head_offpolicyness) == (
+        "math",
+        "off",
+        256,
+    )
+    assert (m.actor.m2_threshold, m.eval.n_samples, m.eval.temperature) == (0.04, 4, 0.6)
 
 
 def test_unknown_preset_lists_the_valid_ones():
@@ -162,6 +170,13 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
             r"gconfig.temperature \(the behaviour log-probs are recorded at the sampling",
         ),
         ("actor.sapo_tau_neg", 0.0, r"actor.sapo_tau_neg=0.0 is out of range; allowed \(0.0"),
+        ("eval.sets", "math500", r"eval.sets: expected name=path\[,name=path...\], got 'math500'"),
+        ("eval.n_samples", 4, r"eval.n_samples=4 with eval.temperature=0 \(greedy\) gives 4 equal"),
+        ("eval.reward", "mean", r"eval.reward='mean' is not one of \['train', 'verifier'\]"),
+        ("task.verifier", "sympy", r"task.verifier='sympy' is not one of \['math', 'numeric'\]"),
+        ("task.prompt_template", "Solve it.", r"task.prompt_template: expected a '\{problem\}'"),
+        ("task.name", "nope_pkg:Task", r"task.name 'nope_pkg:Task': module 'nope_pkg' not found"),
+        ("rollout.reward_timeout_s", -1.0, r"rollout.reward_timeout_s=-1.0 is out of range"),
         ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
         (
             "actor.optimizer.lr_scheduler_type",
@@ -184,7 +199,7 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ),
         ("task.chat_template", "none", r"task.chat_template='none' is not one of \['auto', 'on'"),
         ("task.enable_thinking", "yes", r"task.enable_thinking: expected true or false"),
-        ("task.question_key", "", r"task.question_key: expected a column name"),
+        ("task.answer_key", "", r"task.answer_key: expected a column name"),
         ("model.attention", "flash", r"model.attention='flash' is not one of \['auto', 'xla'"),
         (
             "model.remat_policy",
@@ -436,3 +451,14 @@ def test_setup_errors_name_the_config_fields(tokenizer_dir, tmp_path):
     cfg.task.train_path, cfg.task.eval_size = str(data), 5
     with pytest.raises(ValueError, match=r"^task.eval_size=5: .* has only 3 records"):
         setup.build_task(config_lib.from_configdict(cfg), load_tokenizer(tokenizer_dir))
+
+
+def test_the_math_config_finds_its_data_and_eval_sets_in_a_directory(tmp_path):
+    for name in ("train", "math500", "aime24"):
+        (tmp_path / f"{name}.jsonl").write_text('{"problem": "p", "answer": "1"}\n')
+    c = config_lib.from_configdict(math_config.get_config(f"qwen3-1.7b-base,data={tmp_path}"))
+    assert c.task.train_path == str(tmp_path / "train.jsonl")
+    assert c.eval.sets == f"math500={tmp_path}/math500.jsonl,aime24={tmp_path}/aime24.jsonl"
+    assert (c.mesh.fsdp, c.rollout.batch_size * c.gconfig.n_samples) == (8, 128)
+    with pytest.raises(ValueError, match=r"data=/nonexistent: no train.jsonl or train.parquet"):
+        math_config.get_config("data=/nonexistent")

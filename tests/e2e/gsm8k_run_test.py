@@ -90,6 +90,7 @@ def small_gsm8k_dict(checkpoint, **changes):
     c.mesh.data = 1
     c.logging.progress = False
     c.logging.plots = False
+    c.eval.reward = changes.pop("eval_reward", "train")
     for key, value in changes.items():
         c.task[key] = value
     return c
@@ -145,7 +146,8 @@ def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in examples))
 
     reward_fn = f"{__name__}:completion_length_reward"
-    cfg = small_gsm8k(checkpoint, train_path=str(data), reward_fn=reward_fn)
+    # eval.reward="verifier": held-out accuracy by the GSM8K verifier, not this reward.
+    cfg = small_gsm8k(checkpoint, train_path=str(data), reward_fn=reward_fn, eval_reward="verifier")
     trainer = trainer_lib.Trainer(cfg, tmp_path / "run")
     # The policy starts from the checkpoint's weights.
     loaded = hf.load_params(checkpoint, trainer.model_config)
@@ -157,6 +159,7 @@ def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
     assert [r["step"] for r in records] == [0, 1] and result.final_step == 2
     # Step 0 evaluates the initial policy: the fraction transformers' greedy decoding gets.
     assert records[0]["eval/accuracy"] == right / 8
+    assert result.scored_by == "numeric verifier"
     assert result.eval_accuracy == [(s, r["eval/accuracy"]) for s, r in enumerate(records)]
     assert records[1]["staleness/mean"] == 1.0
     for r in records:
@@ -283,3 +286,43 @@ def test_long_prompt_metrics(checkpoint, mixed_lengths, tmp_path):
     assert records[0]["data/prompts_filtered"] == dropped["train"]
     assert records[0]["data/eval_prompts_filtered"] == dropped["eval"]
     assert records[0]["rollout/prompts_truncated"] == 0
+
+
+RECEIVED = []
+
+
+def reference_is_half(completion: str, answer: str) -> float:
+    """A reward that records the reference it gets, and is 1 exactly for the raw '\\frac{1}{2}'."""
+    RECEIVED.append(answer)
+    return float(answer == "\\frac{1}{2}")
+
+
+def test_a_math_run_scores_raw_references_and_evaluates_two_sets_avg_at_4(checkpoint, tmp_path):
+    def write(name, records):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return str(path)
+
+    answers = ["\\frac{1}{2}" if i % 2 else str(i + i) for i in range(8)]
+    train = write("train.jsonl", [
+        {"problem": f"what is {i} plus {i} ?", "solution": "it is \\boxed{" + a + "}"}
+        for i, a in enumerate(answers)
+    ])  # fmt: skip
+    half = write("half.jsonl", [{"problem": "what is 1 plus 1 ?", "answer": "\\frac{1}{2}"}] * 3)
+    three = write("three.jsonl", [{"problem": "how many ?", "answer": 3}] * 2)
+    c = small_gsm8k_dict(checkpoint, reward_fn=f"{__name__}:reference_is_half")
+    c.task.name, c.task.train_path, c.task.prompt_template = "math", train, "{problem}"
+    c.total_steps = 1
+    c.eval.sets = f"half={half},three={three}"
+    c.eval.n_samples, c.eval.temperature = 4, 1.0
+    RECEIVED.clear()
+    trainer = trainer_lib.Trainer(config_lib.from_configdict(c), tmp_path / "run")
+    result = trainer.run()
+    assert "\\frac{1}{2}" in RECEIVED and "3" in RECEIVED and "0" in RECEIVED  # as written
+    row = metrics_lib.read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    # Evaluation scores with the training reward: every completion of "half" is right.
+    assert (row["eval/half/avg@4"], row["eval/half/pass@4"]) == (1.0, 1.0)
+    assert (row["eval/three/avg@4"], row["eval/three/pass@4"]) == (0.0, 0.0)
+    assert row["eval/accuracy"] == 0.5 and row["eval/pass@4"] == 0.5
+    assert row["reward/timeouts"] == 0
+    assert result.scored_by == f"{__name__}:reference_is_half"

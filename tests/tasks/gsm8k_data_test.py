@@ -3,22 +3,10 @@
 import json
 
 import pytest
+from byte_tokenizer import ByteTokenizer
 
 from m2po_jax.models.prompts import PromptEncoder, count_long
 from m2po_jax.tasks import Example, GSM8KTask
-
-
-class ByteTokenizer:
-    """A minimal byte tokenizer with the task protocol."""
-
-    vocab_size = 259
-    pad_id, bos_id, eos_id = 256, 257, 258
-
-    def encode(self, text):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode()
 
 
 def _write_jsonl(path, records):
@@ -63,18 +51,22 @@ def test_gsm8k_parquet_with_custom_columns(tmp_path):
         jsonl, ByteTokenizer(), num_eval=2, question_key="problem", answer_key="solution"
     )
     assert same.eval_examples() == task.eval_examples()
-    with pytest.raises(ValueError, match=r"t.jsonl:1: missing string field 'question'"):
+    with pytest.raises(ValueError, match=r"t.jsonl:1: no key 'question' \(task.question_key\)"):
         GSM8KTask(jsonl, ByteTokenizer(), num_eval=2)
     with pytest.raises(
         ValueError,
-        match=r"train.parquet: no column 'question' \(task.question_key\); the file has columns "
-        r"\['problem', 'solution', 'level'\]",
+        match=r"train.parquet row 0: no key 'question' \(task.question_key\); the record has keys "
+        r"\['level', 'problem', 'solution'\]",
     ):
         GSM8KTask(path, ByteTokenizer(), num_eval=2)
-    with pytest.raises(ValueError, match=r"train.parquet: no column 'answer' \(task.answer_key\)"):
+    with pytest.raises(
+        ValueError, match=r"train.parquet row 0: no key 'answer' \(task.answer_key\)"
+    ):
         GSM8KTask(path, ByteTokenizer(), num_eval=2, question_key="problem")
     pq.write_table(pa.table({"question": ["q", None], "answer": ["#### 1", "#### 2"]}), path)
-    with pytest.raises(ValueError, match=r"train.parquet row 1: missing string field 'question'"):
+    with pytest.raises(
+        ValueError, match=r"train.parquet row 1: 'question' \(task.question_key\) is null"
+    ):
         GSM8KTask(path, ByteTokenizer(), num_eval=0)
 
 

@@ -4,7 +4,9 @@ import json
 import sys
 
 import pytest
+from byte_tokenizer import ByteTokenizer
 
+from m2po_jax.common.errors import RewardError
 from m2po_jax.tasks import (
     ArithTask,
     CharTokenizer,
@@ -29,19 +31,6 @@ def _python_value(prompt: str) -> int:
             return int(a) + int(b) if op == "+" else int(a) * int(b)
     a, b = prompt[:-1].split("-")
     return int(a) - int(b)
-
-
-class ByteTokenizer:
-    """A minimal tokenizer with the protocol, standing in for a Hugging Face wrapper."""
-
-    vocab_size = 259
-    pad_id, bos_id, eos_id = 256, 257, 258
-
-    def encode(self, text):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode()
 
 
 # ---------------------------------------------------------------- char tokenizer
@@ -229,7 +218,7 @@ def test_gsm8k_holds_out_last_records_and_builds_prompts(tmp_path):
     path = _write_jsonl(tmp_path / "train.jsonl", _records(10) + [_records(1001)[1000]])
     task = GSM8KTask(path, ByteTokenizer(), num_eval=3)
     eval_set = task.eval_examples()
-    assert [e.answer for e in eval_set] == ["10", "11", "1002"]  # "1,002" normalised
+    assert [e.answer for e in eval_set] == ["10", "11", "1,002"]  # kept as written
     assert eval_set[0].prompt.endswith("Question: Tom has 8 apples and buys 2. How many?\nAnswer:")
     train = task.train_examples(0, 8)
     assert sorted(e.answer for e in train) == [str(i + 2) for i in range(8)]
@@ -262,9 +251,8 @@ def test_gsm8k_file_errors(tmp_path):
     good = json.dumps(_records(1)[0])
     cases = {
         "bad_json": (f"{good}\n\n{{not json\n", r"bad_json.jsonl:3: not valid JSON"),
-        "no_field": (f'{good}\n{{"question": "q"}}\n', r"no_field.jsonl:2: missing .*'answer'"),
-        "no_hashes": ('{"question": "q", "answer": "42"}\n', r"no_hashes.jsonl:1: .*####"),
-        "no_number": ('{"question": "q", "answer": "#### none"}\n', r":1: no number"),
+        "no_field": (f'{good}\n{{"question": "q"}}\n', r"no_field.jsonl:2: no key 'answer'"),
+        "no_number": ('{"question": "q", "answer": "#### none"}\n', r":1: reference 'none': "),
         "not_object": ("[1, 2]\n", r":1: expected a JSON object"),
     }
     for name, (content, message) in cases.items():
@@ -306,7 +294,7 @@ def test_reward_fn_from_name_imports_and_is_used(tmp_path, monkeypatch):
     # A missing dependency inside an existing module keeps its own name.
     with pytest.raises(ModuleNotFoundError, match="not_a_real_dependency_xyz"):
         reward_fn_from_name("broken_rewards:f")
-    with pytest.raises(TypeError, match="float"):
+    with pytest.raises(RewardError, match="returned 'yes'; expected a finite number"):
         ArithTask(reward_fn=lambda c, a: "yes").reward(example, "2")
     sys.modules.pop("my_rewards", None)
     sys.modules.pop("broken_rewards", None)
@@ -318,8 +306,8 @@ def test_make_task_registry(tmp_path):
     assert isinstance(
         make_task("gsm8k", path=path, tokenizer=ByteTokenizer(), num_eval=1), GSM8KTask
     )
-    with pytest.raises(ValueError, match="unknown 'math'.*arith.*gsm8k"):
-        make_task("math")
+    with pytest.raises(ValueError, match="unknown 'maths'.*arith.*gsm8k.*math"):
+        make_task("maths")
     with pytest.raises(TypeError, match="make_task\\('arith'.*digits"):
         make_task("arith", digits=3)
 

@@ -296,6 +296,20 @@ def test_plot_metrics_skips_missing_keys(tmp_path):
     assert plots.plot_metrics(path, tmp_path / "empty") == []
 
 
+def test_the_eval_panel_shows_every_held_out_set():
+    rows = [
+        {"step": 0, "eval/accuracy": 0.5, "eval/math500/avg@4": 0.6, "eval/aime24/avg@4": 0.4,
+         "eval/math500/pass@4": 0.8, "eval/pass@4": 0.7},
+        {"step": 1, "reward/mean": 0.2},
+    ]  # fmt: skip
+    panel = {stem: (title, keys) for stem, title, keys, _ in plots._panels(rows)}
+    title, keys = panel["eval_accuracy"]
+    assert keys == ("eval/accuracy", "eval/aime24/avg@4", "eval/math500/avg@4",
+                    "eval/math500/pass@4", "eval/pass@4")  # fmt: skip
+    assert title.startswith("held-out accuracy") and panel["reward"][1] == ("reward/mean",)
+    assert {s: k for s, _, k, _ in plots._panels(rows[1:])}["eval_accuracy"] == ("eval/accuracy",)
+
+
 def test_plot_comparison(tmp_path):
     runs = {
         "GRPO on-policy": _synthetic_run(tmp_path / "a.jsonl"),

@@ -304,6 +304,8 @@ def test_the_continuous_engine_trains_as_the_static_sampler_with_greedy_decoding
         "total_steps": 3,
         "sft.max_steps": 12,
         "task.reward_fn": "trainer_test:text_reward",
+        # held-out accuracy (and the warm-up's stop) by the task's verifier, not this reward
+        "eval.reward": "verifier",
     }
     static = trainer_lib.Trainer(tiny_config(**changes), tmp_path / "static")
     static.run()
