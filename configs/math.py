@@ -23,7 +23,7 @@ proximal log-probs (AReaL's rule), Qwen3-Base models. The rest (learning rate, l
 batch) are AReaL's GSM8K M2PO example's, at sizes the named hardware holds.
 
 Presets (combine left to right):
-  qwen3-1.7b-base  Qwen3-1.7B-Base on a TPU v5e-8 (8 chips x 16 GB, fsdp=8)
+  qwen3-1.7b-base  Qwen3-1.7B-Base on a TPU v5e-8 (8 chips x 16 GB, fsdp=4 x tensor=2)
   qwen3-4b-base    Qwen3-4B-Base on a TPU v5e-16 (16 chips x 16 GB, fsdp=4 x tensor=4)
   data=DIR         train.jsonl and the held-out sets of EVAL_SETS found in DIR
 Each passes `m2po-train --compile_only` for its slice (README, "TPU pods").
@@ -40,9 +40,10 @@ EVAL_SETS = ("math500", "aime24", "aime25", "amc23", "minerva", "olympiadbench")
 
 
 def _qwen3_17b_base(c):
-    """TPU v5e-8: params and optimizer state over 8 chips, 128 rows of 512 + 2,048 tokens in
-    4 minibatches."""
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 1
+    """TPU v5e-8: fsdp=4 x tensor=2 (at fsdp=8 the sampler, whose layout splits the weights
+    over tensor only, needs 16.6 of the 16 GiB per chip), 128 rows of 512 + 2,048 tokens in 4
+    minibatches."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
     c.rollout.batch_size = 16
     c.actor.ppo_n_minibatches = 4
     c.actor.mb_spec.max_tokens_per_mb = 8 * 2560

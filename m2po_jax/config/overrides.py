@@ -34,6 +34,13 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, prefix: 
             apply_overrides(current, value, full + ".")
         else:
             value = _yaml_float(config, key, value)
+            kind = _field_type(config, key)
+            # ConfigDict would store True as 1.0 in a number field, and 1 as True in a bool one.
+            if isinstance(value, bool) and kind in (int, float):
+                what = "an integer" if kind is int else "a number"
+                raise ConfigError(f"{full}: expected {what}, got {value!r}")
+            if kind is bool and value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{full}: expected true or false, got {value!r}")
             try:
                 with config.unlocked():
                     config[key] = value

@@ -4,22 +4,29 @@
     verifier.check_reference("\\frac{1}{2}")   # ValueError if it cannot read the reference
     verifier("... so \\boxed{0.5}", "\\frac{1}{2}")   # 1.0
 
-`numeric` (GSM8K): the completion's last number equals the reference, a single plain number
-(`72`, `1,234`, `-5`, `$18`, `0.5`, `15%`), within 1e-6. A reference that is anything else
-(`1/3`, `\\frac{1}{2}`, `1e3`, `x^2+1`, `(2, 3)`) is refused: read as a number it would
-become another one.
+`numeric` (GSM8K): the completion's last number (`gsm8k.extract_last_number`) equals the
+reference within 1e-6. The reference must be one plain number as GSM8K writes them: a sign,
+digits with thousands grouped by commas, decimals, a leading `$`, a trailing `%` (`72`,
+`1,234`, `-5`, `$18`, `-$5`, `0.5`, `15%`). Anything else (`1/3`, `\\frac{1}{2}`, `1e3`,
+`x^2+1`, `(2, 3)`) is refused: read as a number it would become another one.
 
-`math` (competition math): HuggingFace's math-verify. The completion's answer is its last
-`\\boxed{}` when it has one, else the last LaTeX or plain expression; the reference is read
-as LaTeX (or as a plain number); the two are compared as mathematics (sympy): fractions,
-radicals, intervals, tuples, sets, matrices, `\\text{}` answers, with percentages and units
-normalised. Its own signal-based timeouts are off: the caller bounds the time
-(`rollout.rewards.RewardScorer`), since an alarm works only in a main thread.
+`math` (competition math): HuggingFace's math-verify. The completion's answer is what its
+default extraction finds: its `\\boxed{}` (or `\\fbox{}`) answers first, several boxes read
+together as one set (so hedging between two answers scores 0); else what follows "the
+answer is" / "Answer:"; else its last LaTeX or plain expression. The reference is read as a
+plain number when it is one (`1e3` and `1,000` are 1000), else as LaTeX, else as a plain
+expression that is the whole reference; one that none of these reads (`0.\\overline{3}`,
+`???`) is refused. The two are compared as mathematics (sympy): fractions, radicals,
+intervals, tuples, sets, matrices, polynomials, `\\text{}` answers, with `\\%` (25\\% is 25
+or 0.25), degrees and `\\text{}` units normalised. Its own signal-based timeouts are
+off: the caller bounds the time (`rollout.rewards.RewardScorer`), since an alarm works only
+in a main thread.
 """
 
 from __future__ import annotations
 
 import abc
+import decimal
 import functools
 import re
 from collections.abc import Callable
@@ -35,17 +42,18 @@ def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (or `\\fbox{...}`) of `text`, nested braces
     included; None when there is none or its braces do not close."""
     starts = [m.end() for m in _BOX.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-        return None  # the last box does not close
-    return None
+    if not starts:
+        return None
+    start = starts[-1]
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None  # the last box does not close
 
 
 def extract_reference(text: str) -> str:
@@ -79,9 +87,9 @@ class Verifier(abc.ABC):
         return f"{type(self).__name__}()"
 
 
-# One plain number as GSM8K writes its answers: sign, digits (thousands grouped by commas),
-# decimals, a leading "$" or a trailing "%".
-_PLAIN_NUMBER = re.compile(r"[-+]?\$?[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?%?|[-+]?\.\d+%?")
+# One plain number as GSM8K writes its answers: a sign, digits (thousands grouped by commas),
+# decimals, a leading "$" (before or after the sign), a trailing "%".
+_PLAIN_NUMBER = re.compile(r"(?:-\$?|\$-?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?%?")
 
 
 class NumericVerifier(Verifier):
@@ -95,38 +103,73 @@ class NumericVerifier(Verifier):
             raise ValueError("empty reference")
         if not _PLAIN_NUMBER.fullmatch(text):
             raise ValueError(
-                f"{text[:60]!r} is not a plain number; task.verifier='math' (task.name=math) "
-                "reads fractions, LaTeX, intervals, tuples and expressions"
+                f"{text[:60]!r} is not a plain number; task.verifier='math' reads fractions, "
+                "LaTeX, intervals and tuples"
             )
 
     def __call__(self, completion: str, reference: str) -> float:
+        """Raises ValueError (`check_reference`'s) for a reference that is not a plain number."""
+        self.check_reference(reference)
+        value = float(re.sub(r"[$,%]", "", reference.strip()))
         predicted = extract_last_number(completion)
-        value = extract_last_number(reference)
-        if predicted is None or value is None:
+        if predicted is None:
             return 0.0
         return 1.0 if abs(predicted - value) <= TOLERANCE else 0.0
 
 
-_FLOATISH = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+# A plain number for math-verify: its expression reader takes "1e3" for 1 and its LaTeX
+# reader for 1*e*3, so such a reference is written out first (`_plain_number`).
+_FLOATISH = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _plain_number(text: str) -> str:
+    """A `_FLOATISH` number as math-verify's expression reader reads it: "1e3" -> "1000",
+    "1,000" -> "1000", "2.5e-400" -> "2.5*10**(-400)" (no 400 digits)."""
+    value = decimal.Decimal(text.replace(",", ""))
+    exponent = value.adjusted()
+    if abs(exponent) <= 100:
+        return format(value, "f")
+    return f"{format(value.scaleb(-exponent), 'f')}*10**({exponent})"
+
+
+# LaTeX already between math delimiters ("$x$", "\\(x\\)", "\\[x\\]"; not an escaped "\\$").
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[")
+
+
+def _read(text: str, latex: bool) -> tuple:
+    """math-verify's reading of `text` as LaTeX or as a plain expression; () unless it is a
+    mathematical object (not only the raw string `parse` falls back to). A plain expression
+    must be the whole text: that reader picks a number out of anything ("\\approx 3" -> 3,
+    "0.\\overline{3}" -> 0)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    from sympy import Basic, MatrixBase
+
+    config = LatexExtractionConfig() if latex else ExprExtractionConfig()
+    parsed = parse(text, [config], parsing_timeout=None, raise_on_error=False)
+    if not any(isinstance(p, (Basic, MatrixBase)) for p in parsed):
+        return ()
+    if not latex:
+        matched = next((p for p in parsed if isinstance(p, str)), "")
+        if "".join(matched.split()) != "".join(text.split()):
+            return ()
+    return tuple(parsed)
 
 
 @functools.lru_cache(maxsize=4096)
-def _gold(reference: str):
-    """The reference as math-verify reads it (a tuple, cached: a group's completions share
-    one reference); empty when it cannot."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-
+def _gold(reference: str) -> tuple:
+    """The reference as math-verify reads it (cached: a group's completions share one
+    reference): a plain number as that number, else LaTeX, else a plain expression; ()
+    when none reads it."""
     text = reference.strip()
-    if _FLOATISH.fullmatch(text):  # a plain number: as a number ("1e3" is 1000, not 1*e*3)
-        parsed = parse(text.replace(",", ""), [ExprExtractionConfig()], parsing_timeout=None)
-        if parsed:
-            return tuple(parsed)
-    if "$" not in text and "\\(" not in text and "\\[" not in text:
-        text = f"${text}$"
-    parsed = parse(text, [LatexExtractionConfig()], parsing_timeout=None)
-    if not parsed:
-        parsed = parse(reference, [ExprExtractionConfig()], parsing_timeout=None)
-    return tuple(parsed)
+    if not text:
+        return ()
+    if _FLOATISH.fullmatch(text):
+        return _read(_plain_number(text), latex=False)
+    latex = text if _DELIMITED.search(text) else f"${text}$"
+    return _read(latex, latex=True) or _read(text, latex=False)
+
+
+_FBOX = re.compile(r"\\fbox(?=\s*\{)")
 
 
 class MathVerifier(Verifier):
@@ -139,18 +182,24 @@ class MathVerifier(Verifier):
         if not reference.strip():
             raise ValueError("empty reference")
         if not _gold(reference):
-            raise ValueError(f"math-verify cannot read {reference[:60]!r} as LaTeX or a number")
+            raise ValueError(
+                f"math-verify cannot read {reference.strip()[:60]!r} as LaTeX, a number or an "
+                "expression"
+            )
 
     def __call__(self, completion: str, reference: str) -> float:
+        """Raises ValueError (`check_reference`'s) for a reference math-verify cannot read."""
         from math_verify import parse, verify
 
         gold = _gold(reference)
         if not gold:
-            return 0.0
-        predicted = parse(completion, parsing_timeout=None)
+            self.check_reference(reference)
+        completion = _FBOX.sub(r"\\boxed", completion)  # math-verify reads only \boxed
+        predicted = parse(completion, parsing_timeout=None, raise_on_error=False)
         if not predicted:
             return 0.0
-        return 1.0 if verify(list(gold), predicted, timeout_seconds=None) else 0.0
+        ok = verify(list(gold), predicted, timeout_seconds=None, raise_on_error=False)
+        return 1.0 if ok else 0.0
 
 
 VERIFIERS: dict[str, type[Verifier]] = {"math": MathVerifier, "numeric": NumericVerifier}

@@ -20,6 +20,11 @@ def _translate(data):
 
 def test_arealsgsm8k_m2po_example_trains_what_it_says():
     base = gsm8k.get_config()
+    # Settings the file's behav_imp_weight_cap derives: set otherwise first, so that the
+    # mapping, not the defaults, must give them.
+    rs = base.actor.rejection_sampling
+    rs.level, rs.action, rs.metric, rs.upper = "sequence", "clamp", "kl_k1", 2.0
+    base.task.long_prompts = "left"
     ignored = overrides.overlay_file(base, str(EXAMPLE))
     cfg = config.from_configdict(base)
     assert cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.model.dtype == "bfloat16"
@@ -36,7 +41,15 @@ def test_arealsgsm8k_m2po_example_trains_what_it_says():
         a.optimizer.eps == 1e-8 and a.optimizer.lr == 1.7e-5 and a.optimizer.weight_decay == 0.017
     )
     assert a.adv_norm and (a.reward_norm.mean_level, a.reward_norm.std_level) == ("group", "group")
-    assert a.rejection_sampling.enabled and a.rejection_sampling.upper == 5.0
+    # behav_imp_weight_cap is AReaL's token-level ratio rejection: every derived field.
+    rs = a.rejection_sampling
+    assert rs.enabled and (rs.level, rs.action, rs.metric, rs.upper) == (
+        "token",
+        "mask",
+        "ratio",
+        5.0,
+    )
+    assert rs.lower is None
     assert a.mb_spec.max_tokens_per_mb == 10240 and a.temperature == 1.0
     assert (cfg.task.max_prompt_len, cfg.task.long_prompts, cfg.eval.batch_size) == (
         1024,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_collections
 import pytest
 
 from m2po_jax import config as config_lib
@@ -459,6 +460,37 @@ def test_the_math_config_finds_its_data_and_eval_sets_in_a_directory(tmp_path):
     c = config_lib.from_configdict(math_config.get_config(f"qwen3-1.7b-base,data={tmp_path}"))
     assert c.task.train_path == str(tmp_path / "train.jsonl")
     assert c.eval.sets == f"math500={tmp_path}/math500.jsonl,aime24={tmp_path}/aime24.jsonl"
-    assert (c.mesh.fsdp, c.rollout.batch_size * c.gconfig.n_samples) == (8, 128)
+    assert (c.mesh.fsdp, c.mesh.tensor, c.rollout.batch_size * c.gconfig.n_samples) == (4, 2, 128)
     with pytest.raises(ValueError, match=r"data=/nonexistent: no train.jsonl or train.parquet"):
         math_config.get_config("data=/nonexistent")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("actor:\n  kl_ctl: true\n", "actor.kl_ctl: expected a number, got True"),
+        ("rollout:\n  batch_size: false\n", "rollout.batch_size: expected an integer, got False"),
+        ("model:\n  remat: 1\n", "model.remat: expected true or false, got 1"),
+    ],
+)
+def test_a_bool_for_a_number_and_a_number_for_a_bool_are_refused_from_a_file(
+    tmp_path, text, message
+):
+    """ConfigDict would store True as 1.0 in a number field (kl_ctl = 1.0 trained)."""
+    from m2po_jax.config import overrides
+
+    path = tmp_path / "o.yaml"
+    path.write_text(text)
+    with pytest.raises(config_lib.ConfigError) as e:
+        overrides.overlay_file(default.get_config(), str(path))
+    assert str(e.value) == message
+
+
+def test_a_bool_for_a_number_is_refused_in_a_plain_dict_config():
+    """`m2po-study` builds its cells from plain dicts: the same types are checked there."""
+    c = default.get_config().to_dict()
+    c["actor"]["kl_ctl"] = True
+    with pytest.raises(config_lib.ConfigError, match=r"^actor.kl_ctl: expected a number, got True"):
+        config_lib.from_configdict(ml_collections.ConfigDict(c))
+    c["actor"]["kl_ctl"] = 0
+    assert config_lib.from_configdict(ml_collections.ConfigDict(c)).actor.kl_ctl == 0.0

@@ -84,3 +84,29 @@ def test_trim_at_a_bucket_edge_keeps_the_last_column(longest, width):
     assert out["valid_BxT"][0, last] and out["tokens_BxT"][0, last] == last + 1
     assert out["loss_mask_BxT"].sum() == mask.sum()  # no completion token dropped
     assert not valid[:, end:].any()  # everything cut was padding
+
+
+def test_micro_batches_at_and_just_above_the_token_cap():
+    """Every micro-batch holds at most max_tokens_per_mb (padded) tokens, and there are no
+    more of them than that needs: the fewest equal parts (a divisor of the rows, at least
+    n_mbs) that fit, by brute force."""
+    assert batching.micro_batch_count(8, 7, 1, 56) == 1  # exactly at the cap: one
+    assert batching.micro_batch_count(8, 7, 1, 55) == 2  # one token over: two
+    assert batching.micro_batch_count(8, 7, 1, 27) == 4  # 3 would fit, 3 does not divide 8
+    assert batching.micro_batch_count(8, 7, 1, 7) == 8  # one row each
+    with pytest.raises(ValueError, match=r"max_tokens_per_mb=6 is below one row's 7 tokens"):
+        batching.micro_batch_count(8, 7, 1, 6)
+    for rows in (1, 4, 6, 8, 12):
+        for seq in (1, 5, 7):
+            for n_mbs in (1, 2, 3):
+                for cap in [0, *range(seq, rows * seq + 2)]:
+                    fits = [
+                        n for n in range(1, rows + 1)
+                        if rows % n == 0 and n >= n_mbs and (not cap or rows // n * seq <= cap)
+                    ]  # fmt: skip
+                    if not fits:
+                        with pytest.raises(ValueError):
+                            batching.micro_batch_count(rows, seq, n_mbs, cap)
+                        continue
+                    got = batching.micro_batch_count(rows, seq, n_mbs, cap)
+                    assert got == fits[0], (rows, seq, n_mbs, cap)

@@ -123,6 +123,29 @@ def test_gsm8k_long_prompts_filter_error_and_left(tmp_path):
         GSM8KTask(path, tok, long_prompts="drop", **kwargs)
 
 
+def test_the_warm_up_pairs_each_prompt_with_its_own_solution_after_a_filter(tmp_path):
+    """A long problem dropped from the middle of the file drops its solution too: every
+    warm-up (prompt, target) pair is one source row's question and its own answer."""
+    tok = ByteTokenizer()
+    rows = [{"question": f"q{i} " + "word " * (12 if i in (1, 4) else 1), "answer": f"#### {i}"}
+            for i in range(7)]  # fmt: skip
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    encode = lambda text: [tok.bos_id, *tok.encode(text)]
+    lengths = [len(encode(e.prompt)) for e in GSM8KTask(path, tok, num_eval=0)._train]
+    limit = max(n for i, n in enumerate(lengths) if i not in (1, 4))  # rows 1 and 4 are longer
+    task = GSM8KTask(
+        path, tok, num_eval=0, long_prompts="filter", prompt_encode=encode, max_prompt_len=limit
+    )
+    assert task.prompts_filtered["train"] == 2
+    pairs = task.sft_examples(0, 10)
+    source = {r["question"].strip(): r["answer"] for r in rows}
+    for prompt, target in pairs:
+        question = prompt.split("Question: ")[1].split("\nAnswer:")[0]
+        assert target.strip() == source[question], (prompt, target)
+    answers = {e.prompt: e.answer for e in task.train_examples(0, 10)}
+    assert {answers[p] for p, _ in pairs} == {"0", "2", "3", "5", "6"}
+
+
 def test_count_long_uses_known_lengths_and_encodes_the_rest():
     tok = ByteTokenizer()
     encoder = PromptEncoder(tok)

@@ -35,10 +35,11 @@ def read(workdir):
 
 def test_an_async_run_learns_within_k_and_trains_every_prompt_once(tmp_path):
     """The built-in default (warm-up, then M2PO at k = 4), async on 4 + 4 devices for 50
-    steps: held-out accuracy rises, every step trains the next 64 prompts, no sample is
-    staler than k, and the worker runs ahead by the k + 1 batches the rule allows. (A
-    resume from a checkpoint taken while the worker is ahead: the two-process test in
-    tests/parallel/parallel_test.py.)"""
+    steps, stopped after 25 with several batches buffered and resumed: held-out accuracy
+    rises, every step trains the next 64 prompts, no sample is staler than k before or
+    after the resume (counters restored in batches instead of prompts would admit one
+    batch too many: AReaL's issue 1388 by another door), and the worker runs ahead by the
+    k + 1 batches the rule allows."""
     k, prompts = 4, 64
     c = default.get_config()
     changes = {
@@ -51,10 +52,14 @@ def test_an_async_run_learns_within_k_and_trains_every_prompt_once(tmp_path):
         "logging.progress": False,
     }
     config_lib.apply_dotted(c, changes)
-    trainer = trainer_lib.Trainer(config_lib.from_configdict(c), tmp_path)
+    cfg = config_lib.from_configdict(c)
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
     assert len(trainer.setup.rollout_placement.mesh.devices.flat) == 4
     assert trainer.placement.mesh.shape["data"] == 4
-    result = trainer.run()
+    assert trainer.run(stop_after=25).final_step == 25
+    # The learner is the slower side: the checkpoint holds the batches the worker was ahead.
+    assert trainer.checkpointer.meta(25)["queue_len"] >= 2
+    result = trainer_lib.Trainer(cfg, tmp_path).run()
     assert result.final_step == 50
     records = read(tmp_path)
     assert [r["step"] for r in records] == list(range(50))

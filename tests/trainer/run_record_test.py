@@ -50,3 +50,57 @@ def test_a_resume_is_checked_against_the_recorded_config(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["config"]["actor.eps_clip"] == 0.3
     # A new run (no checkpoints) records whatever it is.
     assert run_record.check_and_record(tmp_path, wider, resuming=False, allow_change=False) == []
+
+
+# What a resume may change, and why (the trainer's MAY_CHANGE must agree, field by field):
+# how long, how visibly, where, and how the same math is laid out or scheduled.
+RESUMABLE = {
+    "total_steps": "train longer",
+    "max_nonfinite_steps": "when to give up on non-finite steps",
+    "logging.": "what is logged and shown",
+    "eval.": "held-out evaluation does not change an update",
+    "checkpoint.": "when and what is saved",
+    "mesh.": "the layout of the same computation (other devices, a pod)",
+    "model.path": "the checkpoint directory moved (shapes are checked separately)",
+    "task.train_path": "the data moved",
+    "task.eval_path": "the held-out data moved",
+    "rollout.worker_timeout_s": "how long to wait for a stuck worker",
+    "rollout.reward_workers": "how many completions are scored at once",
+    "rollout.reward_timeout_s": "how long one completion's scoring may take",
+    "rollout.engine_slots": "the continuous engine's tokens do not depend on the slot",
+    "rollout.insert_lanes": "as engine_slots",
+    "rollout.chunk_steps": "as engine_slots",
+    "rollout.stream_batches": "as engine_slots",
+}
+
+
+def _other(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, list):
+        return [*value, 1]
+    return 1  # None
+
+
+def test_every_field_a_resume_may_change_and_every_other_one_refused(tmp_path):
+    first = run_record.describe(_cfg(), MODEL)
+    run_record.check_and_record(tmp_path, first, resuming=False, allow_change=False)
+    wrong = []
+    for key, value in first["config"].items():
+        changed = json.loads(json.dumps(first))
+        changed["config"][key] = _other(value)
+        try:
+            run_record.check_and_record(
+                tmp_path, changed, resuming=True, allow_change=False, write=False
+            )
+            accepted = True
+        except WorkdirError:
+            accepted = False
+        if accepted != key.startswith(tuple(RESUMABLE)):
+            wrong.append(f"{key}: {'accepted' if accepted else 'refused'}")
+    assert not wrong, wrong
+    assert len(first["config"]) > 120  # every field of the config was tried

@@ -285,3 +285,18 @@ def test_sigterm_checkpoints_the_running_cells_and_the_study_resumes_them(tmp_pa
     for n in names:  # each resumed from its checkpoint: every step once
         rows = [json.loads(x) for x in (tmp_path / "cells" / n / "metrics.jsonl").open()]
         assert [r["step"] for r in rows] == list(range(end))
+
+
+def test_the_verdict_rules_at_equality():
+    """The protocol's boundaries: staleness hurts only when the stale mean is below the
+    on-policy minimum; a rule rescues when its mean reaches that minimum (ties count)."""
+    on = _runs(0.50, 0.60)  # on-policy minimum 0.50
+    tie = {(0, "grpo", 1e-4): on, (8, "stale_grpo", 1e-4): _runs(0.40, 0.60)}  # mean 0.50
+    assert study.verdicts(tie)[0].startswith("lr 0.0001, k = 8: staleness does not hurt")
+    below = {**tie, (8, "stale_grpo", 1e-4): _runs(0.40, 0.59), (8, "m2po", 1e-4): _runs(0.5, 0.5)}
+    lines = study.verdicts(below)
+    assert lines[0] == (
+        "lr 0.0001, k = 8: staleness hurts; m2po rescues (on-policy final >= 0.500)"
+    )
+    below[(8, "m2po", 1e-4)] = _runs(0.49, 0.50)
+    assert "m2po does not rescue" in study.verdicts(below)[0]
