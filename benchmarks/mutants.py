@@ -566,6 +566,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/learner/actor_fields_test.py", "reward_bias"),),
         "actor.reward_bias is validated, then the step's advantages ignore it",
     ),
+    Mutant(
+        "engine-insert-lanes-never-reach-the-engine",
+        "m2po_jax/trainer/setup.py",
+        "        insert_lanes=r.insert_lanes,",
+        "        insert_lanes=0,",
+        (T("tests/trainer/settings_reach_test.py", "engine"),),
+        "rollout.insert_lanes is validated, then the engine starts its default number per step",
+    ),
     # ------------------------------------------------------------------ your own problems
     Mutant(
         "problems-filter-keeps-solutions",

@@ -63,3 +63,38 @@ def test_each_sampling_field_changes_the_rollout(params, field, value):
         np.array_equal(tokens, base_tokens) and np.allclose(logp, base_logp)
     )
     assert not same, f"{field}={value} left the rollout as it was"
+
+
+def _engine_work(params, **changes):
+    """(tokens, decode steps) of the continuous engine's rollout under `changes`."""
+    cfg = _cfg(**{"rollout.engine": "continuous", "gconfig.greedy": True, **changes})
+    run = setup_lib.build(cfg)
+    sampled = rollout_lib.sample_rollout(
+        params,
+        run.model_config,
+        run.sampling_config,
+        run.task.train_examples(0, 4),
+        run.prompts,
+        jax.random.key(1),
+        n_samples=cfg.gconfig.n_samples,
+        version=0,
+        max_prompt_len=cfg.task.max_prompt_len,
+        placement=run.placement,
+        engine=run.engine,
+    )
+    return np.asarray(sampled.batch.tokens_BxT), sampled.generation.decode_steps
+
+
+@pytest.mark.parametrize(
+    "shared, field, value",
+    [({}, "rollout.engine_slots", 4), ({"rollout.engine_slots": 8}, "rollout.insert_lanes", 1)],
+)
+def test_each_engine_field_changes_how_the_engine_works_not_what_it_makes(
+    params, shared, field, value
+):
+    """Slots and insert lanes reach the engine: fewer of them take more decode steps for
+    the same rows, and (greedy) the same tokens: why a resume may change them."""
+    base_tokens, base_steps = _engine_work(params, **shared)
+    tokens, steps = _engine_work(params, **shared, **{field: value})
+    np.testing.assert_array_equal(tokens, base_tokens)
+    assert steps > base_steps, (field, steps, base_steps)
