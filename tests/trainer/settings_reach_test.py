@@ -25,10 +25,11 @@ def params():
     return setup_lib.initial_params(run, jax.random.key(0))
 
 
-def _rollout(params, **changes):
+def _sampled(params, **changes):
+    """The rollout the trainer's own setup makes under `changes` (a `SampledRollout`)."""
     cfg = _cfg(**changes)
     run = setup_lib.build(cfg)
-    sampled = rollout_lib.sample_rollout(
+    return rollout_lib.sample_rollout(
         params,
         run.model_config,
         run.sampling_config,
@@ -41,7 +42,10 @@ def _rollout(params, **changes):
         placement=run.placement,
         engine=run.engine,
     )
-    b = sampled.batch
+
+
+def _rollout(params, **changes):
+    b = _sampled(params, **changes).batch
     return np.asarray(b.tokens_BxT), np.asarray(b.behav_logp_BxT)
 
 
@@ -67,20 +71,8 @@ def test_each_sampling_field_changes_the_rollout(params, field, value):
 
 def _engine_work(params, **changes):
     """(tokens, decode steps) of the continuous engine's rollout under `changes`."""
-    cfg = _cfg(**{"rollout.engine": "continuous", "gconfig.greedy": True, **changes})
-    run = setup_lib.build(cfg)
-    sampled = rollout_lib.sample_rollout(
-        params,
-        run.model_config,
-        run.sampling_config,
-        run.task.train_examples(0, 4),
-        run.prompts,
-        jax.random.key(1),
-        n_samples=cfg.gconfig.n_samples,
-        version=0,
-        max_prompt_len=cfg.task.max_prompt_len,
-        placement=run.placement,
-        engine=run.engine,
+    sampled = _sampled(
+        params, **{"rollout.engine": "continuous", "gconfig.greedy": True, **changes}
     )
     return np.asarray(sampled.batch.tokens_BxT), sampled.generation.decode_steps
 
