@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from absl import logging
 from m2po_jax.tasks.base import RewardFailure, Task, call_reward, reward_error
 
 _GRACE_S = 5.0  # past its alarm, how long a worker may take before it is replaced
+_START_S = 300.0  # how long spawned workers may take to import and warm up
 
 
 class _Timeout(BaseException):  # not an Exception: call_reward must not catch it
@@ -38,7 +40,7 @@ _FN = None
 _TIMEOUT_S = 0.0
 
 
-def _init_worker(fn, timeout_s: float) -> None:
+def _init_worker(fn, timeout_s: float, ready) -> None:
     global _FN, _TIMEOUT_S
     _FN, _TIMEOUT_S = fn, timeout_s
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
@@ -47,6 +49,13 @@ def _init_worker(fn, timeout_s: float) -> None:
         raise _Timeout
 
     signal.signal(signal.SIGALRM, expire)
+    # The first call imports the verifier's libraries (sympy, ANTLR: seconds on a busy
+    # host); that must not count against a completion's timeout.
+    try:
+        fn("\\boxed{1}", "1")
+    except BaseException:  # noqa: BLE001 (a warm-up; real calls report their own errors)
+        pass
+    ready.put(True)
 
 
 def _score_in_worker(completion: str, answer: str):
@@ -142,9 +151,19 @@ class RewardScorer:
     def _start(self):
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
+            ready = context.Queue()
             self._pool = context.Pool(
-                self.workers, initializer=_init_worker, initargs=(self.fn, self.timeout_s)
+                self.workers, initializer=_init_worker, initargs=(self.fn, self.timeout_s, ready)
             )
+            # Deadlines count from a warm worker: start-up (spawn, imports) is not scoring.
+            try:
+                for _ in range(self.workers):
+                    ready.get(timeout=_START_S)
+            except queue.Empty:
+                self.close()
+                raise RuntimeError(
+                    f"{self.name}: reward worker processes did not start within {_START_S:.0f} s"
+                ) from None
         return self._pool
 
     def _in_processes(self, pairs):
