@@ -3,7 +3,11 @@ staleness bound, prompts neither lost nor repeated across a SIGTERM and a resume
 worker's failures, and sync mode's results unchanged."""
 
 import json
+import threading
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -132,3 +136,71 @@ def test_async_settings_are_checked_before_any_work(tmp_path):
         trainer_lib.Trainer(async_config(**{"mesh.rollout_devices": 8}), tmp_path)
     with pytest.raises(ValueError, match="rollout.batch_size per process=6 must be divisible"):
         trainer_lib.Trainer(async_config(**{"rollout.batch_size": 6}), tmp_path)
+
+
+_SLOW = {"calls": 0}
+
+
+def slow_first_reward(completion, answer):
+    """The arithmetic reward, but the first completion it scores takes 4 s."""
+    _SLOW["calls"] += 1
+    if _SLOW["calls"] == 1:
+        time.sleep(4.0)
+    return float(completion.strip() == answer)
+
+
+def test_each_async_rollout_field_reaches_the_worker(tmp_path, monkeypatch):
+    """publish_dtype, stream_batches, reward_workers and reward_timeout_s change what an
+    async run does: the weights the worker samples with are bfloat16, the engine is asked
+    for two batches at once, and one slow completion scores 0 and is counted once (one
+    reward thread would leave the next ones waiting behind it: more timeouts)."""
+    counts = []
+    real = async_rollouts.AsyncRollouts.generate_many
+
+    def spy(self, first, count, version, params):
+        counts.append(count)
+        return real(self, first, count, version, params)
+
+    monkeypatch.setattr(async_rollouts.AsyncRollouts, "generate_many", spy)
+    _SLOW["calls"] = 0
+    cfg = async_config(
+        **{
+            "total_steps": 3,
+            "rollout.engine": "continuous",
+            "rollout.engine_slots": 4,
+            "rollout.stream_batches": 2,
+            "rollout.publish_dtype": "bfloat16",
+            "rollout.reward_workers": 2,
+            "rollout.reward_timeout_s": 1.0,
+            "task.reward_fn": f"{__name__}:slow_first_reward",
+        }
+    )
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
+    assert trainer.run().final_step == 3
+    _, published = trainer.async_rollouts.weights.latest()
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(published)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}, dtypes
+    assert {leaf.dtype for leaf in jax.tree.leaves(trainer.state.params)} == {jnp.dtype("float32")}
+    assert max(counts) == 2, counts
+    records = read(tmp_path)
+    assert sum(r["reward/timeouts"] for r in records) == 1, [r["reward/timeouts"] for r in records]
+
+
+def test_a_stalled_worker_ends_the_run_after_worker_timeout_s(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = async_rollouts.AsyncRollouts.generate
+
+    def stalls_at_batch_1(self, index, version, params):
+        if index == 1:
+            release.wait(30.0)
+        return real(self, index, version, params)
+
+    monkeypatch.setattr(async_rollouts.AsyncRollouts, "generate", stalls_at_batch_1)
+    cfg = async_config(**{"total_steps": 3, "rollout.worker_timeout_s": 1.5})
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
+    try:
+        with pytest.raises(worker_lib.RolloutWorkerError, match=r"rollout.worker_timeout_s: no rollout batch in 1.5 s"):
+            trainer.run()
+    finally:
+        release.set()
+    assert trainer.checkpointer.latest_step() == 1
