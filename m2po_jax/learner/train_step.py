@@ -318,8 +318,9 @@ def guarded_update(params, opt_state, grads, loss, tx: optax.GradientTransformat
 
     def apply_update(operands):
         params, opt_state, grads = operands
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        with jax.named_scope("optimizer"):  # the name profiles find it by (rl_profile.py)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
     # A `cond`, unlike a select between old and new, updates the state in place.
     params, opt_state = jax.lax.cond(
