@@ -614,6 +614,38 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/trainer/async_test.py", "stalled"),),
         "rollout.worker_timeout_s is validated, then a stalled worker is waited for 10 minutes",
     ),
+    Mutant(
+        "auto-engine-threshold-exclusive",
+        "m2po_jax/config/validate.py",
+        "    long = cfg.gconfig.max_new_tokens >= AUTO_CONTINUOUS_MIN_NEW_TOKENS",
+        "    long = cfg.gconfig.max_new_tokens > AUTO_CONTINUOUS_MIN_NEW_TOKENS",
+        (T("tests/trainer/trainer_test.py", "auto_engine"),),
+        "rollout.engine=auto takes the static sampler at exactly the documented budget",
+    ),
+    Mutant(
+        "auto-engine-never-continuous",
+        "m2po_jax/config/validate.py",
+        '    return "continuous" if long else "static"',
+        '    return "static"',
+        (T("tests/trainer/trainer_test.py", "auto_engine"),),
+        "rollout.engine=auto always samples with the static sampler",
+    ),
+    Mutant(
+        "setup-reads-the-engine-unresolved",
+        "m2po_jax/trainer/setup.py",
+        '    if config_lib.rollout_engine(cfg) == "static":',
+        '    if r.engine != "continuous":',
+        (T("tests/trainer/trainer_test.py", "auto_engine"),),
+        "the run builds no engine for rollout.engine=auto with a long budget",
+    ),
+    Mutant(
+        "continuous-engine-metric-constant",
+        "m2po_jax/trainer/loop.py",
+        '            record["rollout/continuous_engine"] = float(self.setup.engine is not None)',
+        '            record["rollout/continuous_engine"] = 0.0',
+        (T("tests/trainer/trainer_test.py", "continuous_engine_trains"),),
+        "the metrics say the static sampler made rollouts the continuous engine made",
+    ),
     # ------------------------------------------------------------------ your own problems
     Mutant(
         "problems-filter-keeps-solutions",

@@ -115,8 +115,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     # static: each batch decodes until its longest completion ends (`sampling.generate`) |
     # continuous: a fixed number of decode slots, a slot refilled with the next queued
-    # sequence as soon as its own stops (m2po_jax/rollout/engine.py); same greedy answers
-    c.rollout.engine = "static"
+    # sequence as soon as its own stops (m2po_jax/rollout/engine.py); same greedy answers |
+    # auto: continuous from gconfig.max_new_tokens >= 128 on (long completions end at
+    # spread-out lengths), static below (the run's "rollout/continuous_engine" says which)
+    c.rollout.engine = "auto"
     c.rollout.engine_slots = 0  # continuous: slots per batch shard (0 = one per row it makes)
     c.rollout.insert_lanes = 0  # continuous: sequences started per decode step (0 = slots / 4)
     # async + continuous: between decode calls of `chunk_steps` steps, take newer weights;

@@ -30,6 +30,7 @@ from m2po_jax.config.validate import (
     PARAM_DTYPES,
     build_library_objects,
     from_configdict,
+    rollout_engine,
     validate,
 )
 
@@ -58,5 +59,6 @@ __all__ = [
     "build_library_objects",
     "from_configdict",
     "load_overrides",
+    "rollout_engine",
     "validate",
 ]

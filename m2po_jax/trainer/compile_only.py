@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.learner import batching, optim
@@ -477,7 +478,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     prompts = cfg.rollout.batch_size
     if rollout_placement is not None:
         prompts //= max(1, len({d.process_index for d in devices}))
-    if cfg.rollout.engine == "static":
+    if config_lib.rollout_engine(cfg) == "static":
         sampler = _compile_generate(
             "sampler", sampler_placement, sample_params, model_config, decoding, prompts,
             cfg.gconfig.n_samples, prompt_len,

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.types import PromptGroups
 from m2po_jax.learner import batching, memory
@@ -102,7 +103,7 @@ def build_engine(
     """The continuous-batching engine of `rollout.engine=continuous` over `placement`'s
     batch shards (None for the static sampler)."""
     r = cfg.rollout
-    if r.engine == "static":
+    if config_lib.rollout_engine(cfg) == "static":
         return None
     return engine_lib.ContinuousEngine(
         model_config,

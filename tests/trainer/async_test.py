@@ -199,7 +199,10 @@ def test_a_stalled_worker_ends_the_run_after_worker_timeout_s(tmp_path, monkeypa
     cfg = async_config(**{"total_steps": 3, "rollout.worker_timeout_s": 1.5})
     trainer = trainer_lib.Trainer(cfg, tmp_path)
     try:
-        with pytest.raises(worker_lib.RolloutWorkerError, match=r"rollout.worker_timeout_s: no rollout batch in 1.5 s"):
+        with pytest.raises(
+            worker_lib.RolloutWorkerError,
+            match=r"rollout.worker_timeout_s: no rollout batch in 1.5 s",
+        ):
             trainer.run()
     finally:
         release.set()

@@ -325,7 +325,25 @@ def test_the_continuous_engine_trains_as_the_static_sampler_with_greedy_decoding
         assert a["staleness/token_mean"] == b["staleness/token_mean"]
         assert 0 <= a["rollout/decode_idle_fraction"] <= 1 and a["rollout/decode_steps"] >= 0
         assert "rollout/decode_steps" not in b
+        assert (a["rollout/continuous_engine"], b["rollout/continuous_engine"]) == (1.0, 0.0)
     for a, b in zip(
         jax.tree.leaves(continuous.state.params), jax.tree.leaves(static.state.params), strict=True
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget, continuous", [(127, False), (128, True)])
+def test_the_auto_engine_is_continuous_from_a_long_completion_budget(tmp_path, budget, continuous):
+    """rollout.engine=auto (the default): short completions (which end together) through
+    the static sampler, long ones (whose lengths spread) through the continuous engine."""
+    cfg = tiny_config(**{"gconfig.max_new_tokens": budget})
+    assert cfg.rollout.engine == "auto"
+    want = "continuous" if continuous else "static"
+    assert config_lib.rollout_engine(cfg) == want
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
+    assert (trainer.setup.engine is not None) == continuous
+    # A setting only the continuous engine has is refused with "auto" short, naming both.
+    if not continuous:
+        with pytest.raises(config_lib.ConfigError, match=r"engine=auto -> static\)"):
+            tiny_config(**{"gconfig.max_new_tokens": budget, "rollout.mode": "async",
+                           "rollout.inflight_updates": True})  # fmt: skip
