@@ -118,6 +118,13 @@ def test_default_and_presets_build():
         256,
     )
     assert (m.actor.m2_threshold, m.eval.n_samples, m.eval.temperature) == (0.04, 4, 0.6)
+    # The built-in default decides by the budget; the real-size presets keep the static
+    # sampler they were proven to fit with (the engine did not fit the 1.7B's v5e-8).
+    assert cfg.rollout.engine == "auto" and config_lib.rollout_engine(cfg) == "static"
+    for module in (gsm8k, math_config):
+        for name in module.PRESETS:
+            preset = config_lib.from_configdict(module.get_config(name))
+            assert config_lib.rollout_engine(preset) == "static", name
 
 
 def test_unknown_preset_lists_the_valid_ones():
