@@ -61,24 +61,31 @@ def actor(changes: dict):
     return config_lib.from_configdict(c).actor
 
 
-def fingerprint(changes: dict, shared: bool) -> str:
-    a = actor(changes)
+def lowered_step(model: ModelConfig, a, rows: int, seq: int, groups=None) -> str:
+    """The StableHLO text of the train step for actor settings `a` on a zero batch of
+    [rows, seq], source locations removed (they move with the code). Also what
+    `tests/learner/actor_fields_test.py` compares."""
     tx, schedule = optim.make_optimizer(a.optimizer, 10)
-    params = model_lib.init_params(MODEL, jax.random.key(0))
+    params = model_lib.init_params(model, jax.random.key(0))
     state = step_lib.init_train_state(params, tx)
-    kwargs = dict(groups=PromptGroups(PROMPT, GROUP)) if shared else {}
-    step = step_lib.make_train_step(MODEL, a, tx, schedule, **kwargs)
+    kwargs = dict(groups=groups) if groups is not None else {}
+    step = step_lib.make_train_step(model, a, tx, schedule, **kwargs)
     batch = TrainBatch(
-        tokens_BxT=jnp.zeros((ROWS, SEQ), jnp.int32),
-        valid_BxT=jnp.ones((ROWS, SEQ), bool),
-        behav_logp_BxT=jnp.zeros((ROWS, SEQ)),
-        loss_mask_BxT=jnp.ones((ROWS, SEQ), bool),
-        rewards_B=jnp.zeros(ROWS),
-        version_B=jnp.zeros(ROWS, jnp.int32),
+        tokens_BxT=jnp.zeros((rows, seq), jnp.int32),
+        valid_BxT=jnp.ones((rows, seq), bool),
+        behav_logp_BxT=jnp.zeros((rows, seq)),
+        loss_mask_BxT=jnp.ones((rows, seq), bool),
+        rewards_B=jnp.zeros(rows),
+        version_B=jnp.zeros(rows, jnp.int32),
     )
     ref = params if a.kl_ctl > 0 else None
     text = step.lower(state, batch, jax.random.key(0), ref).as_text()
-    text = re.sub(r"#loc\d*|loc\([^)]*\)", "", text)  # source locations move with the code
+    return re.sub(r"#loc\d*|loc\([^)]*\)", "", text)
+
+
+def fingerprint(changes: dict, shared: bool) -> str:
+    groups = PromptGroups(PROMPT, GROUP) if shared else None
+    text = lowered_step(MODEL, actor(changes), ROWS, SEQ, groups)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

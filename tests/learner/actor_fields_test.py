@@ -5,19 +5,20 @@ The program is lowered, not compiled or run: its StableHLO text, without source 
 is the fingerprint (as `benchmarks/step_fingerprint.py`)."""
 
 import functools
-import re
+import importlib.util
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from m2po_jax import config as config_lib
-from m2po_jax.common.types import TrainBatch
 from m2po_jax.configs import arith
-from m2po_jax.learner import optim
-from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import model as model_lib
 from m2po_jax.models.model_config import ModelConfig
+
+_SPEC = importlib.util.spec_from_file_location(
+    "step_fingerprint", Path(__file__).resolve().parents[2] / "benchmarks" / "step_fingerprint.py"
+)
+_FINGERPRINT = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_FINGERPRINT)  # its lowering, with this test's model and batch
 
 MODEL = ModelConfig(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1
@@ -33,22 +34,7 @@ def _actor(changes: dict):
 
 @functools.cache  # the shared settings' program is lowered once
 def _lowered(changes: tuple) -> str:
-    a = _actor(dict(changes))
-    tx, schedule = optim.make_optimizer(a.optimizer, 10)
-    params = model_lib.init_params(MODEL, jax.random.key(0))
-    state = step_lib.init_train_state(params, tx)
-    step = step_lib.make_train_step(MODEL, a, tx, schedule)
-    batch = TrainBatch(
-        tokens_BxT=jnp.zeros((ROWS, SEQ), jnp.int32),
-        valid_BxT=jnp.ones((ROWS, SEQ), bool),
-        behav_logp_BxT=jnp.zeros((ROWS, SEQ)),
-        loss_mask_BxT=jnp.ones((ROWS, SEQ), bool),
-        rewards_B=jnp.zeros(ROWS),
-        version_B=jnp.zeros(ROWS, jnp.int32),
-    )
-    ref = params if a.kl_ctl > 0 else None
-    text = step.lower(state, batch, jax.random.key(0), ref).as_text()
-    return re.sub(r"#loc\d*|loc\([^)]*\)", "", text)
+    return _FINGERPRINT.lowered_step(MODEL, _actor(dict(changes)), ROWS, SEQ)
 
 
 def _program(changes: dict) -> str:
