@@ -9,8 +9,8 @@ prompts, config; the update waited for inside the step so that its time is its o
 `--steps` steps after `--warmup` with `jax.profiler`, and splits the traced steps' wall time
 into parts:
 
-  prefill, decode    the rollout programs' ops (the sampler's decode `while_loop` body, or
-                     the continuous engine's decode programs; the rest is prefill)
+  prefill, decode    the rollout programs' ops: inside a decode `while_loop` (the static
+                     sampler's, or the continuous engine's with its refills), or not
   scoring            the reward on the host (`rollout.rewards`)
   forward, backward  the train step's model ops (XLA keeps JAX's op names: `jvp(...)` is
                      the forward, `transpose(jvp(...))` the backward)
@@ -158,7 +158,7 @@ def thunk_events(trace_dir: Path):
                     )
 
 
-def classify(module_name: str, module: Module, op: str, is_train: bool) -> str:
+def classify(module: Module, op: str, is_train: bool) -> str:
     name = module.op_name(op)
     if is_train:
         if "/optimizer/" in name:
@@ -168,8 +168,8 @@ def classify(module_name: str, module: Module, op: str, is_train: bool) -> str:
         if "jvp(" in name or "CausalLM" in name:
             return "forward"
         return "loss, mask, other"
-    if "engine" in module_name:  # the continuous engine: its decode programs run slots
-        return "decode" if re.search(r"run|decode|step", module_name) else "prefill"
+    # the static sampler's decode loop and the continuous engine's (`_run`: decode steps and
+    # the refills inside them); prefills, the engine's start and finish outside any loop
     return "decode" if "while/body" in name else "prefill"
 
 
@@ -255,8 +255,8 @@ def profile(args, work: Path) -> dict:
         if pid not in modules:
             unknown[name] += duration
             continue
-        module_name, module = modules[pid]
-        part = classify(module_name, module, op, pid in train_ids)
+        _, module = modules[pid]
+        part = classify(module, op, pid in train_ids)
         seconds[part] += duration / 1e9
         flops[part] += module.flops(op)
     seconds["scoring"] = scored
