@@ -180,6 +180,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ------------------------------------------------------------------ rollout engine
     Mutant(
+        "decode-bucket-one-too-small",
+        "m2po_jax/models/model.py",
+        "mask = mask._replace(width_index=jnp.minimum(index, len(widths) - 1))",
+        "mask = mask._replace(width_index=jnp.maximum(jnp.minimum(index, len(widths) - 1) - 1, 0))",
+        (T("tests/rollout/engine_test.py", "read_the_written"),),
+        "a decode step reads one attention bucket less than its queries need",
+    ),
+    Mutant(
+        "engine-bucket-by-nearest-slot",
+        "m2po_jax/rollout/engine.py",
+        "needed = jnp.max(jnp.where(live_S, column_S + 1, 1))",
+        "needed = jnp.min(jnp.where(live_S, column_S + 1, total))",
+        (T("tests/rollout/engine_test.py", "read_the_written"),),
+        "the engine sizes attention by its shortest live slot, cutting the others' keys",
+    ),
+    Mutant(
         "engine-refill-keeps-old-columns",
         "m2po_jax/rollout/engine.py",
         'valid_BxS=state.cache.valid_BxS.at[slot_L].set(row_valid_LxW, mode="drop"),',

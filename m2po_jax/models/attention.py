@@ -102,6 +102,7 @@ class Mask(NamedTuple):
     start_B: jax.Array | None = None  # cudnn: column of each row's first real token
     length_B: jax.Array | None = None  # cudnn: real tokens per row (at least 1)
     segment_BxT: jax.Array | None = None  # splash: 1 for real tokens, 0 for padding
+    width_index: jax.Array | None = None  # xla, decode: which of the layer's widths to read
 
 
 def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:
@@ -142,6 +143,32 @@ def make_mask(
     if implementation == "dot_product":
         return Mask(allowed_Bx1xTxS=allowed_BxTxS[:, None])
     return Mask(bias_Bx1x1xTxS=attention_bias(allowed_BxTxS))
+
+
+def attend_bucketed(
+    q_BxTxHxD: jax.Array,
+    k_BxKxSxD: jax.Array,
+    v_BxKxSxD: jax.Array,
+    mask: Mask,
+    widths: tuple[int, ...],
+) -> jax.Array:
+    """ "xla" attention over the keys' first `widths[mask.width_index]` columns only.
+
+    For decode steps against a wide cache of which only the first columns are written:
+    one branch per width under a `lax.switch`, each reading a static slice of the keys,
+    values and bias; the cache is an operand the branches only read (the caller has
+    written it), so no branch copies it. The caller guarantees that no query may attend
+    to a column past the chosen width.
+    """
+
+    def one(width, operands):
+        q, k, v, bias = operands
+        return grouped_attention(q, k[:, :, :width], v[:, :, :width], bias[..., :width])
+
+    operands = (q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, mask.bias_Bx1x1xTxS)
+    if len(widths) == 1:
+        return one(widths[0], operands)
+    return jax.lax.switch(mask.width_index, [functools.partial(one, w) for w in widths], operands)
 
 
 def attend(

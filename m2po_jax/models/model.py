@@ -87,6 +87,17 @@ class Prefix:
         return one(k_GxKxPxD), one(v_GxKxPxD)
 
 
+@flax.struct.dataclass
+class Columns:
+    """How much of a wide cache a decode step's attention reads: the smallest of `widths`
+    (static, ascending, the last one the cache's width) that holds the first `needed`
+    columns (traced: the columns written so far, as far as any query of the step may
+    read). One attention branch per width (`attention.attend_bucketed`)."""
+
+    needed: jax.Array
+    widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache of `max_len` columns."""
     dtype = as_dtype(config.dtype if dtype is None else dtype)
@@ -145,6 +156,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     config: ModelConfig
     implementation: str  # resolved (`attention.resolve`)
+    widths: tuple[int, ...] | None = None  # with a cache: `Columns.widths`
 
     @nn.compact
     def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
@@ -181,9 +193,17 @@ class Attention(nn.Module):
             key = _cache_write(cache_kv[0], key, cache_index)
             value = _cache_write(cache_kv[1], value, cache_index)
             new_kv = (key, value)
-        out = attention.attend(
-            self.implementation, q, key.astype(dt), value.astype(dt), mask, c.attention_block_size
-        )
+        if self.widths is not None and mask.width_index is not None:
+            out = attention.attend_bucketed(q, key.astype(dt), value.astype(dt), mask, self.widths)
+        else:
+            out = attention.attend(
+                self.implementation,
+                q,
+                key.astype(dt),
+                value.astype(dt),
+                mask,
+                c.attention_block_size,
+            )
         out = checkpoint_name(out, "attention_out")
         o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
         return dense(out, o.astype(dt), n_in=2), new_kv
@@ -208,13 +228,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     config: ModelConfig
     implementation: str
+    widths: tuple[int, ...] | None = None
 
     @nn.compact
     def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
-        attn, new_kv = Attention(c, self.implementation, name="attn")(
+        attn, new_kv = Attention(c, self.implementation, self.widths, name="attn")(
             normed, cos_sin, mask, cache_kv, cache_index
         )
         x_BxTxE = x_BxTxE + attn
@@ -275,6 +296,10 @@ class CausalLM(nn.Module):
     returns the final-normed hidden states [B, T, E] in the compute dtype instead (with
     the cache when one is given): `head_weight` then gives the output head, so that log-probs can be taken
     without materialising [B, T, V] logits (`logprobs.py`).
+
+    With a cache, `columns` (`Columns`) bounds the columns attention reads: the caller
+    guarantees that no query needs a column past `columns.needed`. The cache keeps its
+    width; with the "xla" implementation each layer reads only the bucketed width.
     """
 
     config: ModelConfig
@@ -291,6 +316,7 @@ class CausalLM(nn.Module):
         hidden_only: bool = False,
         prefix: Prefix | None = None,
         return_kv: bool = False,
+        columns: Columns | None = None,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -336,6 +362,16 @@ class CausalLM(nn.Module):
         # row), so the key columns' validity is the whole mask.
         q_start = cache_index if jnp.ndim(cache_index) == 0 else cache.valid_BxS.shape[1] - 1
         mask = attention.make_mask(impl, valid_BxT, key_valid_BxS, q_start)
+        widths = None
+        if columns is not None and cache is not None and impl == "xla":
+            if columns.widths[-1] != key_valid_BxS.shape[1]:
+                raise ValueError(
+                    f"CausalLM: columns.widths {columns.widths} must end at the cache's "
+                    f"width {key_valid_BxS.shape[1]}"
+                )
+            widths = columns.widths
+            index = jnp.searchsorted(jnp.asarray(widths), columns.needed)
+            mask = mask._replace(width_index=jnp.minimum(index, len(widths) - 1))
         cos_sin = rope_cos_sin(positions_BxT, rope_inv_freq(c), dt)
 
         layer_cls = DecoderLayer
@@ -355,7 +391,7 @@ class CausalLM(nn.Module):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
                 if prefix is not None:
                     cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
-                layer = layer_cls(c, impl, name=f"layers_{i}")
+                layer = layer_cls(c, impl, widths, name=f"layers_{i}")
                 x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
                 if prefix is not None:
                     kv = tuple(z[:, :, cache_index:] for z in kv)
@@ -441,6 +477,7 @@ def apply(
     hidden_only: bool = False,
     prefix: Prefix | None = None,
     return_kv: bool = False,
+    columns: Columns | None = None,
 ):
     """`CausalLM(config).apply` on bare params.
 
@@ -461,6 +498,7 @@ def apply(
         hidden_only=hidden_only,
         prefix=prefix,
         return_kv=return_kv,
+        columns=columns,
     )
 
 

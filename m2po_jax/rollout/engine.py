@@ -572,7 +572,12 @@ def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_co
     """One token for every live slot, written into its sequence's row."""
     width = state.cache.valid_BxS.shape[1] - sampling_config.max_new_tokens
     live_S = state.live_S
-    column_S = jnp.where(live_S, width + state.step_S - 1, state.cache.valid_BxS.shape[1])
+    total = state.cache.valid_BxS.shape[1]
+    column_S = jnp.where(live_S, width + state.step_S - 1, total)
+
+    # Attention reads the columns up to the furthest live slot's, bucketed: a long-tailed
+    # batch's slots mostly hold short sequences, far from the cache's last column.
+    needed = jnp.max(jnp.where(live_S, column_S + 1, 1))
     logits_Sx1xV, cache = model_lib.apply(
         params,
         model_config,
@@ -582,6 +587,7 @@ def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_co
         state.cache,
         column_S,
         last_only=True,
+        columns=model_lib.Columns(needed, sampling.decode_buckets(width, total)),
     )
     job_S = jnp.where(live_S, state.job_S, state.done_J.shape[0])
     token_S, logp_S = sampling.sample_token(

@@ -207,6 +207,23 @@ def _truncate(scaled_BxV: jax.Array, sampling: SamplingConfig) -> jax.Array:
     return jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, -jnp.inf)
 
 
+SMALLEST_BUCKET = 128  # attention widths of decode steps: 128, 256, ... then the whole cache
+
+
+def decode_buckets(prompt_width: int, total: int) -> tuple[int, ...]:
+    """The attention widths a decode step over a `total`-column cache may use
+    (`model.Columns`): the powers of two from `SMALLEST_BUCKET` that exceed the prompt's
+    `prompt_width` columns and are below `total`, then `total`. One width for short
+    completions (then no branch at all). A 544-column cache whose rows hold ~200 columns
+    reads 256 instead of 544."""
+    widths, width = [], SMALLEST_BUCKET
+    while width < total:
+        if width > prompt_width:
+            widths.append(width)
+        width *= 2
+    return (*widths, total)
+
+
 @flax.struct.dataclass
 class _DecodeState:
     step: jax.Array  # int32 scalar: index of the completion column decoded next
@@ -281,9 +298,12 @@ def _generate(
     def cond(state: _DecodeState) -> jax.Array:
         return (state.step < max_new) & ~jnp.all(state.stopped_B)
 
+    widths = decode_buckets(width, width + max_new)
+
     def body(state: _DecodeState) -> _DecodeState:
         i = state.step
         # Feed the previous token; finished rows feed pad, marked invalid in the cache.
+        # Its query, at column width + i - 1, reads columns 0 .. width + i - 1.
         logits_Bx1xV, cache = model_lib.apply(
             params,
             model_config,
@@ -293,6 +313,7 @@ def _generate(
             state.cache,
             width + i - 1,
             last_only=True,
+            columns=model_lib.Columns(needed=width + i, widths=widths),
         )
         token_B, logp_B = sample_token(logits_Bx1xV[:, 0], jax.random.fold_in(rng, i), sampling)
         active_B = ~state.stopped_B

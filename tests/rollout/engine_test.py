@@ -177,3 +177,38 @@ def test_bad_settings_are_named(kwargs, rows, match):
     settings = sampling.SamplingConfig(max_new_tokens=4)
     with pytest.raises(ValueError, match=match):
         engine_lib.ContinuousEngine(CONFIG, settings, **kwargs).sizes(rows)
+
+
+def test_decode_steps_read_the_written_columns_only_and_agree_with_a_full_forward(
+    params, monkeypatch
+):
+    """With small attention buckets (widths 16 and 29 of a 29-column cache), both engines'
+    decode steps read 16 columns while their queries are at most at column 15 and the
+    whole cache after: the log-probs equal a full forward's, greedy slots refilled from a
+    queue equal the static sampler, and each bucket is taken (a width too small for a
+    query would drop its keys and change the log-probs)."""
+    monkeypatch.setattr(sampling, "SMALLEST_BUCKET", 4)
+    assert sampling.decode_buckets(WIDTH, WIDTH + 21) == (16, 29)
+    settings = sampling.SamplingConfig(max_new_tokens=21, temperature=0.9, pad_id=PAD)
+    static = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(5), settings, N)
+    engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4, insert_lanes=2)
+    continuous = engine.generate(params, TOKENS, VALID, jax.random.key(5), n_samples=N).out
+    for out in (static, continuous):
+        mask = np.asarray(out.completion_mask_BxT)
+        assert mask[:, WIDTH:].all()  # every row runs to 21: both widths are used
+        expected = _teacher_forced_logp(params, out, 0.9)
+        np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
+    taken = []
+    attend = engine_lib.model_lib.attention.grouped_attention
+    monkeypatch.setattr(
+        engine_lib.model_lib.attention,
+        "grouped_attention",
+        lambda q, k, *rest: taken.append(k.shape[2]) or attend(q, k, *rest),
+    )
+    greedy = dataclasses.replace(settings, greedy=True, max_new_tokens=22, stop_token_ids=(7, 11))
+    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), greedy, N)
+    got = engine_lib.ContinuousEngine(CONFIG, greedy, slots=4, insert_lanes=2).generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N
+    )
+    _assert_same_rollouts(got.out, want)
+    assert {16, 30} <= set(taken)  # traced: both branches of both decode loops
