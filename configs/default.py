@@ -50,6 +50,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # run the layers of a training pass as one lax.scan: fast compiles and bounded memory for
     # deep models (each layer's weights gathered and gradients reduced in turn)
     c.model.scan_layers = False
+    # LoRA: train low-rank adapters on the frozen model (rank 0 = off, full fine-tuning).
+    # Each target projection (q, k, v, o, gate, up, down) gets A [in, rank] and B [rank, out]
+    # in float32, its output scaled by alpha / rank; only the adapters get gradients and
+    # optimizer state; the KL reference is the model with the adapters off.
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0
+    c.model.lora.alpha = 16.0
+    c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated projection names
+    # Dropout on the adapters' input: 0 only (the importance ratios need the sampler's network)
+    c.model.lora.dropout = 0.0
 
     c.task = ml_collections.ConfigDict()
     # arith (built-in synthetic) | gsm8k (GSM8K-format files, numeric answers) | math

@@ -11,6 +11,14 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int
+    alpha: float
+    targets: str
+    dropout: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     path: str
     vocab_size: int
@@ -29,6 +37,7 @@ class ModelSection:
     remat_policy: str
     scan_layers: bool
     attention: str
+    lora: LoraSection
 
 
 @dataclasses.dataclass(frozen=True)

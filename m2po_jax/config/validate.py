@@ -111,6 +111,24 @@ def _build(cls, mapping: Any, prefix: str):
     return cls(**values)
 
 
+def _check_lora(lora, names: tuple[str, ...]) -> None:
+    _check_range("model.lora.rank", lora.rank, 0)
+    _check_range("model.lora.alpha", lora.alpha, 0.0, low_open=True)
+    if lora.dropout != 0.0:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout!r}: only 0.0 is supported (dropout in the loss "
+            "pass would make the importance ratios compare a different network with the "
+            "sampler's)"
+        )
+    targets = [t.strip() for t in lora.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in names]
+    if lora.rank and (unknown or not targets or len(set(targets)) != len(targets)):
+        raise ConfigError(
+            f"model.lora.targets={lora.targets!r}: expected distinct comma-separated names "
+            f"among {','.join(names)}"
+        )
+
+
 def _check_range(where: str, value, low=None, high=None, low_open=False, high_open=False):
     if value is None:
         return
@@ -340,6 +358,7 @@ def validate(cfg: Config) -> Config:
     _check_choice("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))
     _check_choice("model.attention", m.attention, attention.IMPLEMENTATIONS)
+    _check_lora(m.lora, model_config.LORA_TARGETS)
     _check_range("mesh.device_memory_gib", cfg.mesh.device_memory_gib, 0.0)
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)

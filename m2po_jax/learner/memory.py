@@ -21,7 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from m2po_jax.learner import logprobs
-from m2po_jax.models import attention
+from m2po_jax.models import attention, lora
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -100,8 +100,10 @@ def memory_plan(
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
     - params / gradients: each param's shard under `rules` (exact); with several
-      micro-batches a float32 gradient accumulator besides;
-    - optimizer: moments (2 for AdamW) sharded like the params, in param dtype;
+      micro-batches a float32 gradient accumulator besides; under LoRA (`lora_rank`)
+      gradients of the float32 adapters only;
+    - optimizer: moments (2 for AdamW) sharded like the params, in param dtype (the
+      adapters' only under LoRA);
     - activations of one micro-batch (rows split over data x fsdp, heads and MLP over
       tensor when divisible) kept for the backward pass per layer: 4 residual-width
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
@@ -144,12 +146,16 @@ def memory_plan(
 
     shardings = sharding.param_shardings(c, mesh, rules)
     shapes = sharding.param_shapes(c)
-    param_items = sum(
-        math.prod(sh.shard_shape(s.shape))
-        for sh, s in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes), strict=True)
-    )
-    params = param_items * pbytes
-    gradients = params + (param_items * 4 if micro_batch < batch else 0)
+    # Under LoRA (adapters in float32) only the adapters have gradients and moments.
+    items = {"base": 0, "adapters": 0}
+    for (path, shape), sh in zip(
+        jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(shardings), strict=True
+    ):
+        adapter = lora.is_adapter(tuple(getattr(k, "key", k) for k in path))
+        items["adapters" if adapter else "base"] += math.prod(sh.shard_shape(shape.shape))
+    params = items["base"] * pbytes + items["adapters"] * 4
+    trained, tbytes = (items["adapters"], 4) if c.lora_rank else (items["base"], pbytes)
+    gradients = trained * tbytes + (trained * 4 if micro_batch < batch else 0)
     sampling_weights = 0
     if kv_cache_batch:
         sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
@@ -174,7 +180,7 @@ def memory_plan(
     kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * cbytes
     return MemoryPlan(
         params=params,
-        optimizer=_OPT_MOMENTS[optimizer] * params,
+        optimizer=_OPT_MOMENTS[optimizer] * trained * tbytes,
         gradients=gradients,
         activations=activations,
         logits=logits,

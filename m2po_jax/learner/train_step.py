@@ -24,6 +24,7 @@ from m2po_jax.learner import batching, logprobs, memory, step_math
 from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.learner.step_metrics import combine_stats, step_metrics
 from m2po_jax.learner.step_plan import StepPlan, plan_step
+from m2po_jax.models import lora
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -37,10 +38,12 @@ class TrainState:
 
 
 def init_train_state(params, tx) -> TrainState:
+    """Step 0 of `params`; the optimizer state covers the trainable params only (the LoRA
+    adapters when `params` has them: `lora.trainable`)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=tx.init(params),
+        opt_state=tx.init(lora.trainable(params)),
         nonfinite_steps=jnp.zeros((), jnp.int32),
     )
 
@@ -135,6 +138,11 @@ class UpdateSettings:
     version: Any  # int32: the policy version of the params the step starts from
     loss: losses.LossSettings  # the actor's, with the step's clip range (traced when capped)
     with_entropy: bool  # the loss pass reports the entropy (no earlier pass did)
+    frozen: Any = None  # the params that do not train (the base under LoRA: `lora.split`)
+
+    def model_params(self, trainable):
+        """The whole params tree the model runs: the trainable ones with the frozen ones."""
+        return lora.merge(trainable, self.frozen)
 
     def constrain(self, x, row_axis=0):
         """Keep regrouped rows on their devices (no-op without a layout)."""
@@ -171,7 +179,7 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
     """
     actor, plan = s.actor, s.plan
     logp, entropy = logprobs.policy_logp(
-        params,
+        s.model_params(params),
         s.model_config,
         mb.tokens_BxT,
         mb.valid_BxT,
@@ -235,7 +243,7 @@ def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch,
     logp_now = None
     if actor.mask.second_moment != "behav_prox":
         logp_now, _ = logprobs.micro_batched_logp(
-            params,
+            s.model_params(params),
             s.model_config,
             mb.tokens_BxT,
             mb.valid_BxT,
@@ -365,6 +373,7 @@ def ppo_updates(
     plan: StepPlan,
     version: jax.Array | int = 0,
     layout=None,
+    frozen=None,
 ):
     """`ppo_n_minibatches` optimizer updates (`minibatch_update` under `lax.scan`), each
     accumulating its gradient over `plan.n_micro` micro-batches; returns (params,
@@ -374,6 +383,8 @@ def ppo_updates(
     proximal log-probs come from is the plan's (`step_plan`); `version` is the policy
     version of `params` (AReaL's loglinear approximation needs it). A non-finite minibatch
     leaves params and optimizer state untouched; the step's other minibatches still apply.
+    `params` are the trainable ones; `frozen` the rest of the model's (`lora.split`), or
+    None when every param trains.
     """
     settings = UpdateSettings(
         model_config=model_config,
@@ -386,6 +397,7 @@ def ppo_updates(
             actor.loss, eps_clip=prep.eps_clip, eps_clip_higher=prep.eps_clip_higher
         ),
         with_entropy=prep.entropy_BxT is None,
+        frozen=frozen,
     )
     (params, opt_state), (stats, mb_valid) = jax.lax.scan(
         functools.partial(minibatch_update, s=settings),
@@ -438,6 +450,11 @@ def train_step(
     (`placement.Layout`) keeps rows and weights laid out for the mesh and gives the mesh of
     the "shard" M2PO scope (without it that scope is one shard: "global")."""
     plan = batch_plan(batch, model_config, actor, layout, groups, fuse_prox)
+    # Under LoRA only the adapters train: the base gets no gradient and no optimizer
+    # state, and the KL penalty's reference is the base itself (the adapters off).
+    trainable, frozen = lora.split(state.params)
+    if ref_params is None and frozen is not None and actor.advantages.kl_ctl > 0:
+        ref_params = lora.adapters_off(state.params)
     prep = prepare(
         state.params,
         batch,
@@ -449,7 +466,7 @@ def train_step(
         shared=plan.batch_prompt,  # the batch's own order: groups are whole
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
-        state.params,
+        trainable,
         state.opt_state,
         batch,
         prep,
@@ -460,7 +477,9 @@ def train_step(
         plan=plan,
         version=state.step,
         layout=layout,
+        frozen=frozen,
     )
+    params = lora.merge(params, frozen)
     all_finite = jnp.all(mb_stats.pop("finite"))
     version = state.step + 1
     skipped = jnp.where(all_finite, 0, state.nonfinite_steps + 1)

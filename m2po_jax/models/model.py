@@ -137,6 +137,39 @@ def _param(module: nn.Module, name: str, shape, axes, init, dtype):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+def lora_a_init(key, shape, dtype):
+    """PEFT's default for A (Kaiming-uniform, a = sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def projection(module, name: str, x, w, in_axes, out_axes, config: ModelConfig):
+    """x @ w (`dense`, contracting len(in_axes) dims), plus the LoRA adapter of projection
+    `name` when the config adapts it: scale * (x @ A) @ B, A [in..., r] and B [r, out...]
+    float32 params `{name}_lora_a` / `{name}_lora_b` beside `{name}_kernel`, sharded as
+    the kernel's input and output axes (the rank axis replicated). B starts at zero, so a
+    new adapter leaves the model as it is."""
+    n_in = len(in_axes)
+    dt = as_dtype(config.dtype)
+    y = dense(x, w.astype(dt), n_in)
+    if not (config.lora_rank and name in config.lora_targets):
+        return y
+    r = config.lora_rank
+    a = _param(
+        module, f"{name}_lora_a", (*w.shape[:n_in], r), (*in_axes, None), lora_a_init, jnp.float32
+    )
+    b = _param(
+        module,
+        f"{name}_lora_b",
+        (r, *w.shape[n_in:]),
+        (None, *out_axes),
+        nn.initializers.zeros,
+        jnp.float32,
+    )
+    low = dense(dense(x, a.astype(dt), n_in), b.astype(dt))
+    return y + jnp.asarray(config.lora_scale(), dt) * low
+
+
 class RMSNorm(nn.Module):
     eps: float
     axis_name: str
@@ -169,7 +202,7 @@ class Attention(nn.Module):
             w = _param(
                 self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt
             )
-            y = dense(x_BxTxE, w.astype(dt))
+            y = projection(self, name, x_BxTxE, w, ("embed",), (axis, "head_dim"), c)
             if c.attention_bias:
                 bias = _param(
                     self, f"{name}_bias", (heads, d), (axis, "head_dim"), nn.initializers.zeros, pdt
@@ -206,7 +239,7 @@ class Attention(nn.Module):
             )
         out = checkpoint_name(out, "attention_out")
         o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
-        return dense(out, o.astype(dt), n_in=2), new_kv
+        return projection(self, "o", out, o, ("q_heads", "head_dim"), ("embed",), c), new_kv
 
 
 class MLP(nn.Module):
@@ -215,14 +248,16 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxE):
         c = self.config
-        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        pdt = as_dtype(c.param_dtype)
         e, f = c.hidden_size, c.intermediate_size
         init = nn.initializers.normal(0.02)
-        gate = _param(self, "gate_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
-        up = _param(self, "up_kernel", (e, f), ("embed", "mlp"), init, pdt).astype(dt)
-        down = _param(self, "down_kernel", (f, e), ("mlp", "embed"), init, pdt).astype(dt)
-        hidden = jax.nn.silu(dense(x_BxTxE, gate)) * dense(x_BxTxE, up)
-        return dense(hidden, down)
+        gate = _param(self, "gate_kernel", (e, f), ("embed", "mlp"), init, pdt)
+        up = _param(self, "up_kernel", (e, f), ("embed", "mlp"), init, pdt)
+        down = _param(self, "down_kernel", (f, e), ("mlp", "embed"), init, pdt)
+        x = x_BxTxE
+        hidden = jax.nn.silu(projection(self, "gate", x, gate, ("embed",), ("mlp",), c))
+        hidden = hidden * projection(self, "up", x, up, ("embed",), ("mlp",), c)
+        return projection(self, "down", hidden, down, ("mlp",), ("embed",), c)
 
 
 class DecoderLayer(nn.Module):
@@ -453,7 +488,16 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str) -> None:
 
 
 def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
-    """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata)."""
+    """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata).
+
+    Under LoRA the base is the same as without it (`lora.base_config`'s init from the same
+    key) and the adapters are new (`lora.add_adapters`, B = 0).
+    """
+    if config.lora_rank and not boxed:
+        from m2po_jax.models import lora
+
+        base = init_params(lora.base_config(config), rng)
+        return lora.add_adapters(base, config, jax.random.fold_in(rng, 1))
     tokens = jnp.zeros((1, 2), jnp.int32)
     params = CausalLM(config).init(rng, tokens)["params"]
     return params if boxed else nn.meta.unbox(params)

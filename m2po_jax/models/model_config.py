@@ -26,6 +26,9 @@ REMAT_POLICIES = {
     "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
 }
 
+# The projections LoRA can adapt (`lora_targets`): attention's q, k, v, o and the MLP's.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -65,6 +68,10 @@ class ModelConfig:
     attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
     attention_block_size: int = 512  # key block of "chunked", block of "splash"
     scan_layers: bool = False  # run the layers as one lax.scan (training passes, no cache)
+    # LoRA (`lora.py`): rank 0 = off; the adapters' targets by projection name (LORA_TARGETS)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -119,6 +126,21 @@ class ModelConfig:
                 f"attention: unknown implementation {self.attention!r}; "
                 f"expected one of {', '.join(attention.IMPLEMENTATIONS)}"
             )
+        if isinstance(self.lora_targets, list | str):
+            targets = self.lora_targets
+            targets = targets.split(",") if isinstance(targets, str) else targets
+            object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets if t.strip()))
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank: must be >= 0 (0 = off), got {self.lora_rank}")
+        if self.lora_rank:
+            unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+            if unknown or not self.lora_targets:
+                raise ValueError(
+                    f"lora_targets: expected names among {', '.join(LORA_TARGETS)}, got "
+                    f"{','.join(self.lora_targets) or 'none'}"
+                )
+            if not self.lora_alpha > 0:
+                raise ValueError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
         if self.attention_block_size <= 0:
             raise ValueError(
                 f"attention_block_size: must be positive, got {self.attention_block_size}"
@@ -145,8 +167,23 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def lora_scale(self) -> float:
+        """What the adapters' product is multiplied by: lora_alpha / lora_rank."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_params(self) -> int:
+        """Adapter parameter count (0 without LoRA): rank x (in + out) per adapted matrix."""
+        if not self.lora_rank:
+            return 0
+        e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
+        h, k = self.num_heads, self.num_kv_heads
+        sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
+        sizes.update({"gate": (e, f), "up": (e, f), "down": (f, e)})
+        per_layer = sum(sum(sizes[t]) for t in self.lora_targets)
+        return self.num_layers * self.lora_rank * per_layer
+
     def num_params(self) -> int:
-        """Parameter count (embeddings included)."""
+        """Parameter count (embeddings included; LoRA adapters not: `lora_params`)."""
         e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
         h, k = self.num_heads, self.num_kv_heads
         attn = e * d * (h + 2 * k) + h * d * e

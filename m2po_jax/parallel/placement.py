@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from m2po_jax.common import mesh_axes
 from m2po_jax.common.types import TrainBatch
+from m2po_jax.models import lora
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import distributed, sharding
 
@@ -97,7 +98,7 @@ class Placement:
             step=self.replicated,
             params=self.train_params,
             opt_state=sharding.opt_state_shardings(
-                state_shape.opt_state, self.train_params, self.mesh
+                state_shape.opt_state, lora.trainable(self.train_params), self.mesh
             ),
             nonfinite_steps=self.replicated,
         )

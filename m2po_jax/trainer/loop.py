@@ -361,7 +361,8 @@ class Trainer:
         True if a stop ended it during the warm-up."""
         if self.supervised_warmup():
             return True
-        if self.cfg.actor.kl_ctl > 0:
+        if self.cfg.actor.kl_ctl > 0 and not self.setup.model_config.lora_rank:
+            # (Under LoRA the step's reference is the model with its adapters off.)
             self.ref_params = jax.tree.map(jnp.copy, self.state.params)
         if self.cfg.rollout.mode == "async":
             return False  # the worker fills its buffer as soon as it starts

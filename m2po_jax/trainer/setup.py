@@ -21,7 +21,7 @@ from m2po_jax.common.types import PromptGroups
 from m2po_jax.learner import batching, memory
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import hf_format
+from m2po_jax.models import hf_format, lora
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
@@ -202,6 +202,7 @@ def build_model(cfg: Config, vocab_size: int):
             remat_policy=m.remat_policy,
             attention=m.attention,
             scan_layers=m.scan_layers,
+            **lora_fields(m),
         )
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     fields = [f.name for f in dataclasses.fields(model_config_lib.ModelConfig)]
@@ -247,7 +248,16 @@ def _new_architecture(m, vocab_size: int) -> model_config_lib.ModelConfig:
         remat_policy=m.remat_policy,
         attention=m.attention,
         scan_layers=m.scan_layers,
+        **lora_fields(m),
     )
+
+
+def lora_fields(m) -> dict:
+    """The `ModelConfig` LoRA fields of a `model` config section (off at rank 0)."""
+    if not m.lora.rank:
+        return {}
+    targets = tuple(t.strip() for t in m.lora.targets.split(",") if t.strip())
+    return dict(lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=targets)
 
 
 def _train_shapes(cfg: Config) -> tuple[int, int, int, int]:
@@ -349,7 +359,10 @@ def build_train_step(
         a,
         tx,
         schedule,
-        jit_kwargs=placement.train_step_shardings(state, with_ref=a.kl_ctl > 0),
+        # Under LoRA the reference policy is the model with its adapters off: no copy.
+        jit_kwargs=placement.train_step_shardings(
+            state, with_ref=a.kl_ctl > 0 and not model_config.lora_rank
+        ),
         layout=placement.layout,
         groups=prompt_groups(cfg) if share_prompts else None,
         masked_grad_norm=cfg.logging.masked_grad_norm,
@@ -387,13 +400,16 @@ def initial_params(run: RunSetup, rng: jax.Array):
     """The checkpoint's params (`model.path`) or a random init, in the train shardings."""
     cfg = run.cfg
     if cfg.model.path:
-        return sharding.load_pretrained_sharded(
+        params = sharding.load_pretrained_sharded(
             cfg.model.path,
-            run.model_config,
+            lora.base_config(run.model_config),
             run.placement.mesh,
             sharding.TRAIN_RULES,
             dtype=cfg.model.param_dtype,
         )
+        # New adapters (B = 0: the checkpoint's function), laid out like the rest.
+        params = lora.add_adapters(params, run.model_config, rng)
+        return jax.device_put(params, run.placement.train_params)
     return run.placement.init_params(rng)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from m2po_jax.learner import logprobs
+from m2po_jax.models import lora
 from m2po_jax.parallel import sharding
 from m2po_jax.trainer import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
@@ -37,11 +38,15 @@ def make_sft_step(model_config, tx, mesh=None):
     """
 
     def step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
-        loss, grads = jax.value_and_grad(sft_loss)(
-            params, model_config, tokens_BxT, valid_BxT, target_mask_BxT
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        trainable, frozen = _warmup_split(params)
+
+        def loss_fn(trainable):
+            full = lora.merge(trainable, frozen)
+            return sft_loss(full, model_config, tokens_BxT, valid_BxT, target_mask_BxT)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return lora.merge(optax.apply_updates(trainable, updates), frozen), opt_state, loss
 
     return jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0, 1))
 
@@ -92,10 +97,21 @@ def init_opt_state(run: RunSetup, params) -> Any:
     (moments like the params, the step count replicated over the mesh: a scalar left on one
     device is not addressable by the other processes of a multi-process run)."""
     init = optimizer(run).init
-    shape = jax.eval_shape(init, params)
+    trainable = _warmup_split(params)[0]
+    shape = jax.eval_shape(init, trainable)
     placement = run.placement
-    layout = sharding.opt_state_shardings(shape, placement.train_params, placement.mesh)
-    return jax.jit(init, out_shardings=layout)(params)
+    layout = sharding.opt_state_shardings(
+        shape, _warmup_split(placement.train_params)[0], placement.mesh
+    )
+    return jax.jit(init, out_shardings=layout)(trainable)
+
+
+def _warmup_split(params):
+    """(what the warm-up trains, what it leaves): everything, or under LoRA the base with
+    the adapters left at zero. The warm-up makes the base model that RL then adapts (as a
+    pretrained checkpoint would be): the KL reference is that base, adapters off."""
+    adapters, base = lora.split(params)
+    return (adapters, None) if base is None else (base, adapters)
 
 
 def supervised_warmup(

@@ -1,0 +1,138 @@
+"""LoRA adapters on the params tree: which leaves train, merging, and switching them off.
+
+The model holds each adapter beside the matrix it adapts (`model.projection`): for a target
+projection `q` of a layer, `q_kernel` [E, H, D] gets `q_lora_a` [E, r] and `q_lora_b`
+[r, H, D] (float32), and the projection computes x W + (alpha / r) (x A) B. With
+`ModelConfig.lora_rank > 0` the adapters are the trainable params and everything else
+(the base) is frozen: the train step differentiates the adapters only (`split` /
+`merge`), so the base gets no gradient and no optimizer state, and stays bit-identical.
+
+These functions work on any params tree (nested dicts, as `model.init_params` and
+`hf.load_pretrained` give): a tree without adapter leaves is all trainable, so the same
+code runs full fine-tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from m2po_jax.models.model_config import ModelConfig
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def is_adapter(path: tuple[str, ...]) -> bool:
+    """Whether the leaf at `path` (a tuple of keys) is a LoRA adapter."""
+    return str(path[-1]).endswith(ADAPTER_SUFFIXES)
+
+
+def has_adapters(params) -> bool:
+    return any(is_adapter(path) for path in traverse_util.flatten_dict(_plain(params)))
+
+
+def _plain(params):
+    return params.unfreeze() if hasattr(params, "unfreeze") else params
+
+
+def split(params) -> tuple[Any, Any]:
+    """(trainable, frozen): the adapters and the rest when `params` has adapters, else
+    (params, None). `merge(trainable, frozen)` gives `params` back."""
+    flat = traverse_util.flatten_dict(_plain(params))
+    if not any(is_adapter(path) for path in flat):
+        return params, None
+    trainable = {path: x for path, x in flat.items() if is_adapter(path)}
+    frozen = {path: x for path, x in flat.items() if not is_adapter(path)}
+    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
+
+
+def merge(trainable, frozen):
+    """The whole params tree from `split`'s parts (`trainable` itself when `frozen` is None)."""
+    if frozen is None:
+        return trainable
+    flat = traverse_util.flatten_dict(frozen)
+    flat.update(traverse_util.flatten_dict(trainable))
+    return traverse_util.unflatten_dict(flat)
+
+
+def trainable(params):
+    """The params an optimizer updates: the adapters, or every param without LoRA."""
+    return split(params)[0]
+
+
+def adapters_off(params):
+    """`params` with every adapter's B at zero: the base model's function, with no second
+    copy of the base (what the KL penalty's reference policy is under LoRA)."""
+    flat = traverse_util.flatten_dict(_plain(params))
+    return traverse_util.unflatten_dict(
+        {
+            path: jnp.zeros_like(x) if str(path[-1]).endswith("_lora_b") else x
+            for path, x in flat.items()
+        }
+    )
+
+
+def merged(params, config: ModelConfig):
+    """(params, config) of the same function without adapters: each adapted kernel is
+    W + (alpha / r) A B in the kernel's dtype, the adapter leaves dropped, and the config's
+    LoRA off. What the sampler runs with one live adapter: one matmul per projection."""
+    if not config.lora_rank:
+        return params, config
+    flat = traverse_util.flatten_dict(_plain(params))
+    out = {}
+    scale = config.lora_scale()
+    for path, x in flat.items():
+        if is_adapter(path):
+            continue
+        name = str(path[-1])
+        if name.endswith("_kernel"):
+            a_path = (*path[:-1], name[: -len("_kernel")] + "_lora_a")
+            if a_path in flat:
+                a, b = flat[a_path], flat[(*path[:-1], name[: -len("_kernel")] + "_lora_b")]
+                delta = jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...]
+                x = (x.astype(jnp.float32) + scale * delta).astype(x.dtype)
+        out[path] = x
+    return traverse_util.unflatten_dict(out), base_config(config)
+
+
+def base_config(config: ModelConfig) -> ModelConfig:
+    """`config` with LoRA off (the base model's architecture)."""
+    default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return dataclasses.replace(
+        config, lora_rank=0, lora_alpha=default["lora_alpha"], lora_targets=()
+    )
+
+
+def add_adapters(params, config: ModelConfig, rng: jax.Array):
+    """`params` (a base model's, e.g. loaded from a checkpoint) with new adapters for
+    `config`: A as the model initialises it, B zero (so the function is unchanged)."""
+    if not config.lora_rank:
+        return params
+    from m2po_jax.models import model as model_lib
+
+    boxed = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0), boxed=True))
+    shapes = traverse_util.flatten_dict(nn.meta.unbox(boxed))
+    flat = dict(traverse_util.flatten_dict(_plain(params)))
+    missing = [p for p in shapes if not is_adapter(p) and p not in flat]
+    if missing:
+        raise ValueError(f"params: the base lacks {'/'.join(missing[0])} of the LoRA config")
+    adapters = sorted(p for p in shapes if is_adapter(p))
+    for i, path in enumerate(adapters):
+        shape = shapes[path]
+        if str(path[-1]).endswith("_lora_b"):
+            flat[path] = jnp.zeros(shape.shape, shape.dtype)
+        else:
+            key = jax.random.fold_in(rng, i)
+            flat[path] = model_lib.lora_a_init(key, shape.shape, shape.dtype)
+    return traverse_util.unflatten_dict(flat)
+
+
+def adapter_bytes(params) -> int:
+    """Bytes of the adapter leaves (0 without LoRA)."""
+    flat = traverse_util.flatten_dict(_plain(params))
+    return sum(x.size * x.dtype.itemsize for path, x in flat.items() if is_adapter(path))
