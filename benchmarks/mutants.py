@@ -178,6 +178,47 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/rollout/worker_test.py", "exception"),),
         "a generator error overtakes the batches made before it (they are lost)",
     ),
+    # ------------------------------------------------------------------ LoRA
+    Mutant(
+        "lora-base-trains",
+        "m2po_jax/learner/train_step.py",
+        "trainable, frozen = lora.split(state.params)",
+        "trainable, frozen = state.params, None",
+        (T("tests/models/lora_test.py", "base_bit_identical"),),
+        "under LoRA the step differentiates and updates the whole model, not the adapters",
+    ),
+    Mutant(
+        "lora-scale-inverted",
+        "m2po_jax/models/model_config.py",
+        "return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0",
+        "return self.lora_rank / self.lora_alpha if self.lora_rank else 0.0",
+        (T("tests/models/lora_test.py", "merged_model"),),
+        "the adapters' product scaled by rank / alpha instead of alpha / rank",
+    ),
+    Mutant(
+        "lora-kl-reference-is-the-policy",
+        "m2po_jax/learner/train_step.py",
+        "ref_params = lora.adapters_off(state.params)",
+        "ref_params = state.params",
+        (T("tests/models/lora_test.py", "kl_is_against_the_base"),),
+        "under LoRA the KL penalty compares the policy with itself, not with the base",
+    ),
+    Mutant(
+        "peft-export-b-untransposed",
+        "m2po_jax/trainer/export.py",
+        'yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(r, -1).T)',
+        'yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(-1, r))',
+        (T("tests/e2e/lora_export_test.py"),),
+        "the PEFT export writes B's values in the wrong order (the shape still [out, r])",
+    ),
+    Mutant(
+        "lora-resume-accepts-another-base",
+        "m2po_jax/trainer/checkpoint.py",
+        'if saved["hash"] != base["hash"]:',
+        'if saved["path"] != base["path"]:',
+        (T("tests/e2e/lora_checkpoint_test.py"),),
+        "a resume checks the base's path only: another checkpoint at the same path passes",
+    ),
     # ------------------------------------------------------------------ rollout engine
     Mutant(
         "decode-bucket-one-too-small",
@@ -593,8 +634,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-publish-dtype-never-reaches-the-worker",
         "m2po_jax/trainer/async_rollouts.py",
-        "            run.rollout_placement.sample_params, cfg.rollout.publish_dtype",
-        '            run.rollout_placement.sample_params, ""',
+        "        dtype = cfg.rollout.publish_dtype",
+        '        dtype = ""',
         (T("tests/trainer/async_test.py", "reaches_the_worker"),),
         "rollout.publish_dtype=bfloat16 is validated, then float32 weights are sent",
     ),

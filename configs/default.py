@@ -60,6 +60,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated projection names
     # Dropout on the adapters' input: 0 only (the importance ratios need the sampler's network)
     c.model.lora.dropout = 0.0
+    # QLoRA: how the adapted projections' frozen base kernels are held: float (param_dtype)
+    # | int8 (per output channel scales, 1 byte a weight) | nf4 (QLoRA's 4-bit NormalFloat,
+    # 64-weight blocks, half a byte a weight); dequantised per projection; needs rank > 0
+    c.model.lora.base = "float"
 
     c.task = ml_collections.ConfigDict()
     # arith (built-in synthetic) | gsm8k (GSM8K-format files, numeric answers) | math

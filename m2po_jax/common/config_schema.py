@@ -16,6 +16,7 @@ class LoraSection:
     alpha: float
     targets: str
     dropout: float
+    base: str
 
 
 @dataclasses.dataclass(frozen=True)

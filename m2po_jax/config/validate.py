@@ -127,6 +127,14 @@ def _check_lora(lora, names: tuple[str, ...]) -> None:
             f"model.lora.targets={lora.targets!r}: expected distinct comma-separated names "
             f"among {','.join(names)}"
         )
+    from m2po_jax.models.model_config import LORA_BASES
+
+    _check_choice("model.lora.base", lora.base, LORA_BASES)
+    if lora.base != "float" and not lora.rank:
+        raise ConfigError(
+            f"model.lora.base={lora.base!r} quantises the adapted kernels: it needs "
+            "model.lora.rank > 0 (LoRA on)"
+        )
 
 
 def _check_range(where: str, value, low=None, high=None, low_open=False, high_open=False):

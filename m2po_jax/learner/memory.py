@@ -21,7 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from m2po_jax.learner import logprobs
-from m2po_jax.models import attention, lora
+from m2po_jax.models import attention, lora, quant
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -99,7 +99,8 @@ def memory_plan(
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
-    - params / gradients: each param's shard under `rules` (exact); with several
+    - params / gradients: each param's shard under `rules` (exact; a quantised LoRA base,
+      `lora_base` int8 / nf4, at its codes' and float32 scales' own bytes); with several
       micro-batches a float32 gradient accumulator besides; under LoRA (`lora_rank`)
       gradients of the float32 adapters only;
     - optimizer: moments (2 for AdamW) sharded like the params, in param dtype (the
@@ -146,14 +147,21 @@ def memory_plan(
 
     shardings = sharding.param_shardings(c, mesh, rules)
     shapes = sharding.param_shapes(c)
-    # Under LoRA (adapters in float32) only the adapters have gradients and moments.
+    # Under LoRA (adapters in float32) only the adapters have gradients and moments. A
+    # quantised base (`lora_base`, `quant.py`) holds its codes and float32 scales at their
+    # own itemsize: 1 byte a weight (int8), 1 byte per 2 weights (nf4).
     items = {"base": 0, "adapters": 0}
+    quantised = 0  # bytes
     for (path, shape), sh in zip(
         jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(shardings), strict=True
     ):
-        adapter = lora.is_adapter(tuple(getattr(k, "key", k) for k in path))
-        items["adapters" if adapter else "base"] += math.prod(sh.shard_shape(shape.shape))
-    params = items["base"] * pbytes + items["adapters"] * 4
+        keys = tuple(getattr(k, "key", k) for k in path)
+        n = math.prod(sh.shard_shape(shape.shape))
+        if quant.is_quantized_leaf(keys, shape.dtype):
+            quantised += n * shape.dtype.itemsize
+        else:
+            items["adapters" if lora.is_adapter(keys) else "base"] += n
+    params = items["base"] * pbytes + items["adapters"] * 4 + quantised
     trained, tbytes = (items["adapters"], 4) if c.lora_rank else (items["base"], pbytes)
     gradients = trained * tbytes + (trained * 4 if micro_batch < batch else 0)
     sampling_weights = 0
@@ -162,9 +170,16 @@ def memory_plan(
         leaves = (jax.tree.leaves(sample), jax.tree.leaves(shardings), jax.tree.leaves(shapes))
         pairs = zip(*leaves, strict=True)
         if not all(a.is_equivalent_to(b, len(x.shape)) for a, b, x in pairs):
-            sampling_weights = pbytes * sum(
+            paths = [
+                tuple(getattr(k, "key", k) for k in path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]
+            ]
+            sampling_weights = sum(
                 math.prod(sh.shard_shape(s.shape))
-                for sh, s in zip(jax.tree.leaves(sample), jax.tree.leaves(shapes), strict=True)
+                * (s.dtype.itemsize if quant.is_quantized_leaf(p, s.dtype) else pbytes)
+                for p, sh, s in zip(
+                    paths, jax.tree.leaves(sample), jax.tree.leaves(shapes), strict=True
+                )
             )
 
     trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")

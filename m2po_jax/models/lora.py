@@ -7,6 +7,10 @@ projection `q` of a layer, `q_kernel` [E, H, D] gets `q_lora_a` [E, r] and `q_lo
 (the base) is frozen: the train step differentiates the adapters only (`split` /
 `merge`), so the base gets no gradient and no optimizer state, and stays bit-identical.
 
+With `ModelConfig.lora_base` int8 or nf4 (QLoRA) the adapted kernels are held quantised
+(`quant.py`): integer codes and a float32 `{name}_kernel_scale`, frozen like the rest of
+the base; `merged` dequantises them.
+
 These functions work on any params tree (nested dicts, as `model.init_params` and
 `hf.load_pretrained` give): a tree without adapter leaves is all trainable, so the same
 code runs full fine-tuning.
@@ -22,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.models import quant
+from m2po_jax.models.model_config import ModelConfig, as_dtype
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
@@ -80,37 +85,54 @@ def adapters_off(params):
 def merged(params, config: ModelConfig):
     """(params, config) of the same function without adapters: each adapted kernel is
     W + (alpha / r) A B in the kernel's dtype, the adapter leaves dropped, and the config's
-    LoRA off. What the sampler runs with one live adapter: one matmul per projection."""
+    LoRA off. What the sampler runs with one live adapter: one matmul per projection.
+
+    Under a quantised base (`lora_base` int8 / nf4, `quant.py`) W is the dequantised
+    kernel, and the merged kernel comes out float in `config.param_dtype` (its scale leaf
+    dropped): a float model of `base_config(config)`'s layout."""
     if not config.lora_rank:
         return params, config
     flat = traverse_util.flatten_dict(_plain(params))
     out = {}
     scale = config.lora_scale()
+    param_dtype = as_dtype(config.param_dtype)
     for path, x in flat.items():
-        if is_adapter(path):
-            continue
         name = str(path[-1])
+        if is_adapter(path) or name.endswith(quant.SCALE_SUFFIX):
+            continue
         if name.endswith("_kernel"):
-            a_path = (*path[:-1], name[: -len("_kernel")] + "_lora_a")
+            target = name[: -len("_kernel")]
+            a_path = (*path[:-1], target + "_lora_a")
             if a_path in flat:
-                a, b = flat[a_path], flat[(*path[:-1], name[: -len("_kernel")] + "_lora_b")]
+                a, b = flat[a_path], flat[(*path[:-1], target + "_lora_b")]
                 delta = jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...]
-                x = (x.astype(jnp.float32) + scale * delta).astype(x.dtype)
+                dtype = x.dtype
+                if jnp.issubdtype(x.dtype, jnp.integer):  # quantised codes
+                    codes_scale = flat[(*path[:-1], target + quant.SCALE_SUFFIX)]
+                    x = quant.dequantize(config.lora_base, x, codes_scale, delta.shape)
+                    dtype = param_dtype
+                x = (x.astype(jnp.float32) + scale * delta).astype(dtype)
         out[path] = x
     return traverse_util.unflatten_dict(out), base_config(config)
 
 
 def base_config(config: ModelConfig) -> ModelConfig:
-    """`config` with LoRA off (the base model's architecture)."""
+    """`config` with LoRA off (the base model's architecture, its kernels float)."""
     default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     return dataclasses.replace(
-        config, lora_rank=0, lora_alpha=default["lora_alpha"], lora_targets=()
+        config,
+        lora_rank=0,
+        lora_alpha=default["lora_alpha"],
+        lora_targets=(),
+        lora_base=default["lora_base"],
     )
 
 
 def add_adapters(params, config: ModelConfig, rng: jax.Array):
     """`params` (a base model's, e.g. loaded from a checkpoint) with new adapters for
-    `config`: A as the model initialises it, B zero (so the function is unchanged)."""
+    `config`: A as the model initialises it, B zero (so the function is unchanged). Under
+    a quantised base (`config.lora_base`) `params` must hold it quantised already
+    (`quant.quantize_base`)."""
     if not config.lora_rank:
         return params
     from m2po_jax.models import model as model_lib
@@ -120,7 +142,10 @@ def add_adapters(params, config: ModelConfig, rng: jax.Array):
     flat = dict(traverse_util.flatten_dict(_plain(params)))
     missing = [p for p in shapes if not is_adapter(p) and p not in flat]
     if missing:
-        raise ValueError(f"params: the base lacks {'/'.join(missing[0])} of the LoRA config")
+        hint = ""
+        if str(missing[0][-1]).endswith(quant.SCALE_SUFFIX):
+            hint = f" (lora_base={config.lora_base!r}: quantise it first, quant.quantize_base)"
+        raise ValueError(f"params: the base lacks {'/'.join(missing[0])} of the LoRA config{hint}")
     adapters = sorted(p for p in shapes if is_adapter(p))
     for i, path in enumerate(adapters):
         shape = shapes[path]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from m2po_jax.models import attention
+from m2po_jax.models import attention, quant
 from m2po_jax.models.model_config import (
     REMAT_POLICIES,
     ModelConfig,
@@ -143,25 +143,52 @@ def lora_a_init(key, shape, dtype):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def projection(module, name: str, x, w, in_axes, out_axes, config: ModelConfig):
-    """x @ w (`dense`, contracting len(in_axes) dims), plus the LoRA adapter of projection
-    `name` when the config adapts it: scale * (x @ A) @ B, A [in..., r] and B [r, out...]
-    float32 params `{name}_lora_a` / `{name}_lora_b` beside `{name}_kernel`, sharded as
-    the kernel's input and output axes (the rank axis replicated). B starts at zero, so a
-    new adapter leaves the model as it is."""
+def _kernel(module, name: str, shape, in_axes, out_axes, config: ModelConfig, quantised: bool):
+    """Declares projection `name`'s kernel `{name}_kernel` (logical axes in_axes + out_axes,
+    normal(0.02) init, param dtype) and returns it as float32 or param dtype. With
+    `quantised` (an adapted projection under `lora_base` int8 / nf4) it declares the
+    stored codes `{name}_kernel` and scales `{name}_kernel_scale` in `quant.leaf_layout`'s
+    shapes, dtypes and axes instead (zeros here: `init_params` quantises a float init,
+    `quant.quantize_base`) and returns their dequantised float32 kernel of `shape`."""
+    axes = (*in_axes, *out_axes)
+    if not quantised:
+        init = nn.initializers.normal(0.02)
+        return _param(module, f"{name}_kernel", shape, axes, init, as_dtype(config.param_dtype))
+    layout = quant.leaf_layout(config.lora_base, shape, len(in_axes), axes)
+    stored = {
+        suffix: _param(module, f"{name}_{suffix}", s, a, nn.initializers.zeros, dtype)
+        for suffix, (s, dtype, a) in layout.items()
+    }
+    return quant.dequantize(config.lora_base, stored["kernel"], stored["kernel_scale"], shape)
+
+
+def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConfig):
+    """x @ W for projection `name`, whose kernel `{name}_kernel` of `shape` ([in..., out...],
+    logical axes in_axes + out_axes) this declares (`_kernel`), contracting len(in_axes)
+    dims (`dense`); plus the LoRA adapter when the config adapts `name`:
+    scale * (x @ A) @ B, A [in..., r] and B [r, out...] float32 params `{name}_lora_a` /
+    `{name}_lora_b` beside the kernel, sharded as the kernel's input and output axes (the
+    rank axis replicated). B starts at zero, so a new adapter leaves the model as it is.
+
+    Under a quantised base (`lora_base` int8 / nf4) an adapted projection's kernel is
+    stored as codes and scales (`quant.py`) and dequantised here, just before its matmul:
+    one projection's float kernel at a time, never the whole model's."""
     n_in = len(in_axes)
     dt = as_dtype(config.dtype)
+    adapted = bool(config.lora_rank) and name in config.lora_targets
+    quantised = adapted and config.lora_base != "float"
+    w = _kernel(module, name, shape, in_axes, out_axes, config, quantised)
     y = dense(x, w.astype(dt), n_in)
-    if not (config.lora_rank and name in config.lora_targets):
+    if not adapted:
         return y
     r = config.lora_rank
     a = _param(
-        module, f"{name}_lora_a", (*w.shape[:n_in], r), (*in_axes, None), lora_a_init, jnp.float32
+        module, f"{name}_lora_a", (*shape[:n_in], r), (*in_axes, None), lora_a_init, jnp.float32
     )
     b = _param(
         module,
         f"{name}_lora_b",
-        (r, *w.shape[n_in:]),
+        (r, *shape[n_in:]),
         (None, *out_axes),
         nn.initializers.zeros,
         jnp.float32,
@@ -196,13 +223,9 @@ class Attention(nn.Module):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.dim_per_head
-        init = nn.initializers.normal(0.02)
 
         def proj(name, heads, axis):
-            w = _param(
-                self, f"{name}_kernel", (e, heads, d), ("embed", axis, "head_dim"), init, pdt
-            )
-            y = projection(self, name, x_BxTxE, w, ("embed",), (axis, "head_dim"), c)
+            y = projection(self, name, x_BxTxE, (e, heads, d), ("embed",), (axis, "head_dim"), c)
             if c.attention_bias:
                 bias = _param(
                     self, f"{name}_bias", (heads, d), (axis, "head_dim"), nn.initializers.zeros, pdt
@@ -238,8 +261,8 @@ class Attention(nn.Module):
                 c.attention_block_size,
             )
         out = checkpoint_name(out, "attention_out")
-        o = _param(self, "o_kernel", (h, d, e), ("q_heads", "head_dim", "embed"), init, pdt)
-        return projection(self, "o", out, o, ("q_heads", "head_dim"), ("embed",), c), new_kv
+        o_axes = (("q_heads", "head_dim"), ("embed",))
+        return projection(self, "o", out, (h, d, e), *o_axes, c), new_kv
 
 
 class MLP(nn.Module):
@@ -248,16 +271,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxE):
         c = self.config
-        pdt = as_dtype(c.param_dtype)
         e, f = c.hidden_size, c.intermediate_size
-        init = nn.initializers.normal(0.02)
-        gate = _param(self, "gate_kernel", (e, f), ("embed", "mlp"), init, pdt)
-        up = _param(self, "up_kernel", (e, f), ("embed", "mlp"), init, pdt)
-        down = _param(self, "down_kernel", (f, e), ("mlp", "embed"), init, pdt)
         x = x_BxTxE
-        hidden = jax.nn.silu(projection(self, "gate", x, gate, ("embed",), ("mlp",), c))
-        hidden = hidden * projection(self, "up", x, up, ("embed",), ("mlp",), c)
-        return projection(self, "down", hidden, down, ("mlp",), ("embed",), c)
+        # Each projection declares its kernel (gate, up, down: the init's order).
+        hidden = jax.nn.silu(projection(self, "gate", x, (e, f), ("embed",), ("mlp",), c))
+        hidden = hidden * projection(self, "up", x, (e, f), ("embed",), ("mlp",), c)
+        return projection(self, "down", hidden, (f, e), ("mlp",), ("embed",), c)
 
 
 class DecoderLayer(nn.Module):
@@ -491,12 +510,16 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
     """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata).
 
     Under LoRA the base is the same as without it (`lora.base_config`'s init from the same
-    key) and the adapters are new (`lora.add_adapters`, B = 0).
+    key) and the adapters are new (`lora.add_adapters`, B = 0). Under a quantised base
+    (`lora_base` int8 / nf4) that float base is quantised (`quant.quantize_base`) before
+    the adapters are added. (`boxed` runs the module's own init, whose quantised leaves
+    are zeros: it is for shapes and logical axes, `logical_axes`.)
     """
     if config.lora_rank and not boxed:
         from m2po_jax.models import lora
 
         base = init_params(lora.base_config(config), rng)
+        base = quant.quantize_base(base, config)
         return lora.add_adapters(base, config, jax.random.fold_in(rng, 1))
     tokens = jnp.zeros((1, 2), jnp.int32)
     params = CausalLM(config).init(rng, tokens)["params"]

@@ -28,6 +28,9 @@ REMAT_POLICIES = {
 
 # The projections LoRA can adapt (`lora_targets`): attention's q, k, v, o and the MLP's.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# How the frozen base kernels of the adapted projections are held (`lora_base`, `quant.py`):
+# float (param_dtype), int8 (per output channel) or nf4 (QLoRA's 4-bit NormalFloat).
+LORA_BASES = ("float", "int8", "nf4")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -72,6 +75,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = ()
+    # QLoRA: the adapted projections' base kernels held as LORA_BASES says (not float:
+    # quantised codes and scales, dequantised per projection; lora_rank > 0 only)
+    lora_base: str = "float"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -141,6 +147,14 @@ class ModelConfig:
                 )
             if not self.lora_alpha > 0:
                 raise ValueError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
+        if self.lora_base not in LORA_BASES:
+            raise ValueError(
+                f"lora_base: expected one of {', '.join(LORA_BASES)}, got {self.lora_base!r}"
+            )
+        if self.lora_base != "float" and not self.lora_rank:
+            raise ValueError(
+                f"lora_base: a quantised base ({self.lora_base!r}) needs lora_rank > 0"
+            )
         if self.attention_block_size <= 0:
             raise ValueError(
                 f"attention_block_size: must be positive, got {self.attention_block_size}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -206,7 +207,9 @@ class WeightPublisher:
     def __init__(self, rollout_shardings, dtype: str = ""):
         self.rollout_shardings = rollout_shardings
         self.dtype = dtype
-        self._cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t))
+        # Floating params only: a quantised base's integer codes are published as they are.
+        cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        self._cast = jax.jit(lambda t: jax.tree.map(cast, t))
         self._gather = {}
 
     def __call__(self, params):

@@ -27,6 +27,7 @@ from typing import Any
 
 from m2po_jax.common.errors import M2poError
 from m2po_jax.common.types import RolloutBatch
+from m2po_jax.models import lora
 from m2po_jax.rollout.staleness import Admission
 
 
@@ -62,18 +63,50 @@ class Timeline:
 
 
 class WeightSlot:
-    """The newest weights the learner published to the rollout devices, with their version."""
+    """The newest weights the learner published to the rollout devices, with their version.
 
-    def __init__(self, version: int, params: Any):
+    Under LoRA (`base` given) the learner sends the frozen base once and then only each
+    version's adapters (a few MB instead of the model): `params` are then the adapters,
+    and `latest()` gives the whole tree the model expects, `lora.merge(adapters, base)`
+    (made once per publish, without copying an array). A later `publish(..., base=)`
+    replaces the base, should it ever change (the train step leaves it bit-identical).
+    Like the whole weights, only the newest version is kept: a batch holds on to the
+    weights it started with, and every token records its version.
+    """
+
+    def __init__(self, version: int, params: Any, base: Any = None):
         self._cond = threading.Condition()
-        self._version, self._params = version, params
+        self._base = base
+        self._version, self._adapters = version, params
+        self._params = self._whole(params)
 
-    def publish(self, version: int, params: Any) -> None:
+    def _whole(self, params: Any) -> Any:
+        return params if self._base is None else lora.merge(params, self._base)
+
+    @property
+    def has_base(self) -> bool:
+        """Whether the slot holds a base and takes adapters (a LoRA run)."""
+        return self._base is not None
+
+    def publish(self, version: int, params: Any, base: Any = None) -> None:
+        """Makes `params` (of policy `version`) the newest: the whole weights, or with a
+        base held the adapters (and `base`, when given, the new base)."""
+        if base is not None and self._base is None:
+            raise ValueError("publish: a base for a slot that holds whole weights")
         with self._cond:
             if version < self._version:
                 raise ValueError(f"publish: version {version} is older than {self._version}")
-            self._version, self._params = version, params
+            if base is not None:
+                self._base = base
+            self._version, self._adapters = version, params
+            self._params = self._whole(params)
             self._cond.notify_all()
+
+    def parts(self) -> tuple[int, Any, Any]:
+        """(version, adapters, base) as published (a slot without a base: (version,
+        whole weights, None))."""
+        with self._cond:
+            return self._version, self._adapters, self._base
 
     @property
     def version(self) -> int:

@@ -5,10 +5,12 @@ and runs a `rollout.worker.RolloutWorker` thread on them. The worker generates t
 process's share of each batch's prompts (the rows the process feeds to the train step)
 with the newest weights published, under `rollout.staleness.Admission`; the learner
 takes the oldest finished batch, trains, and publishes its new weights
-(`placement.WeightPublisher`: a copy inside each process). The rollout programs use this
-process's devices only, so no collective of theirs can interleave with the train step's
-across processes (two programs with collectives, run by two threads on a `jax.distributed`
-CPU cluster, hang).
+(`placement.WeightPublisher`: a copy inside each process). Under LoRA it publishes only
+the adapters each step: the frozen base goes to the rollout devices once, when the worker
+starts, and the worker runs `lora.merge(adapters, base)` (`worker.WeightSlot`). The
+rollout programs use this process's devices only, so no collective of theirs can
+interleave with the train step's across processes (two programs with collectives, run by
+two threads on a `jax.distributed` CPU cluster, hang).
 
 Batch `i` holds the prompts `i * B .. (i + 1) * B - 1` of the task's stream: its rows'
 `group_id_B` are those prompt ids, which is how a checkpoint keeps a resumed run from
@@ -25,6 +27,7 @@ import numpy as np
 
 from m2po_jax.common.types import RolloutBatch
 from m2po_jax.learner import batching
+from m2po_jax.models import lora
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout import staleness
@@ -54,9 +57,17 @@ class AsyncRollouts:
         local = run.placement.local_rows(self.rows)
         self.prompts = slice(local.start // n, local.stop // n)
         self.rng = jax.random.fold_in(jax.random.fold_in(rng, gen_stream), 0)
-        self.publisher = placement_lib.WeightPublisher(
-            run.rollout_placement.sample_params, cfg.rollout.publish_dtype
-        )
+        shardings = run.rollout_placement.sample_params
+        dtype = cfg.rollout.publish_dtype
+        # Under LoRA: one publisher for the adapters (every step), one for the base (once).
+        self.lora = bool(run.model_config.lora_rank)
+        self.base_publisher = None
+        if self.lora:
+            adapter_shardings, base_shardings = lora.split(shardings)
+            shardings = adapter_shardings
+            self.base_publisher = placement_lib.WeightPublisher(base_shardings, dtype)
+        self.publisher = placement_lib.WeightPublisher(shardings, dtype)
+        self.unreported_bytes = 0  # published since the last step's record
         self.timeline = worker_lib.Timeline()
         self.engine_records: dict[int, dict] = {}  # batch index -> its decode metrics
         self.buffer = worker_lib.RolloutBuffer()
@@ -138,7 +149,7 @@ class AsyncRollouts:
         self.admission = staleness.Admission.restored(
             self.k, self.batch_size, version, len(buffered) * self.batch_size
         )
-        self.weights = worker_lib.WeightSlot(version, self.publisher(params))
+        self.weights = worker_lib.WeightSlot(version, *self._copies(params, with_base=True))
         self.worker = worker_lib.RolloutWorker(
             self.generate,
             self.score,
@@ -154,12 +165,27 @@ class AsyncRollouts:
         )
         self.worker.start()
 
-    def publish(self, params, version: int) -> float:
-        """Publishes `params` (policy `version`) to the worker; returns the seconds taken
-        (the copy waited for, so the time is the copy's)."""
-        t0 = time.perf_counter()
+    def _copies(self, params, with_base: bool) -> tuple:
+        """(the published copy, its base or None) of the learner's `params` on the rollout
+        devices, waited for: the whole params, or under LoRA the adapters (and the base
+        when `with_base`). Adds their bytes to `unreported_bytes`."""
+        base = None
+        if self.lora:
+            params, frozen = lora.split(params)
+            if with_base:
+                base = jax.block_until_ready(self.base_publisher(frozen))
         copy = jax.block_until_ready(self.publisher(params))
-        self.weights.publish(version, copy)
+        self.unreported_bytes += tree_bytes(copy) + (0 if base is None else tree_bytes(base))
+        return copy, base
+
+    def publish(self, params, version: int, base_changed: bool = False) -> float:
+        """Publishes `params` (policy `version`) to the worker; returns the seconds taken
+        (the copy waited for, so the time is the copy's). Under LoRA only the adapters are
+        copied: the base the worker holds is the learner's (the train step leaves it
+        bit-identical), unless `base_changed` says it is not."""
+        t0 = time.perf_counter()
+        copy, base = self._copies(params, with_base=base_changed)
+        self.weights.publish(version, copy, base)
         t1 = time.perf_counter()
         self.timeline.add("learner/publish", t0, t1)
         return t1 - t0
@@ -245,6 +271,10 @@ class AsyncRollouts:
                 "time/wait_s": t1 - t0,
                 "time/train_s": t2 - t1,
                 "time/publish_s": publish_s,
+                # bytes copied to the rollout devices since the last record (one copy of
+                # each published leaf): the first step's count has the start's whole
+                # weights too; under LoRA the later ones are the adapters' only
+                "rollout/published_bytes": self.unreported_bytes,
                 "time/rollout_s": rollout_s,
                 "time/tokens_per_s": tokens / wall,
                 "busy/learner": (t3 - t1) / wall,
@@ -253,6 +283,7 @@ class AsyncRollouts:
         )
         for reason, prompts in self.admission.counts().discarded.items():
             record[f"rollout/discarded/{reason.replace(' ', '_')}"] = prompts
+        self.unreported_bytes = 0
         return record
 
     # ---- checkpoints and the end --------------------------------------------------------
@@ -301,3 +332,8 @@ class AsyncRollouts:
             return tree
         placement = self.run.placement
         return placement.to_host(placement.from_local(tree, self.rows))
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a tree's arrays (one copy of each leaf, at its dtype)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

@@ -12,12 +12,19 @@ moving the bad ones to `workdir/checkpoints_aside` (never deleting them). Rotati
 keeps the newest `keep` steps that have a manifest, so it never deletes the newest
 good checkpoint before a newer one is committed and hashed. A committed step is never
 deleted to be rewritten.
+
+A LoRA run on a Hugging Face checkpoint (`model.path`) saves only what trains: the adapters
+of `params` and their optimizer state, with the base's identity in the meta
+(`base_identity`: its path and `params_hash`). A resume loads the base from `model.path`
+again, refuses it when its hash differs from the one the adapters were trained on, and
+puts the restored adapters beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -28,12 +35,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils.epath import Path
+from flax import traverse_util
 
 from m2po_jax.common.errors import CheckpointError, WriterError, describe_os_error
 from m2po_jax.common.types import RolloutBatch
+from m2po_jax.models import lora
+from m2po_jax.parallel import placement
 from m2po_jax.trainer import paths
 
 MANIFEST = "m2po_manifest.json"
@@ -96,6 +107,55 @@ def verify_step_dir(step_dir: Path) -> str | None:
         except OSError as e:
             return f"{name}: unreadable ({e.strerror})"
     return None
+
+
+def _fmix32(h):
+    """murmur3's 32-bit finalizer: every input bit moves about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@jax.jit
+def _leaf_digest(x):
+    """Two 32-bit sums (mod 2**32) of a hash of each element's float32 bits and its flat
+    index: integer sums, so the same for any sharding or reduction order."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(x.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    first = _fmix32(bits ^ _fmix32(index + jnp.uint32(0x9E3779B9)))
+    second = _fmix32(bits + _fmix32(index ^ jnp.uint32(0x7F4A7C15)))
+    return jnp.stack([jnp.sum(first, dtype=jnp.uint32), jnp.sum(second, dtype=jnp.uint32)])
+
+
+def params_hash(params) -> str:
+    """sha256 (hex) of every leaf's path, shape and content: each leaf's values as float32
+    bits, folded on its devices into a 64-bit digest (`_leaf_digest`), so no tensor is
+    copied to the host. The same values give the same hash whatever the mesh; a bfloat16
+    and a float32 copy of the same bfloat16 weights hash alike. Every process calls it."""
+    flat = traverse_util.flatten_dict(params)
+    digests = {path: _leaf_digest(x) for path, x in sorted(flat.items())}
+    host = placement.to_host(digests)
+    h = hashlib.sha256()
+    for path, x in sorted(flat.items()):
+        d0, d1 = (int(v) for v in np.asarray(host[path]))
+        h.update(f"{'/'.join(map(str, path))}:{tuple(x.shape)}:{d0:08x}{d1:08x}\n".encode())
+    return h.hexdigest()
+
+
+def base_identity(path: str, params) -> dict:
+    """What a LoRA checkpoint records of its frozen base: the Hugging Face directory it was
+    loaded from and `params_hash` of the base params (the adapters left out)."""
+    _, base = lora.split(params)
+    if base is None:
+        raise ValueError("params: no LoRA adapters, so there is no frozen base to identify")
+    return {"path": os.fspath(path), "hash": params_hash(base)}
 
 
 _DISK_FULL = re.compile(r"No space left on device|os_error_code='28'|ENOSPC")
@@ -200,15 +260,23 @@ class Checkpointer:
         meta: dict,
         ref_params: Any = None,
         warmup_opt_state: Any = None,
+        base: dict | None = None,
     ) -> None:
         """Writes checkpoint `step`, hashes it, then rotates; refuses an existing step.
 
         `warmup_opt_state`: the AdamW state of an unfinished supervised warm-up (a stop
-        during it), saved at step 0 with the warm-up's params in `state`."""
+        during it), saved at step 0 with the warm-up's params in `state`.
+        `base`: the frozen base's `base_identity` of a LoRA run whose base a resume loads
+        again: then only the adapters of `state.params` are saved (`meta["base"]`)."""
         if step in self._manager.all_steps():
             raise CheckpointError(
                 f"{self.step_dir(step)}: already exists; a committed checkpoint is not rewritten"
             )
+        if base is not None:
+            if not lora.has_adapters(state.params):
+                raise ValueError("base: given for params without LoRA adapters")
+            state = state.replace(params=lora.trainable(state.params))
+            meta = {**meta, "base": base}
         items = {
             "state": ocp.args.StandardSave(state),
             "rng": ocp.args.StandardSave({"key": np.asarray(jax.random.key_data(rng))}),
@@ -319,24 +387,63 @@ class Checkpointer:
             raise CheckpointError(f"{self.step_dir(step)}: unreadable record ({e})") from e
 
     def restore(
-        self, step: int | None, *, state_like: Any, ref_like: Any = None, warmup_like: Any = None
+        self,
+        step: int | None,
+        *,
+        state_like: Any,
+        ref_like: Any = None,
+        warmup_like: Any = None,
+        base: dict | None = None,
     ) -> dict:
         """Restores a checkpoint into the structure, dtypes and shardings of `state_like`.
 
         Returns a dict with state, rng, queue (`RolloutBatch` records of numpy arrays,
         oldest first), meta, ref_params, warmup_opt_state (restored like `warmup_like`).
+
+        A checkpoint of adapters alone (saved with `base`) is restored into the adapters of
+        `state_like.params`, and the state's params are those adapters with the rest of
+        `state_like.params` (the base this run loaded); `base` is that base's
+        `base_identity`, which must have the checkpoint's hash. Other checkpoints ignore
+        `base`.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"{self.directory}: no checkpoint")
+        saved = self.meta(step).get("base")
+        frozen = None
+        if saved is not None:
+            self._check_base(step, saved, base)
+            trainable, frozen = lora.split(state_like.params)
+            state_like = state_like.replace(params=trainable)
         try:
-            return self._restore(step, state_like, ref_like, warmup_like)
+            restored = self._restore(step, state_like, ref_like, warmup_like)
         except (OSError, ValueError, KeyError, TypeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(
                 f"{self.step_dir(step)}: cannot be restored into this run "
                 f"({type(e).__name__}: {first[:300]})"
             ) from e
+        if saved is not None:
+            state = restored["state"]
+            restored["state"] = state.replace(params=lora.merge(state.params, frozen))
+        return restored
+
+    def _check_base(self, step: int, saved: dict, base: dict | None) -> None:
+        """Refuses (one line) to put a checkpoint's adapters on a base other than theirs."""
+        where = self.step_dir(step)
+        if base is None:
+            raise CheckpointError(
+                f"{where}: holds LoRA adapters alone, trained on the base {saved['path']} "
+                f"(hash {saved['hash'][:16]}), but this run has no LoRA base to put them "
+                "on (model.path with model.lora.rank > 0)"
+            )
+        if saved["hash"] != base["hash"]:
+            raise CheckpointError(
+                f"{where}: its LoRA adapters were trained on the base {saved['path']} "
+                f"(hash {saved['hash'][:16]}), but this run's base {base['path']} has hash "
+                f"{base['hash'][:16]}: a different model; resume with the base the run "
+                "started from"
+            )
 
     def _restore(self, step: int, state_like: Any, ref_like: Any, warmup_like: Any) -> dict:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[

@@ -5,6 +5,13 @@
                              source's tokenizer files, chat template and generation config,
                              and m2po_manifest.json (size and CRC-32 of every file)
 
+A LoRA run's export is the merged model (`lora.merged`: each adapted kernel W + (alpha/r) A B,
+merged on its devices one tensor at a time), a plain Hugging Face directory like a full
+fine-tune's. `export_peft` writes the adapters alone instead, as a PEFT LoRA adapter of the
+source checkpoint (what `peft.PeftModel.from_pretrained` and vLLM's `--lora-modules` load):
+
+    <out>/   adapter_config.json, adapter_model.safetensors, m2po_manifest.json
+
 The trainer writes one at the end of a run whose model came from a Hugging Face directory
 (`model.path`) and every `checkpoint.hf_every` steps, keeping `checkpoint.hf_keep`;
 `m2po-export` writes one from any verified orbax checkpoint of a workdir. An export is
@@ -16,6 +23,7 @@ part in each tensor's all-gather and process 0 writes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,11 +32,14 @@ import tempfile
 import jax
 import numpy as np
 from etils import epath
+from flax import traverse_util
 from jax.experimental import multihost_utils
+from safetensors.numpy import save_file
 
 from m2po_jax.common.errors import CheckpointError, WriterError, describe_os_error
-from m2po_jax.models import hf
-from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.models import hf, lora
+from m2po_jax.models import model as model_lib
+from m2po_jax.models.model_config import ModelConfig, as_dtype
 from m2po_jax.parallel import placement
 from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import paths
@@ -68,13 +79,169 @@ def export_params(
 ) -> epath.Path:
     """Writes `params` as a Hugging Face directory at `out_dir` (which must not exist),
     with `source_dir`'s config keys, tokenizer, chat template and generation files; returns
-    `out_dir`. Every process calls it (the gathers are collective); process 0 writes."""
+    `out_dir`. LoRA params (`model_config.lora_rank > 0`) are written merged, as the base
+    architecture. Every process calls it (the gathers are collective); process 0 writes."""
+
+    def write(tmp, primary):
+        base_params, base_config, fetch = _merged_lazily(params, model_config)
+        hf.save_pretrained(
+            base_params,
+            tmp,
+            config=base_config,
+            hf_config=hf.read_hf_config(source_dir),
+            dtype=dtype,
+            max_shard_size="2GB",
+            source_dir=source_dir,
+            fetch=fetch,
+            write=primary,
+        )
+
+    return _export(out_dir, write)
+
+
+class _Adapted:
+    """An adapted kernel with its adapters (and, under a quantised base, its scale):
+    merged (`lora.merged`) when it is fetched, so the export holds one merged kernel at a
+    time, not a second copy of the model."""
+
+    def __init__(self, leaves: dict, shape):
+        self.leaves, self.shape = leaves, tuple(shape)
+
+
+def _merged_lazily(params, config: ModelConfig):
+    """(params shaped as the base model's, its config, a `fetch` for `hf.save_pretrained`
+    that merges each adapted kernel on its devices before bringing it to the host)."""
+    if not config.lora_rank:
+        return params, config, placement.to_host
+    flat = traverse_util.flatten_dict(params)
+    base_config = lora.base_config(config)
+    shapes = traverse_util.flatten_dict(
+        jax.eval_shape(lambda: model_lib.init_params(base_config, jax.random.key(0)))
+    )
+    out = {}
+    for path, x in flat.items():
+        name = str(path[-1])
+        if path not in shapes:  # an adapter, or a quantised kernel's scale: merged below
+            continue
+        stem = name.removesuffix("_kernel")
+        if name.endswith("_kernel") and (*path[:-1], f"{stem}_lora_a") in flat:
+            # The kernel, its adapters and any other leaf of its own (a quantised scale),
+            # renamed to one projection "w" for `lora.merged`.
+            leaves = {
+                "w" + str(p[-1])[len(stem) :]: v
+                for p, v in flat.items()
+                if p[:-1] == path[:-1]
+                and str(p[-1]).startswith((f"{stem}_kernel", f"{stem}_lora_"))
+            }
+            x = _Adapted(leaves, shapes[path].shape)
+        out[path] = x
+
+    def fetch(x):
+        if isinstance(x, _Adapted):
+            x = lora.merged(x.leaves, config)[0]["w_kernel"]
+        return placement.to_host(x)
+
+    return traverse_util.unflatten_dict(out), base_config, fetch
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# Our projection name -> (its Flax module, the Hugging Face module it adapts).
+_PEFT_MODULES = {
+    "q": ("attn", "self_attn.q_proj"),
+    "k": ("attn", "self_attn.k_proj"),
+    "v": ("attn", "self_attn.v_proj"),
+    "o": ("attn", "self_attn.o_proj"),
+    "gate": ("mlp", "mlp.gate_proj"),
+    "up": ("mlp", "mlp.up_proj"),
+    "down": ("mlp", "mlp.down_proj"),
+}
+
+
+def peft_config(model_config: ModelConfig, source_dir: str) -> dict:
+    """`adapter_config.json` of the run's adapters on the checkpoint at `source_dir`."""
+    alpha = model_config.lora_alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": os.path.abspath(source_dir)
+        if paths.is_local(source_dir)
+        else str(source_dir),
+        "r": model_config.lora_rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "target_modules": sorted(
+            _PEFT_MODULES[t][1].split(".")[-1] for t in model_config.lora_targets
+        ),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def peft_tensors(params, model_config: ModelConfig, fetch=None):
+    """Yields (PEFT tensor name, [out, in] numpy array) of every adapter of `params`.
+
+    Our A [in..., r] is `lora_A.weight` [r, in] = A.reshape(-1, r).T and B [r, out...] is
+    `lora_B.weight` [out, r] = B.reshape(r, -1).T: the flattening of the kernels' head
+    axes is `hf_format.tensor_layout`'s (q: [E, H, D] -> [H*D, E]; o: [H, D, E] -> [E, H*D]).
+    """
+    fetch = fetch or placement.to_host
+    r = model_config.lora_rank
+    for i in range(model_config.num_layers):
+        for target in model_config.lora_targets:
+            module, hf_module = _PEFT_MODULES[target]
+            prefix = f"base_model.model.model.layers.{i}.{hf_module}"
+            layer = params[f"layers_{i}"][module]
+            a = np.asarray(fetch(layer[f"{target}_lora_a"]))
+            b = np.asarray(fetch(layer[f"{target}_lora_b"]))
+            yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a.reshape(-1, r).T)
+            yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(r, -1).T)
+
+
+def export_peft(
+    params,
+    model_config: ModelConfig,
+    source_dir: str,
+    out_dir,
+    *,
+    dtype: str = "bfloat16",
+) -> epath.Path:
+    """Writes the LoRA adapters of `params` at `out_dir` (which must not exist) as a PEFT
+    adapter of the Hugging Face checkpoint `source_dir` (which must be the base they were
+    trained on); returns `out_dir`. Every process calls it; process 0 writes."""
+    if not model_config.lora_rank:
+        raise ValueError("model_config: lora_rank is 0; a PEFT export needs LoRA adapters")
+    config = peft_config(model_config, source_dir)
+
+    def write(tmp, primary):
+        tensors = {
+            name: x.astype(as_dtype(dtype)) for name, x in peft_tensors(params, model_config)
+        }
+        if not primary:
+            return
+        save_file(tensors, os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, PEFT_CONFIG), "w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
+
+    return _export(out_dir, write)
+
+
+def _export(out_dir, write) -> epath.Path:
+    """Runs `write(tmp, primary)` into a hidden temporary directory (process 0's; "" on
+    the others, which take part in the gathers and write nothing), then manifests,
+    verifies and renames it to `out_dir`, which must not exist."""
     out = paths.as_path(out_dir)
     primary = jax.process_index() == 0
     if _agree(primary and out.exists()):
         raise CheckpointError(f"{out}: already exists; an export is never written over")
     try:
-        hf_config = hf.read_hf_config(source_dir)
         local = paths.is_local(out)
         parent = os.fspath(out.parent) if local else None
         if primary:
@@ -84,17 +251,7 @@ def export_params(
             tmp = tempfile.mkdtemp(prefix=f"{_TMP}{out.name}-", dir=parent)
         else:
             tmp = None
-        hf.save_pretrained(
-            params,
-            tmp or "",
-            config=model_config,
-            hf_config=hf_config,
-            dtype=dtype,
-            max_shard_size="2GB",
-            source_dir=source_dir,
-            fetch=placement.to_host,
-            write=primary,
-        )
+        write(tmp or "", primary)
         if not primary:
             return out
         tmp_path = epath.Path(tmp)

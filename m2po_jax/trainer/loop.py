@@ -121,6 +121,7 @@ class Trainer:
         self.async_rollouts: async_lib.AsyncRollouts | None = None
         self.stop = stopping.RunStop()
         self._warmup_resume: sft.Warmup | None = None
+        self._base_identity: dict | None = None  # `lora_base`'s, once computed
 
     def _jitted_step(self) -> StepFn:
         """The jitted train step (`setup.build_train_step`: what the benchmarks compile)."""
@@ -216,6 +217,7 @@ class Trainer:
                 queue=queue,
                 meta={"data_position": position, "sft_steps": self.sft_steps},
                 ref_params=self.ref_params,
+                base=self.lora_base(),
             )
         finally:
             if self.async_rollouts is not None:
@@ -230,9 +232,13 @@ class Trainer:
             return False
         if self.checkpointer.meta(step).get("warmup_unfinished"):
             return self._resume_warmup(step)
-        need_ref = self.cfg.actor.kl_ctl > 0
+        # (Under LoRA the reference is the model with its adapters off: none is saved.)
+        need_ref = self.cfg.actor.kl_ctl > 0 and not self.model_config.lora_rank
         restored = self.checkpointer.restore(
-            step, state_like=self.state, ref_like=self.state.params if need_ref else None
+            step,
+            state_like=self.state,
+            ref_like=self.state.params if need_ref else None,
+            base=self.lora_base(),
         )
         if jax.process_index() == 0:
             metrics_lib.say(f"resuming from checkpoint {self.checkpointer.step_dir(step)}")
@@ -245,6 +251,19 @@ class Trainer:
         self.sft_steps = restored["meta"]["sft_steps"]
         self.ref_params = restored["ref_params"]
         return True
+
+    def lora_base(self) -> dict | None:
+        """The frozen base's `checkpoint.base_identity` when checkpoints hold the LoRA
+        adapters alone: a LoRA run whose base is `model.path`'s weights as loaded (no
+        warm-up trained it, no `initial_params` replaced it), which a resume loads again.
+        None otherwise: the whole params are saved."""
+        if not (self.model_config.lora_rank and self.cfg.model.path):
+            return None
+        if self.warm_started or self.sft_steps:
+            return None
+        if self._base_identity is None:
+            self._base_identity = ckpt_lib.base_identity(self.cfg.model.path, self.state.params)
+        return self._base_identity
 
     def _resume_warmup(self, step: int) -> bool:
         """An unfinished warm-up (checkpoint 0): `_begin` continues it. Returns False (RL

@@ -21,7 +21,7 @@ from m2po_jax.common.types import PromptGroups
 from m2po_jax.learner import batching, memory
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import hf_format, lora
+from m2po_jax.models import hf_format, lora, quant
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
@@ -257,7 +257,9 @@ def lora_fields(m) -> dict:
     if not m.lora.rank:
         return {}
     targets = tuple(t.strip() for t in m.lora.targets.split(",") if t.strip())
-    return dict(lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=targets)
+    return dict(
+        lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=targets, lora_base=m.lora.base
+    )
 
 
 def _train_shapes(cfg: Config) -> tuple[int, int, int, int]:
@@ -397,7 +399,10 @@ def sampling_config(cfg: Config, tokenizer) -> sampling.SamplingConfig:
 
 
 def initial_params(run: RunSetup, rng: jax.Array):
-    """The checkpoint's params (`model.path`) or a random init, in the train shardings."""
+    """The checkpoint's params (`model.path`) or a random init, in the train shardings.
+
+    Under a quantised base (`model.lora.base` int8 / nf4) the checkpoint's adapted kernels
+    are quantised as loaded (`quant.quantize_base`; the random init does it itself)."""
     cfg = run.cfg
     if cfg.model.path:
         params = sharding.load_pretrained_sharded(
@@ -407,6 +412,7 @@ def initial_params(run: RunSetup, rng: jax.Array):
             sharding.TRAIN_RULES,
             dtype=cfg.model.param_dtype,
         )
+        params = quant.quantize_base(params, run.model_config)
         # New adapters (B = 0: the checkpoint's function), laid out like the rest.
         params = lora.add_adapters(params, run.model_config, rng)
         return jax.device_put(params, run.placement.train_params)

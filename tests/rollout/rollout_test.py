@@ -114,6 +114,7 @@ def _stand_in(tmp_path, queue):
         ref_params=None,
         checkpointer=ckpt_lib.Checkpointer(tmp_path, keep=2),
         async_rollouts=None,
+        lora_base=lambda: None,  # no LoRA: checkpoints hold the whole params
     )
 
 
