@@ -6,7 +6,8 @@
 For each preset on its hardware (the slices of `benchmarks/tpu_compile.py`), the trainer's
 own memory plan (`setup.memory_plan`, what `m2po-train` checks before it compiles, on the
 preset's mesh over the slice's devices: libtpu's deviceless topology, nothing allocated),
-full fine-tuning against LoRA on every projection at each rank: params, optimizer moments,
+full fine-tuning against LoRA on every projection at each rank (and QLoRA's int8 / nf4 bases
+at the first rank): params, optimizer moments,
 gradients, activations, and the total per chip, with the adapters' size (what an async run
 publishes per step). `--compile` also runs the compile-only check (`m2po-train
 --compile_only`, XLA's memory analysis of every program for the slice) per row: about ten
@@ -29,7 +30,7 @@ import tpu_compile  # noqa: E402
 GIB = 2**30
 
 
-def plan_row(preset: str, rank: int, targets: str) -> dict:
+def plan_row(preset: str, rank: int, targets: str, base: str = "float") -> dict:
     from m2po_jax import config as config_lib
     from m2po_jax.configs import gsm8k
     from m2po_jax.parallel import placement as placement_lib
@@ -39,7 +40,7 @@ def plan_row(preset: str, rank: int, targets: str) -> dict:
 
     topology, extra, _ = tpu_compile.RUNS[preset]
     c = gsm8k.get_config(preset)
-    changes = {"model.lora.rank": rank, "model.lora.targets": targets}
+    changes = {"model.lora.rank": rank, "model.lora.targets": targets, "model.lora.base": base}
     for flag in extra:  # --config.mesh.fsdp=4
         key, value = flag.removeprefix("--config.").split("=")
         changes[key] = int(value)
@@ -54,7 +55,7 @@ def plan_row(preset: str, rank: int, targets: str) -> dict:
         preset=preset,
         slice=topology,
         mesh=" x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1),
-        lora=f"r={rank}" if rank else "full",
+        lora=(f"r={rank}" + ("" if base == "float" else f", {base} base")) if rank else "full",
         adapters_mb=model_config.lora_params() * 4 / 1e6,
         plan=plan,
         hbm=tgt.hbm_bytes,
@@ -73,6 +74,7 @@ def main(argv=None) -> None:
     parser.add_argument("--presets", default="qwen2.5-7b,qwen3-8b")
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    parser.add_argument("--qlora", default="int8,nf4", help="quantised bases at the first rank")
     parser.add_argument("--compile", action="store_true", help="also run --compile_only")
     args = parser.parse_args(argv)
     print(
@@ -81,8 +83,11 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
-        for rank in [0, *map(int, args.ranks.split(","))]:
-            row = plan_row(preset, rank, args.targets)
+        ranks = [int(r) for r in args.ranks.split(",")]
+        rows = [(0, "float")] + [(r, "float") for r in ranks]
+        rows += [(ranks[0], b) for b in args.qlora.split(",") if b]
+        for rank, base in rows:
+            row = plan_row(preset, rank, args.targets, base)
             p = row["plan"]
             adapters = f"{row['adapters_mb']:.1f} MB" if rank else "-"
             print(

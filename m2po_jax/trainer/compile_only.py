@@ -439,10 +439,12 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         from m2po_jax.trainer import sft
 
         sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
-        opt_shape = jax.eval_shape(sft_tx.init, params_shape)
+        # What the warm-up trains: every param, or under LoRA the base (`sft.warmup_split`).
+        warm_shape = sft.warmup_split(params_shape)[0]
+        opt_shape = jax.eval_shape(sft_tx.init, warm_shape)
+        warm_shardings = sft.warmup_split(placement.train_params)[0]
         opt = _abstract(
-            opt_shape,
-            sharding.opt_state_shardings(opt_shape, placement.train_params, placement.mesh),
+            opt_shape, sharding.opt_state_shardings(opt_shape, warm_shardings, placement.mesh)
         )
         b = cfg.sft.batch_size
         add(

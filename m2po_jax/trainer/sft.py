@@ -35,20 +35,34 @@ def make_sft_step(model_config, tx, mesh=None):
     """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss).
 
     `mesh`: the run's train mesh, the devices the step is compiled for (`sharding.on_mesh`).
+    Under LoRA the warm-up trains the base (`warmup_split`); the adapters, which it leaves,
+    stay outside the jitted step (neither donated nor passed through it).
     """
 
-    def step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
-        trainable, frozen = _warmup_split(params)
-
+    def step(trainable, opt_state, frozen, tokens_BxT, valid_BxT, target_mask_BxT):
         def loss_fn(trainable):
             full = lora.merge(trainable, frozen)
             return sft_loss(full, model_config, tokens_BxT, valid_BxT, target_mask_BxT)
 
         loss, grads = jax.value_and_grad(loss_fn)(trainable)
         updates, opt_state = tx.update(grads, opt_state, trainable)
-        return lora.merge(optax.apply_updates(trainable, updates), frozen), opt_state, loss
+        return optax.apply_updates(trainable, updates), opt_state, loss
 
-    return jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0, 1))
+    jitted = jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0, 1))
+
+    def sft_step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
+        trainable, frozen = warmup_split(params)
+        trainable, opt_state, loss = jitted(
+            trainable, opt_state, frozen, tokens_BxT, valid_BxT, target_mask_BxT
+        )
+        return lora.merge(trainable, frozen), opt_state, loss
+
+    def lower(params, opt_state, *batch):  # the compile-only check lowers the jitted step
+        trainable, frozen = warmup_split(params)
+        return jitted.lower(trainable, opt_state, frozen, *batch)
+
+    sft_step.lower = lower
+    return sft_step
 
 
 def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -97,16 +111,16 @@ def init_opt_state(run: RunSetup, params) -> Any:
     (moments like the params, the step count replicated over the mesh: a scalar left on one
     device is not addressable by the other processes of a multi-process run)."""
     init = optimizer(run).init
-    trainable = _warmup_split(params)[0]
+    trainable = warmup_split(params)[0]
     shape = jax.eval_shape(init, trainable)
     placement = run.placement
     layout = sharding.opt_state_shardings(
-        shape, _warmup_split(placement.train_params)[0], placement.mesh
+        shape, warmup_split(placement.train_params)[0], placement.mesh
     )
     return jax.jit(init, out_shardings=layout)(trainable)
 
 
-def _warmup_split(params):
+def warmup_split(params):
     """(what the warm-up trains, what it leaves): everything, or under LoRA the base with
     the adapters left at zero. The warm-up makes the base model that RL then adapts (as a
     pretrained checkpoint would be): the KL reference is that base, adapters off."""

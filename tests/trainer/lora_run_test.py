@@ -24,6 +24,7 @@ def test_a_lora_run_learns_and_trains_the_adapters_alone(tmp_path):
         "total_steps": 50,
         "model.lora.rank": 8,
         "actor.optimizer.lr": 1e-3,  # LoRA wants about 10x full fine-tuning's rate
+        "rollout.batch_size": 32,  # half the full run's prompts per step (measured: +0.11)
         "eval.every": 0,  # steps 0 and 49
         "sft.eval_every": 50,
         "checkpoint.every": 0,
