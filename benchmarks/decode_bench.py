@@ -105,21 +105,11 @@ def engines(case: Case, max_new: int) -> list[engine_lib.RolloutEngine]:
 
 
 def run(engine, params, tokens, valid, case: Case, key) -> dict:
-    """One pass over every prompt (static: batches of slots // n_samples prompts)."""
-    step = case.slots // case.n_samples if engine.name == "static" else tokens.shape[0]
-    start = time.perf_counter()
-    steps, lengths = 0, []
-    for first in range(0, tokens.shape[0], step):
-        g = engine.generate(
-            params,
-            tokens[first : first + step],
-            valid[first : first + step],
-            jax.random.fold_in(key, first),
-            n_samples=case.n_samples,
-        )
-        lengths.append(np.asarray(jax.device_get(g.out.completion_len_B)))
-        steps += g.decode_steps
-    return dict(seconds=time.perf_counter() - start, steps=steps, lengths=np.concatenate(lengths))
+    """One pass over every prompt (static: batches of slots // n_samples prompts):
+    rollout_bench's `run_side`, the path both benchmarks time."""
+    return rollout_bench.run_side(
+        engine, params, tokens, valid, case.n_samples, case.slots // case.n_samples, key
+    )
 
 
 def floor_work(case: Case, valid: np.ndarray, lengths: np.ndarray) -> tuple[float, float]:
@@ -167,12 +157,12 @@ def main(argv=None) -> None:
                 pre = run(prefill, params, tokens, valid, case, key)
                 if r < 0:
                     continue
-                step_s = (res["seconds"] - pre["seconds"]) / res["steps"]
+                step_s = (res["seconds"] - pre["seconds"]) / res["decode_steps"]
                 if engine.name not in best or step_s < best[engine.name][0]:
                     best[engine.name] = (step_s, res)
         for engine_name, (step_s, res) in best.items():
             flops, kv_bytes = floor_work(case, valid, res["lengths"])
-            steps = res["steps"]
+            steps = res["decode_steps"]
             flop_s, byte_s = flops / peak / steps, (kv_bytes / steps + weight_bytes) / bandwidth
             floor = max(flop_s, byte_s)
             bound = "FLOPs" if flop_s >= byte_s else "bytes"

@@ -117,6 +117,7 @@ def run_side(engine, params, tokens, valid, n_samples: int, batch_prompts: int, 
         idle=1.0 - live / max(slot_steps, 1),
         mean_len=float(lengths.mean()),
         max_len=int(lengths.max()),
+        lengths=lengths,
     )
 
 
