@@ -170,12 +170,14 @@ class _Slots:
     last_token_S: jax.Array
     prompt_len_S: jax.Array
     live_S: jax.Array  # bool: the slot's sequence is still generating
+    held_S: jax.Array  # bool: the slot's episode ended a turn and waits for the host (turns)
     next_job_1: jax.Array  # int32 [1]: the next sequence to start (of this device's)
     unit_J: jax.Array  # int32: the unit (batch of a stream) of each sequence: its key
     seq_id_J: jax.Array  # int32: each sequence's id within its unit (the key's fold)
     tokens_JxN: jax.Array
     logp_JxN: jax.Array
     valid_JxN: jax.Array
+    sampled_JxN: jax.Array  # bool: drawn by the policy (not appended by the host)
     version_JxN: jax.Array
     stopped_J: jax.Array
     done_J: jax.Array
@@ -385,14 +387,181 @@ class ContinuousEngine(RolloutEngine):
                 updates += 1
                 prefixes = programs["prefill"](params, tokens, valid, jnp.int32(version))
 
-    def _compiled(self, n_samples: int, slots: int, lanes: int) -> dict:
+    def _compiled(self, n_samples: int, slots: int, lanes: int, extra: int = 0) -> dict:
         """The engine's jitted programs for these sizes (built once, reused)."""
-        key = (n_samples, slots, lanes)
+        key = (n_samples, slots, lanes, extra)
         if key not in self._programs:
             self._programs[key] = _programs(
-                self.model_config, self.sampling, n_samples, slots, lanes, self.mesh
+                self.model_config, self.sampling, n_samples, slots, lanes, self.mesh, extra
             )
         return self._programs[key]
+
+    def episodes(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        on_turns: Callable[[list[Turn]], list[list[int] | None]],
+        *,
+        n_samples: int = 1,
+        version: int = 0,
+        weights: WeightSource | None = None,
+        max_append: int = 256,
+    ) -> Generation:
+        """Multi-turn episodes: `generate` where a sequence's stop token ends a turn, not
+        the sequence (token in, token out: the host never re-renders the history).
+
+        A slot whose turn ends (a stop token, or the completion budget) is held; the
+        engine hands the held turns to `on_turns`, which answers each with the token ids
+        to append (a tool's answer and the next turn's header: the slot resumes, its cache
+        extended by one prefill of those tokens) or None (the episode ends; its slot takes
+        the next queued sequence). Other slots wait meanwhile. Appended tokens are
+        completion tokens with validity but no loss mask (`completion_mask_BxT` marks
+        the sampled ones) and version -1. An append must fit the turn's `room`.
+        `max_append`: the most tokens one append may add (cache columns kept free).
+        """
+        if self.mesh is not None:
+            raise ValueError(
+                "rollout engine: multi-turn episodes run on one device per rollout process "
+                "(the engine has a mesh)"
+            )
+        if int(max_append) < 1:
+            raise ValueError(f"max_append: must be >= 1, got {max_append}")
+        sampling.check_inputs(
+            self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
+        )
+        keys_U = _typed(rng)[None]
+        prompts = np.shape(prompt_tokens_BxP)[0]
+        jobs = prompts * n_samples
+        slots, lanes = self.sizes(jobs)
+        extra = int(max_append)
+        programs = self._compiled(n_samples, slots, lanes, extra)
+        prefixes = programs["prefill"](
+            params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)
+        )
+        ids = jnp.arange(jobs, dtype=jnp.int32)
+        state = programs["start"](prefixes, keys_U, ids * 0, ids)
+        turn_start = np.zeros(jobs, np.int64)  # where each sequence's current turn began
+        steps = np.int32(self.chunk_steps if weights is not None else 2**30)
+        updates = 0
+        while True:
+            state = programs["run"](params, state, prefixes, keys_U, steps)
+            held_S, job_S, step_S = _host((state.held_S, state.job_S, state.step_S))
+            slot_H = np.flatnonzero(np.asarray(held_S))
+            if slot_H.size:
+                turns = self._held_turns(state, slot_H, job_S, step_S, turn_start, extra)
+                answers = list(on_turns(turns))
+                state = self._answer(
+                    programs, params, prefixes.version, state, keys_U, slot_H, turns, answers, extra
+                )
+                for t, delta in zip(turns, answers, strict=True):
+                    if delta is not None:  # the next turn starts after the appended tokens
+                        turn_start[t.row] = t.start + len(t.tokens) + len(delta)
+            elif bool(_host(programs["finished"](state))):
+                break
+            newer = None if weights is None else weights()
+            if newer is not None and int(newer[1]) != int(version):
+                params, version = newer
+                updates += 1
+                prefixes = programs["prefill"](
+                    params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)
+                )
+        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
+        version_BxN, (decode_steps, live_steps) = _host((version_BxN, counters))
+        return Generation(
+            out=out,
+            version_BxN=np.asarray(version_BxN, np.int32),
+            decode_steps=int(np.max(decode_steps)),
+            slot_steps=int(np.sum(decode_steps)) * slots,
+            live_steps=int(np.sum(live_steps)),
+            weight_updates=updates,
+        )
+
+    def _held_turns(self, state, slot_H, job_S, step_S, turn_start, extra) -> list[Turn]:
+        """The turns that ended in the held slots `slot_H`."""
+        tokens_JxN = np.asarray(_host(state.tokens_JxN))
+        stop_ids = set(self.sampling.stop_token_ids)
+        new = self.sampling.max_new_tokens
+        turns = []
+        for slot in slot_H:
+            row, step = int(job_S[slot]), int(step_S[slot])
+            start = int(turn_start[row])
+            turns.append(
+                Turn(
+                    row=row,
+                    tokens=tokens_JxN[row, start:step].tolist(),
+                    cut=int(tokens_JxN[row, step - 1]) not in stop_ids,
+                    room=max(0, min(new - step - 1, extra)),
+                    start=start,
+                )
+            )
+        return turns
+
+    def _answer(self, programs, params, version, state, keys_U, slot_H, turns, answers, extra):
+        """Ends the held slots answered None and appends the others' tokens (the next
+        turn's first token drawn under `version`, the weights' policy version)."""
+        if len(answers) != len(turns):
+            raise ValueError(f"on_turns: expected {len(turns)} answers, got {len(answers)}")
+        slots = state.job_S.shape[0]
+        ends, goes = [], []
+        for slot, turn, delta in zip(slot_H, turns, answers, strict=True):
+            if delta is None:
+                ends.append((slot, turn))
+            elif not 1 <= len(delta) <= turn.room:
+                raise ValueError(
+                    f"on_turns: row {turn.row} appends {len(delta)} tokens; its room is "
+                    f"1..{turn.room}"
+                )
+            else:
+                goes.append((slot, list(delta)))
+        if ends:
+            slot_L = _lanes([slot for slot, _ in ends], slots)
+            stopped_L = np.zeros(slot_L.size, bool)
+            stopped_L[: len(ends)] = [not turn.cut for _, turn in ends]
+            state = programs["release"](state, slot_L, stopped_L)
+        if goes:
+            slot_L = _lanes([slot for slot, _ in goes], slots)
+            width = _bucket(max(len(delta) for _, delta in goes), extra)
+            delta_LxM = np.full((slot_L.size, width), self.sampling.pad_id, np.int32)
+            len_L = np.zeros(slot_L.size, np.int32)
+            for i, (_, delta) in enumerate(goes):
+                delta_LxM[i, : len(delta)] = delta
+                len_L[i] = len(delta)
+            state = programs["append"](params, state, keys_U, slot_L, delta_LxM, len_L, version)
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """A turn that ended in a held slot (`ContinuousEngine.episodes`).
+
+    Attributes:
+      row: the sequence's output row (prompt b's samples are rows b * n .. b * n + n - 1).
+      tokens: the turn's tokens, its stop token included when it has one.
+      cut: the turn ended at the completion budget, not at a stop token.
+      room: the most tokens an append may add (the budget left for them and one drawn
+        token, within `max_append`); 0 = none fit.
+    """
+
+    row: int
+    tokens: list[int]
+    cut: bool
+    room: int
+    start: int = 0  # the turn's first token's index in the row's completion
+
+
+def _lanes(slots: list[int], count: int) -> np.ndarray:
+    """Slot indices padded with `count` (unused) to a power of two (few compiled shapes)."""
+    size = min(1 << max(len(slots) - 1, 0).bit_length(), count)
+    lanes = np.full(max(size, len(slots)), count, np.int32)
+    lanes[: len(slots)] = slots
+    return lanes
+
+
+def _bucket(n: int, cap: int) -> int:
+    """The append width for `n` tokens: a power of two from 8, at most `cap`."""
+    return min(max(8, 1 << (n - 1).bit_length()), cap)
 
 
 def _typed(rng):
@@ -478,11 +647,13 @@ def _sequence_keys(keys_U, state, job_L, step_L):
     return fold(fold(keys_U[state.unit_J[job_L]], state.seq_id_J[job_L]), step_L)
 
 
-def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_config):
+def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_config, extra=0):
+    """Free slots; `extra` cache columns past the completion's (turns: room for a padded
+    append near the end of an episode's budget)."""
     jobs = seq_id_J.shape[0]
     width = prefixes.valid_QxP.shape[1]
     new = sampling_config.max_new_tokens
-    cache = model_lib.init_cache(model_config, slots, width + new)
+    cache = model_lib.init_cache(model_config, slots, width + new + extra)
     # An empty slot sees one (zero) key column, so its unused attention row stays finite.
     cache = cache.replace(valid_BxS=cache.valid_BxS.at[:, 0].set(True))
     zeros_S = jnp.zeros(slots, jnp.int32)
@@ -493,12 +664,14 @@ def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_
         last_token_S=zeros_S + sampling_config.pad_id,
         prompt_len_S=zeros_S + 1,
         live_S=jnp.zeros(slots, bool),
+        held_S=jnp.zeros(slots, bool),
         next_job_1=jnp.zeros(1, jnp.int32),
         unit_J=unit_J.astype(jnp.int32),
         seq_id_J=seq_id_J.astype(jnp.int32),
         tokens_JxN=jnp.full((jobs, new), sampling_config.pad_id, jnp.int32),
         logp_JxN=jnp.zeros((jobs, new), jnp.float32),
         valid_JxN=jnp.zeros((jobs, new), bool),
+        sampled_JxN=jnp.zeros((jobs, new), bool),
         version_JxN=jnp.zeros((jobs, new), jnp.int32) + prefixes.version,
         stopped_J=jnp.zeros(jobs, bool),
         done_J=jnp.zeros(jobs, bool),
@@ -507,26 +680,36 @@ def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_
     )
 
 
-def _write_tokens(state: _Slots, job_L, step_L, token_L, logp_L, version, stop_L, ends_L):
-    """Writes each lane's token into its sequence's row (lanes with job J are dropped)."""
+def _write_tokens(
+    state: _Slots, job_L, step_L, token_L, logp_L, version, stop_L, ends_L, *, turns=False
+):
+    """Writes each lane's sampled token into its sequence's row (lanes with job J are
+    dropped). With `turns` a sequence's end is its turn's: the host ends the episode."""
     at = (job_L, step_L)
-    return state.replace(
+    state = state.replace(
         tokens_JxN=state.tokens_JxN.at[at].set(token_L, mode="drop"),
         logp_JxN=state.logp_JxN.at[at].set(logp_L, mode="drop"),
         valid_JxN=state.valid_JxN.at[at].set(True, mode="drop"),
+        sampled_JxN=state.sampled_JxN.at[at].set(True, mode="drop"),
         version_JxN=state.version_JxN.at[at].set(version, mode="drop"),
+    )
+    if turns:
+        return state
+    return state.replace(
         stopped_J=state.stopped_J.at[job_L].max(stop_L, mode="drop"),
         done_J=state.done_J.at[job_L].max(ends_L, mode="drop"),
     )
 
 
-def _insert(state: _Slots, prefixes: _Prefixes, keys_U, lanes, n_samples, sampling_config):
+def _insert(
+    state: _Slots, prefixes: _Prefixes, keys_U, lanes, n_samples, sampling_config, turns=False
+):
     """Starts up to `lanes` queued sequences in free slots: copies their prompt's prefill
     into the slot's cache row (clearing the rest of the row) and draws their first token."""
     slots = state.job_S.shape[0]
     jobs = state.done_J.shape[0]
     width = prefixes.valid_QxP.shape[1]
-    free_S = ~state.live_S
+    free_S = ~state.live_S & ~state.held_S
     (slot_L,) = jnp.nonzero(free_S, size=lanes, fill_value=slots)
     job_L = state.next_job_1[0] + jnp.arange(lanes, dtype=jnp.int32)
     use_L = (slot_L < slots) & (job_L < jobs)
@@ -553,8 +736,10 @@ def _insert(state: _Slots, prefixes: _Prefixes, keys_U, lanes, n_samples, sampli
     stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
     ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
     state = _write_tokens(
-        state, job_L, zero_L, token_L, logp_L, prefixes.version, use_L & stop_L, ends_L
+        state, job_L, zero_L, token_L, logp_L, prefixes.version, use_L & stop_L, ends_L, turns=turns
     )
+    if turns:
+        state = state.replace(held_S=state.held_S.at[slot_L].set(ends_L, mode="drop"))
     return state.replace(
         cache=cache,
         job_S=state.job_S.at[slot_L].set(job_L, mode="drop"),
@@ -568,9 +753,11 @@ def _insert(state: _Slots, prefixes: _Prefixes, keys_U, lanes, n_samples, sampli
     )
 
 
-def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_config):
-    """One token for every live slot, written into its sequence's row."""
-    width = state.cache.valid_BxS.shape[1] - sampling_config.max_new_tokens
+def _decode(
+    state: _Slots, params, keys_U, version, *, model_config, sampling_config, width, turns=False
+):
+    """One token for every live slot, written into its sequence's row (`width`: the
+    prompts' columns). With `turns` a slot whose turn ends is held for the host."""
     live_S = state.live_S
     total = state.cache.valid_BxS.shape[1]
     column_S = jnp.where(live_S, width + state.step_S - 1, total)
@@ -595,7 +782,11 @@ def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_co
     )
     stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
     ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
-    state = _write_tokens(state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S)
+    state = _write_tokens(
+        state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S, turns=turns
+    )
+    if turns:
+        state = state.replace(held_S=state.held_S | ends_S)
     return state.replace(
         cache=cache,
         step_S=state.step_S + live_S,
@@ -606,20 +797,34 @@ def _decode(state: _Slots, params, keys_U, version, *, model_config, sampling_co
     )
 
 
-def _run(params, state, prefixes, keys_U, max_steps, *, model_config, sampling_config, lanes, n):
-    """Insert, then decode, until every sequence is done or `max_steps` decode steps ran."""
+def _run(
+    params,
+    state,
+    prefixes,
+    keys_U,
+    max_steps,
+    *,
+    model_config,
+    sampling_config,
+    lanes,
+    n,
+    turns=False,
+):
+    """Insert, then decode, until every sequence is done or `max_steps` decode steps ran
+    (with `turns`: or until a slot's turn ended, for the host to take it)."""
     first = state.decode_steps_1[0]
 
     def cond(state):
-        return ~_finished(state) & (state.decode_steps_1[0] - first < max_steps)
+        go = ~_finished(state) & (state.decode_steps_1[0] - first < max_steps)
+        return go & ~jnp.any(state.held_S) if turns else go
 
     def body(state):
         # Most steps free no slot: skip the insert's gathers and scatters then.
         jobs = state.done_J.shape[0] // state.next_job_1.shape[0]
-        refill = jnp.any(~state.live_S) & (state.next_job_1[0] < jobs)
+        refill = jnp.any(~state.live_S & ~state.held_S) & (state.next_job_1[0] < jobs)
         state = jax.lax.cond(
             refill,
-            lambda s: _insert(s, prefixes, keys_U, lanes, n, sampling_config),
+            lambda s: _insert(s, prefixes, keys_U, lanes, n, sampling_config, turns),
             lambda s: s,
             state,
         )
@@ -630,6 +835,8 @@ def _run(params, state, prefixes, keys_U, max_steps, *, model_config, sampling_c
             prefixes.version,
             model_config=model_config,
             sampling_config=sampling_config,
+            width=prefixes.valid_QxP.shape[1],
+            turns=turns,
         )
 
     return jax.lax.while_loop(cond, body, state)
@@ -638,7 +845,7 @@ def _run(params, state, prefixes, keys_U, max_steps, *, model_config, sampling_c
 def _finished(state: _Slots) -> jax.Array:
     """Every sequence started and ended (on every device, for a sharded state)."""
     jobs = state.done_J.shape[0] // state.next_job_1.shape[0]
-    return ~jnp.any(state.live_S) & jnp.all(state.next_job_1 >= jobs)
+    return ~jnp.any(state.live_S | state.held_S) & jnp.all(state.next_job_1 >= jobs)
 
 
 def _finish(state: _Slots, tokens_QxP, valid_QxP, *, n_samples: int):
@@ -653,7 +860,7 @@ def _finish(state: _Slots, tokens_QxP, valid_QxP, *, n_samples: int):
         behav_logp_BxT=jnp.concatenate(
             [jnp.zeros((rows, width), jnp.float32), state.logp_JxN], axis=1
         ),
-        completion_mask_BxT=jnp.concatenate([jnp.zeros((rows, width), bool), state.valid_JxN], 1),
+        completion_mask_BxT=jnp.concatenate([jnp.zeros((rows, width), bool), state.sampled_JxN], 1),
         prompt_len_B=jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32),
         completion_len_B=completion_len_B,
         stopped_B=state.stopped_J,
@@ -662,22 +869,166 @@ def _finish(state: _Slots, tokens_QxP, valid_QxP, *, n_samples: int):
     return out, state.version_JxN, (state.decode_steps_1, state.live_steps_1)
 
 
-def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh) -> dict:
+def _append(
+    params,
+    state: _Slots,
+    keys_U,
+    slot_L,
+    delta_LxM,
+    len_L,
+    version,
+    *,
+    model_config,
+    sampling_config,
+    extra: int,
+):
+    """Appends host tokens to held slots' sequences and resumes them (multi-turn).
+
+    Lane l (slot `slot_L[l]`, out of range = unused) takes `delta_LxM[l, :len_L[l]]`
+    (a tool's answer and the next turn's header, rendered by the host): they are written
+    into its sequence's row as appended tokens (not sampled, version -1), run through the
+    model with the turn's pending last token into the slot's cache row (one prefill of
+    len + 1 tokens at the row's own column: the history is never recomputed), and the
+    next turn's first token is drawn from the last one's logits. The host guarantees
+    that step + len < max_new_tokens and len <= M <= `extra` (the cache's columns past
+    the completion's).
+    """
+    slots = state.job_S.shape[0]
+    jobs, new = state.tokens_JxN.shape
+    lanes, m = delta_LxM.shape
+    total = state.cache.valid_BxS.shape[1]
+    width = total - new - extra
+    use_L = slot_L < slots
+    s_L = jnp.minimum(slot_L, slots - 1)
+    job_L = jnp.where(use_L, state.job_S[s_L], jobs)
+    step_L = state.step_S[s_L]  # the sequence's tokens; its last is not in the cache yet
+    t_M = jnp.arange(m, dtype=jnp.int32)
+    at = (job_L[:, None], step_L[:, None] + t_M[None])
+    real_LxM = use_L[:, None] & (t_M[None] < len_L[:, None])
+    drop = jnp.where(real_LxM, at[0], jobs)  # padding lanes and columns are dropped
+    state = state.replace(
+        tokens_JxN=state.tokens_JxN.at[drop, at[1]].set(delta_LxM, mode="drop"),
+        valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),
+    )
+    tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
+    t_T = jnp.arange(m + 1, dtype=jnp.int32)
+    valid_LxT = t_T[None] <= len_L[:, None]
+    positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]
+    column_L = width + step_L - 1
+
+    def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
+        cache = model_lib.KVCache(
+            k=tuple(k[None] for k in k_rows),
+            v=tuple(v[None] for v in v_rows),
+            valid_BxS=valid_row[None],
+        )
+        hidden_1xTxE, cache = model_lib.apply(
+            params,
+            model_config,
+            tokens_T[None],
+            positions_T[None],
+            valid_T[None],
+            cache,
+            column,
+            hidden_only=True,
+        )
+        return (
+            hidden_1xTxE[0],
+            tuple(k[0] for k in cache.k),
+            tuple(v[0] for v in cache.v),
+            cache.valid_BxS[0],
+        )
+
+    rows = lambda x: x[s_L]
+    hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(
+        tuple(map(rows, state.cache.k)),
+        tuple(map(rows, state.cache.v)),
+        rows(state.cache.valid_BxS),
+        tokens_LxT,
+        positions_LxT,
+        valid_LxT,
+        column_L,
+    )
+    put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
+    cache = model_lib.KVCache(
+        k=tuple(map(put, state.cache.k, k_rows)),
+        v=tuple(map(put, state.cache.v, v_rows)),
+        valid_BxS=put(state.cache.valid_BxS, valid_rows),
+    )
+    last_LxE = hidden_LxTxE[jnp.arange(lanes), len_L]
+    logits_LxV = model_lib.dense(last_LxE, model_lib.head_weight(params, model_config))
+    step_L = step_L + len_L  # the drawn token's index
+    token_L, logp_L = sampling.sample_token(
+        logits_LxV.astype(jnp.float32),
+        _sequence_keys(keys_U, state, job_L, step_L),
+        sampling_config,
+    )
+    stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
+    ends_L = stop_L | (step_L + 1 >= new)
+    state = _write_tokens(
+        state, job_L, step_L, token_L, logp_L, version, stop_L, ends_L, turns=True
+    )
+    return state.replace(
+        cache=cache,
+        step_S=state.step_S.at[slot_L].set(step_L + 1, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_L].set(token_L, mode="drop"),
+        live_S=state.live_S.at[slot_L].set(~ends_L, mode="drop"),
+        held_S=state.held_S.at[slot_L].set(ends_L, mode="drop"),
+    )
+
+
+def _release(state: _Slots, slot_L, stopped_L):
+    """Ends the episodes in held slots `slot_L` (out of range = unused): their sequences
+    are done (`stopped_L`: ended as the episode should, not cut by a budget) and their
+    slots free for the next queued sequence."""
+    slots = state.job_S.shape[0]
+    jobs = state.done_J.shape[0]
+    use_L = slot_L < slots
+    job_L = jnp.where(use_L, state.job_S[jnp.minimum(slot_L, slots - 1)], jobs)
+    return state.replace(
+        held_S=state.held_S.at[slot_L].set(False, mode="drop"),
+        job_S=state.job_S.at[slot_L].set(jobs, mode="drop"),
+        stopped_J=state.stopped_J.at[job_L].set(stopped_L, mode="drop"),
+        done_J=state.done_J.at[job_L].set(True, mode="drop"),
+    )
+
+
+def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh, extra=0) -> dict:
     """The jitted phases; with a mesh, prefill / start / run are `shard_map`s: one engine
-    per device over its block of prompts, with its own slots and its own loop."""
+    per device over its block of prompts, with its own slots and its own loop.
+
+    `extra` > 0: multi-turn episodes (`ContinuousEngine.episodes`): the cache has `extra`
+    columns for the host's appends, a slot whose turn ends is held, and "append" /
+    "release" resume or end held slots (one device only)."""
     statics = dict(model_config=model_config, sampling_config=sampling_config)
+    turns = extra > 0
     prefill = functools.partial(_prefill, **statics)
-    run = functools.partial(_run, **statics, lanes=lanes, n=n_samples)
+    run = functools.partial(_run, **statics, lanes=lanes, n=n_samples, turns=turns)
     axes = None if mesh is None else row_axes(mesh)
 
     def start(prefixes, keys_U, unit_J, seq_id_J):
-        state = _empty_slots(prefixes, slots, unit_J, seq_id_J, model_config, sampling_config)
-        return _insert(state, prefixes, keys_U, slots, n_samples, sampling_config)
+        state = _empty_slots(
+            prefixes, slots, unit_J, seq_id_J, model_config, sampling_config, extra
+        )
+        return _insert(state, prefixes, keys_U, slots, n_samples, sampling_config, turns)
 
     programs = {
         "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
         "finished": jax.jit(_finished),
     }
+    if turns:
+        if mesh is not None:
+            raise ValueError("rollout engine: multi-turn episodes run on one device (mesh=None)")
+        return programs | {
+            "prefill": jax.jit(prefill),
+            "start": jax.jit(start),
+            "run": jax.jit(run, donate_argnums=(1,)),
+            "append": jax.jit(
+                functools.partial(_append, **statics, extra=extra), donate_argnums=(1,)
+            ),
+            "release": jax.jit(_release, donate_argnums=(0,)),
+        }
     if mesh is None:
         return programs | {
             "prefill": jax.jit(prefill),

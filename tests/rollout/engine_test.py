@@ -212,3 +212,69 @@ def test_decode_steps_read_the_written_columns_only_and_agree_with_a_full_forwar
     )
     _assert_same_rollouts(got.out, want)
     assert {16, 30} <= set(taken)  # traced: both branches of both decode loops
+
+
+# ------------------------------------------------------------------ multi-turn episodes
+
+STOPS = tuple(range(1, 90, 9))  # ~1 in 9 draws ends a turn
+
+
+def _episodes(params, engine, key=0, appends=2):
+    """Episodes whose turns get `appends` host answers of 3 tokens each, then end; returns
+    the generation and, per row, the turns the host saw and what it appended."""
+    seen = {}
+
+    def on_turns(turns):
+        answers = []
+        for turn in turns:
+            past = seen.setdefault(turn.row, [])
+            delta = [turn.row % 50 + 1, 91, 92 + len(past)]
+            go = len(past) < appends and not turn.cut and turn.room >= len(delta)
+            past.append((turn.start, list(turn.tokens), delta if go else None))
+            answers.append(delta if go else None)
+        return answers
+
+    got = engine.episodes(
+        params, TOKENS, VALID, jax.random.key(key), on_turns, n_samples=N, version=3, max_append=8
+    )
+    return got, seen
+
+
+def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attended(params):
+    settings = sampling.SamplingConfig(
+        max_new_tokens=40, temperature=0.8, pad_id=PAD, stop_token_ids=STOPS
+    )
+    engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4)
+    got, seen = _episodes(params, engine)
+    out = got.out
+    tokens, valid = np.asarray(out.tokens_BxT)[:, WIDTH:], np.asarray(out.valid_BxT)[:, WIDTH:]
+    sampled = np.asarray(out.completion_mask_BxT)[:, WIDTH:]
+    assert sorted(seen) == list(range(2 * len(PROMPTS)))
+    appended_any = 0
+    for row, turns in seen.items():
+        mine = np.zeros(40, bool)
+        for start, turn_tokens, delta in turns:
+            end = start + len(turn_tokens)
+            # The host saw the turn's sampled tokens, in place in the row.
+            np.testing.assert_array_equal(tokens[row, start:end], turn_tokens)
+            assert sampled[row, start:end].all()
+            if delta is not None:
+                np.testing.assert_array_equal(tokens[row, end : end + 3], delta)
+                mine[end : end + 3] = True
+                appended_any += 1
+        # Appended tokens: valid, never sampled (no loss), version -1; the rest version 3.
+        np.testing.assert_array_equal(valid[row] & ~sampled[row], mine)
+        np.testing.assert_array_equal(got.version_BxN[row][mine], -1)
+        np.testing.assert_array_equal(got.version_BxN[row][valid[row] & ~mine], 3)
+        last_start, last_tokens, last_delta = turns[-1]
+        assert last_delta is None and valid[row].sum() == last_start + len(last_tokens)
+        assert bool(out.stopped_B[row]) == (last_tokens[-1] in STOPS)
+    assert appended_any >= 20
+    # The behaviour log-probs are the teacher-forced forward's on the whole trajectory
+    # (prompt, sampled turns and appended answers, as one sequence).
+    mask = np.asarray(out.completion_mask_BxT)
+    expected = _teacher_forced_logp(params, out, 0.8)
+    np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
+    # A sequence's draws depend on its id, not on its slot.
+    other = engine_lib.ContinuousEngine(CONFIG, settings, slots=8, insert_lanes=1)
+    np.testing.assert_array_equal(_episodes(params, other)[0].out.tokens_BxT, out.tokens_BxT)
