@@ -178,6 +178,57 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/rollout/worker_test.py", "exception"),),
         "a generator error overtakes the batches made before it (they are lost)",
     ),
+    # ------------------------------------------------------------------ multi-turn episodes
+    Mutant(
+        "episodes-appended-tokens-trained",
+        "m2po_jax/rollout/engine.py",
+        'valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),',
+        'valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),\n'
+        '        sampled_JxN=state.sampled_JxN.at[drop, at[1]].set(True, mode="drop"),',
+        (T("tests/rollout/episodes_test.py", "rows"),),
+        "a tool's appended answer is marked sampled: its tokens enter the loss mask",
+    ),
+    Mutant(
+        "episodes-appended-version-is-the-policy",
+        "m2po_jax/rollout/engine.py",
+        'version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),',
+        'version_JxN=state.version_JxN.at[drop, at[1]].set(version, mode="drop"),',
+        (T("tests/rollout/engine_test.py", "turns"),),
+        "appended tokens get the policy's version, as if sampled (staleness counts them)",
+    ),
+    Mutant(
+        "episodes-append-positions-shifted",
+        "m2po_jax/rollout/engine.py",
+        "positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]",
+        "positions_LxT = (state.prompt_len_S[s_L] + step_L)[:, None] + t_T[None]",
+        (T("tests/rollout/engine_test.py", "turns"),),
+        "the appended tokens are run one RoPE position too far: the cache disagrees with a "
+        "forward over the row",
+    ),
+    Mutant(
+        "episodes-env-reward-ignored",
+        "m2po_jax/rollout/batches.py",
+        "batch = episodes_lib.with_env_rewards(batch, sampled.episodes)",
+        "batch = batch",
+        (T("tests/rollout/episodes_test.py", "rows or malformed"),),
+        "the environment's own rewards (and the malformed-call reward) are dropped",
+    ),
+    Mutant(
+        "episodes-max-turns-ignored",
+        "m2po_jax/rollout/episodes.py",
+        "if episode.turns >= agent.max_turns:",
+        "if False:",
+        (T("tests/rollout/episodes_test.py", "budgets"),),
+        "agent.max_turns is not enforced",
+    ),
+    Mutant(
+        "sft-appended-segments-trained",
+        "m2po_jax/trainer/sft.py",
+        "t += [trained] * len(ids)",
+        "t += [True] * len(ids)",
+        (T("tests/rollout/episodes_test.py", "warm_up"),),
+        "the warm-up trains on the tokens an environment appended, not only the assistant's",
+    ),
     # ------------------------------------------------------------------ LoRA
     Mutant(
         "lora-base-trains",
@@ -263,8 +314,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "engine-inflight-keeps-old-version",
         "m2po_jax/rollout/engine.py",
-        "params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)",
-        "params, prompt_tokens_BxP, prompt_valid_BxP, version_",
+        "# in flight keep their cache and go on under the new weights.\n"
+        '                    prefixes = programs["prefill"](\n'
+        "                        params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)",
+        "# in flight keep their cache and go on under the new weights.\n"
+        '                    prefixes = programs["prefill"](\n'
+        "                        params, prompt_tokens_BxP, prompt_valid_BxP, version_",
         (T("tests/rollout/engine_test.py", "flight"),),
         "tokens drawn after an in-flight update are recorded under the old version",
     ),

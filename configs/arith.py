@@ -9,8 +9,9 @@ Presets: m2po, grpo, stale_grpo, paper (the paper's variant: m2 against the curr
 policy, <= rule, no epsilon clip, loss over all valid tokens), authors (the authors'
 code: harmful tokens, capped-mean clip range), paper_final (the published ICLR 2026 M2PO:
 harmful-quadrant candidates, <= rule over the whole batch, -exp(log r) * A without clip;
-m2po_jax/algorithm/variants.py), tiny (a seconds-long wiring check for tests: too small and too short
-to learn anything, and no plots; its held-out accuracy stays 0).
+m2po_jax/algorithm/variants.py), calculator (multi-turn tool use: a calculator the policy
+learns to call; m2po_jax/tasks/calculator.py), tiny (a seconds-long wiring check for tests:
+too small and too short to learn anything, and no plots; its held-out accuracy stays 0).
 """
 
 import ml_collections
@@ -48,6 +49,25 @@ def _authors(c):
     variants.configure(c.actor, "authors")
 
 
+def _calculator(c):
+    """Multi-turn tool use: products of 2-3 digit numbers with a calculator tool the policy
+    may call, "(347*86)", whose answer is appended to the episode (m2po_jax/tasks/calculator.py).
+    The warm-up shows the call in a tenth of its examples; RL learns to use it."""
+    c.actor.m2_threshold = 0.04
+    c.task.name = "calculator"
+    c.task.ops = "*"
+    c.task.min_digits = 2
+    c.task.max_digits = 3
+    c.task.max_prompt_len = 10  # BOS and "347*86=": 9 tokens at most
+    c.task.tool_demos = 0.1
+    c.gconfig.max_new_tokens = 24  # "(347*86)" EOS "29842=" "29842" EOS: 21 at most
+    c.agent.env = "tools"
+    c.agent.tools = "m2po_jax.tasks.calculator:calculator"
+    c.agent.max_turns = 2
+    c.agent.max_append_tokens = 8  # a 6-digit product and "="
+    c.agent.on_tool_error = "end"  # a failed call's error text is not in the alphabet
+
+
 def _tiny(c):
     c.total_steps = 4
     c.model.hidden_size = 32
@@ -78,6 +98,7 @@ PRESETS = {
     "paper_final": _paper_final,
     "authors": _authors,
     "tiny": _tiny,
+    "calculator": _calculator,
 }
 
 

@@ -66,8 +66,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.lora.base = "float"
 
     c.task = ml_collections.ConfigDict()
-    # arith (built-in synthetic) | gsm8k (GSM8K-format files, numeric answers) | math
-    # (competition math: LaTeX answers, math-verify) | "package.module:TaskClass" (yours)
+    # arith (built-in synthetic) | calculator (arith with a calculator tool to call) | gsm8k
+    # (GSM8K-format files, numeric answers) | math (competition math: LaTeX answers,
+    # math-verify) | "package.module:TaskClass" (yours)
     c.task.name = "arith"
     c.task.seed = 1234  # problem generator seed (train and held-out split)
     c.task.min_digits = 1  # arith: fewest digits per operand
@@ -92,6 +93,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.chat_template = "auto"  # auto (the checkpoint's, if any) | on (required) | off (raw)
     c.task.enable_thinking = placeholder(bool)  # Qwen3 thinking switch; None = template default
     c.task.format_reward = 0.0  # arith: reward for a well-formed but wrong answer (shaping)
+    # calculator (arith with a calculator tool; configs/arith.py:calculator): the share of
+    # warm-up examples that are episodes calling the tool (the rest answer directly)
+    c.task.tool_demos = 0.1
     c.task.reward_fn = ""  # "pkg.module:function" (completion, answer) -> float; "" = task's
 
     c.sft = ml_collections.ConfigDict()
@@ -142,6 +146,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # async + continuous: batches the worker admits at once (each by the admission rule) and
     # generates through the same slots, each handed to training as soon as it ends
     c.rollout.stream_batches = 1
+
+    # Multi-turn tool use (m2po_jax/rollout/episodes.py): each rollout row is an episode whose
+    # assistant turns end at a stop token; the environment answers (tools run on the host) and
+    # its answer's tokens are appended to the live sequence (never re-rendered); only the
+    # assistant's tokens are trained. Needs the continuous engine (auto picks it).
+    c.agent = ml_collections.ConfigDict()
+    # "" = single-turn completions | tools (the built-in environment: agent.tools called from
+    # the assistant's tool calls, no call = the final answer) | "package.module:Env" (an
+    # Environment subclass of yours: reset(example) -> messages, step(text) -> StepResult)
+    c.agent.env = ""
+    c.agent.tools = ""  # comma-separated "package.module:function" (type hints + docstring)
+    # tool-call format: auto (from the chat template: hermes for Qwen, llama3_json for Llama 3)
+    # | hermes | llama3_json | calc (the built-in calculator task's) | a registered parser
+    c.agent.parser = "auto"
+    c.agent.max_turns = 4  # assistant turns per episode (status max_turns past it)
+    c.agent.max_append_tokens = 256  # tokens one environment answer may add (max_tokens past it)
+    c.agent.tool_timeout_s = 10.0  # per tool call; a call past it answers an error
+    # a tool that raises or times out: reply (its error is the tool's answer, the episode goes
+    # on) | end (the episode ends with status tool_error / tool_timeout)
+    c.agent.on_tool_error = "reply"
+    c.agent.bad_tool_call_reward = 0.0  # reward of an episode ended by a malformed tool call
+    c.agent.workers = 4  # environment steps (tool calls) run at once, on host threads
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)

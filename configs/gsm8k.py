@@ -18,6 +18,8 @@ README shows the memory plan of each (`python benchmarks/scale_bench.py --plans`
   qwen2.5-7b     Qwen2.5-7B(-Instruct) on 8 GPUs (fsdp=8), 512 rows in 4 minibatches
   qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=4 x tensor=4)
   smollm2-135m-cpu  SmolLM2-135M-Instruct on a CPU (benchmarks/real_model.py)
+  tools          multi-turn: a Python calculator tool the policy may call (with any of the
+                 above, e.g. `configs/gsm8k.py:qwen2.5-0.5b,tools`)
 """
 
 import ml_collections
@@ -80,11 +82,23 @@ def _smollm2_135m_cpu(c):
     c.checkpoint.every = 6
 
 
+def _tools(c):
+    """Multi-turn tool use: the policy may call a Python calculator (Hermes tool calls for
+    Qwen, JSON ones for Llama 3, from the chat template) for up to 4 turns; the tool's answer
+    is appended to the episode and only the model's own tokens are trained."""
+    c.agent.env = "tools"
+    c.agent.tools = "m2po_jax.tasks.calculator:python_calculator"
+    c.agent.max_turns = 4
+    c.agent.max_append_tokens = 128
+    c.rollout.engine = "continuous"
+
+
 PRESETS = {
     "qwen2.5-0.5b": _qwen25_05b,
     "qwen2.5-7b": _qwen25_7b,
     "qwen3-8b": _qwen3_8b,
     "smollm2-135m-cpu": _smollm2_135m_cpu,
+    "tools": _tools,
 }
 
 

@@ -62,6 +62,7 @@ class TaskSection:
     enable_thinking: bool | None
     reward_fn: str
     format_reward: float
+    tool_demos: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,19 @@ class RolloutSection:
     inflight_updates: bool
     chunk_steps: int
     stream_batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSection:
+    env: str
+    tools: str
+    parser: str
+    max_turns: int
+    max_append_tokens: int
+    tool_timeout_s: float
+    on_tool_error: str
+    bad_tool_call_reward: float
+    workers: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +237,7 @@ class Config:
     sft: SftSection
     gconfig: GenerationSection
     rollout: RolloutSection
+    agent: AgentSection
     actor: ActorSection
     eval: EvalSection
     checkpoint: CheckpointSection

@@ -7,6 +7,7 @@ validation in `validate`, the overrides in `overrides`, AReaL experiment files i
 
 from m2po_jax.common.config_schema import (
     ActorSection,
+    AgentSection,
     CheckpointSection,
     Config,
     EvalSection,
@@ -31,6 +32,7 @@ from m2po_jax.config.validate import (
     build_library_objects,
     from_configdict,
     rollout_engine,
+    tool_names,
     validate,
 )
 
@@ -39,6 +41,7 @@ __all__ = [
     "MIN_TEMPERATURE",
     "PARAM_DTYPES",
     "ActorSection",
+    "AgentSection",
     "CheckpointSection",
     "Config",
     "ConfigError",
@@ -60,5 +63,6 @@ __all__ = [
     "from_configdict",
     "load_overrides",
     "rollout_engine",
+    "tool_names",
     "validate",
 ]

@@ -298,6 +298,7 @@ def validate(cfg: Config) -> Config:
             "rollout.inflight_updates=True needs rollout.mode=async and "
             f"rollout.engine=continuous ({got})"
         )
+    _check_agent(cfg, engine)
     rows = r.batch_size * g.n_samples
     if rows % a.ppo_n_minibatches:
         raise ConfigError(
@@ -387,12 +388,71 @@ AUTO_CONTINUOUS_MIN_NEW_TOKENS = 128
 
 def rollout_engine(cfg) -> str:
     """The engine a run uses ("static" or "continuous"): `rollout.engine`, "auto" resolved by the
-    completion budget (`gconfig.max_new_tokens` >= AUTO_CONTINUOUS_MIN_NEW_TOKENS: continuous)."""
+    completion budget (`gconfig.max_new_tokens` >= AUTO_CONTINUOUS_MIN_NEW_TOKENS: continuous)
+    and by multi-turn episodes (`agent.env`: continuous)."""
     engine = cfg.rollout.engine
     if engine != "auto":
         return engine
+    if _get(cfg, "agent.env", ""):
+        return "continuous"
     long = cfg.gconfig.max_new_tokens >= AUTO_CONTINUOUS_MIN_NEW_TOKENS
     return "continuous" if long else "static"
+
+
+ON_TOOL_ERROR = ("reply", "end")  # m2po_jax/tasks/environments.py: ToolEnv
+
+
+def _check_agent(cfg: Config, engine: str) -> None:
+    """The multi-turn fields; the environment, tools and parser are imported here."""
+    ag = _get(cfg, "agent")
+    if ag is None or not ag.env:
+        return
+    if ag.env != "tools" and ag.env.count(":") != 1:
+        raise ConfigError(
+            f"agent.env={ag.env!r}: expected '' (single-turn), 'tools' or 'package.module:Env'"
+        )
+    if ag.env == "tools" and not ag.tools.strip():
+        raise ConfigError("agent.env='tools' needs agent.tools ('package.module:function', ...)")
+    _check_range("agent.max_turns", ag.max_turns, 1)
+    _check_range("agent.max_append_tokens", ag.max_append_tokens, 1)
+    _check_range("agent.tool_timeout_s", ag.tool_timeout_s, 0.0, low_open=True)
+    _check_choice("agent.on_tool_error", ag.on_tool_error, ON_TOOL_ERROR)
+    _check_range("agent.bad_tool_call_reward", ag.bad_tool_call_reward)
+    _check_range("agent.workers", ag.workers, 1)
+    if engine != "continuous":
+        raise ConfigError(
+            f"agent.env={ag.env!r}: multi-turn episodes run on the continuous engine; set "
+            f"rollout.engine=continuous or auto (got {cfg.rollout.engine!r})"
+        )
+    if cfg.rollout.stream_batches > 1:
+        raise ConfigError(
+            f"agent.env={ag.env!r}: episodes are not streamed; set rollout.stream_batches=1 "
+            f"(got {cfg.rollout.stream_batches})"
+        )
+    budget = cfg.gconfig.max_new_tokens
+    if ag.max_append_tokens >= budget:
+        raise ConfigError(
+            f"agent.max_append_tokens={ag.max_append_tokens} must be below "
+            f"gconfig.max_new_tokens={budget} (an episode's token budget holds its turns and "
+            "the environment's answers)"
+        )
+    from m2po_jax.tasks import environments, tool_calls, tools
+
+    try:
+        tools.load_tools(tool_names(ag.tools))
+        if ag.env != "tools":
+            environments.env_factory_from_name(ag.env)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    if ag.parser != "auto" and ag.parser not in tool_calls.PARSERS:
+        raise ConfigError(
+            f"agent.parser={ag.parser!r}: expected auto or one of {sorted(tool_calls.PARSERS)}"
+        )
+
+
+def tool_names(text: str) -> list[str]:
+    """The names of `agent.tools` (comma-separated)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def build_library_objects(cfg: Config) -> dict:

@@ -102,14 +102,71 @@ def render(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> str:
-    """The template applied to `messages`; `kwargs` (special tokens, `enable_thinking`,
-    `date_string`, ...) become template variables, as `apply_chat_template`'s do."""
+    """The template applied to `messages`; `tools` are JSON schemas of functions
+    ({"type": "function", "function": {...}}, `tasks.tools.Tool.schema()`), listed as
+    `apply_chat_template(tools=...)` lists them; `kwargs` (special tokens,
+    `enable_thinking`, `date_string`, ...) become template variables, as its do."""
     return compile_template(source).render(
         messages=[dict(m) for m in messages],
-        tools=None,
+        tools=None if tools is None else [dict(t) for t in tools],
         documents=None,
         add_generation_prompt=add_generation_prompt,
         **kwargs,
     )
+
+
+_PLACEHOLDER = "<M2PO_ASSISTANT_TURN>"
+
+
+def turn_delta(
+    source: str, messages: Sequence[Mapping[str, Any]], *, end_of_turn: str, **kwargs: Any
+) -> str:
+    """The text to append after an assistant turn's end-of-turn token (whose text is
+    `end_of_turn`, e.g. "<|im_end|>", "<|eot_id|>") when `messages` (tool results, a user
+    message) follow it: the template's rendering of them and the next assistant header.
+
+    Multi-turn rollouts append it to the sampled tokens instead of rendering the history
+    again, so earlier turns stay as sampled even where a template would re-render them
+    (Qwen3 drops earlier `<think>` blocks). It is read off the template: a placeholder
+    assistant turn after a user turn, rendered alone and followed by `messages` (with the
+    generation prompt); the delta is what follows the placeholder's `end_of_turn` in the
+    second. `kwargs` are `render`'s (tools, special tokens, ...). ValueError when the
+    template renders the user turn differently once messages follow, does not write the
+    assistant's content verbatim, or does not end its turn with `end_of_turn`.
+    """
+    if not end_of_turn:
+        raise ValueError("turn_delta: end_of_turn must be the end-of-turn token's text, got ''")
+    user = {"role": "user", "content": "PING"}
+    assistant = {"role": "assistant", "content": _PLACEHOLDER}
+    opening = render(source, [user], add_generation_prompt=False, **kwargs)
+    alone = render(source, [user, assistant], add_generation_prompt=False, **kwargs)
+    followed = render(source, [user, assistant, *messages], add_generation_prompt=True, **kwargs)
+    # The assistant turn itself may render differently when it is not the last message
+    # (Qwen3 adds an empty think block to a last one): the model's tokens stand for it.
+    if not (alone.startswith(opening) and followed.startswith(opening)):
+        raise ValueError(
+            "turn_delta: the chat template re-renders earlier turns when messages follow an "
+            "assistant turn, so its answer cannot be appended"
+        )
+    tails = []
+    for text in (alone, followed):
+        if text.count(_PLACEHOLDER) != 1:
+            raise ValueError(
+                "turn_delta: the chat template does not render an assistant message's "
+                f"content verbatim (placeholder found {text.count(_PLACEHOLDER)} times)"
+            )
+        tails.append(text.partition(_PLACEHOLDER)[2])
+    if not tails[0].startswith(end_of_turn):
+        raise ValueError(
+            f"turn_delta: the chat template ends an assistant turn with {tails[0][:40]!r}, "
+            f"not end_of_turn {end_of_turn!r}"
+        )
+    if not tails[1].startswith(tails[0]):
+        raise ValueError(
+            f"turn_delta: the chat template ends an assistant turn with {tails[0]!r} alone but "
+            f"{tails[1][: len(tails[0])]!r} when messages follow"
+        )
+    return tails[1][len(end_of_turn) :]

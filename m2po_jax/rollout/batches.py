@@ -18,6 +18,7 @@ import numpy as np
 
 from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.models.model_config import ModelConfig
+from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
 
@@ -95,6 +96,7 @@ class SampledRollout:
     examples: Sequence
     n_samples: int
     generation: object = None  # the engine's `Generation` (its decode counters), if any
+    episodes: episodes_lib.EpisodeStats | None = None  # multi-turn rollouts' outcomes
 
 
 def sample_rollout(
@@ -111,12 +113,39 @@ def sample_rollout(
     placement=None,
     engine=None,
     weights=None,
+    agent: episodes_lib.Agent | None = None,
 ) -> SampledRollout:
     """The device half of `generate_rollout`: samples and decodes, scores nothing.
 
     `engine`: a `rollout.engine.RolloutEngine` (None: `sampling.generate`); `weights`:
-    newer weights it may take in flight (`RolloutEngine.generate`).
+    newer weights it may take in flight (`RolloutEngine.generate`). `agent`: multi-turn
+    episodes (`rollout.episodes`; the continuous engine, this process's devices): the
+    texts are the final assistant turns, the loss mask covers the sampled tokens only.
     """
+    if agent is not None:
+        if placement is not None and jax.process_count() > 1 and placement.mesh is not None:
+            if not all(d.process_index == jax.process_index() for d in placement.mesh.devices.flat):
+                raise ValueError(
+                    "agent: multi-turn rollouts run on each process's own devices "
+                    "(rollout.mode='async' in a multi-process run)"
+                )
+        generation, texts, stats = episodes_lib.run_episodes(
+            params,
+            sampling_config,
+            examples,
+            tokenizer,
+            rng,
+            n_samples=n_samples,
+            version=version,
+            max_prompt_len=max_prompt_len,
+            engine=engine,
+            agent=agent,
+            weights=weights,
+        )
+        sampled = _sampled_generation(
+            generation, examples, tokenizer, sampling_config, n_samples, version
+        )
+        return dataclasses.replace(sampled, texts=texts, episodes=stats)
     if placement is None:
         texts_in = [e.prompt for e in examples]
         prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)
@@ -170,16 +199,23 @@ def stream_rollouts(
         units.append((tokens, valid, rng))
     made = engine.stream(params, units, n_samples=n_samples, version=version, weights=weights)
     for examples, generation in zip(batches, made, strict=True):
-        yield _sampled(
-            generation.out,
-            generation.version_BxN,
-            examples,
-            tokenizer,
-            sampling_config,
-            n_samples,
-            version,
-            generation,
+        yield _sampled_generation(
+            generation, examples, tokenizer, sampling_config, n_samples, version
         )
+
+
+def _sampled_generation(generation, examples, tokenizer, sampling_config, n_samples, version):
+    """The `SampledRollout` of an engine's host `Generation`."""
+    return _sampled(
+        generation.out,
+        generation.version_BxN,
+        examples,
+        tokenizer,
+        sampling_config,
+        n_samples,
+        version,
+        generation,
+    )
 
 
 def _sampled(
@@ -230,7 +266,10 @@ def score_rollout(sampled: SampledRollout, reward_fn: Callable, workers: int = 1
                 rewards = list(pool.map(one, rows))
         else:
             rewards = [one(i) for i in rows]
-    return sampled.batch.replace(rewards_B=np.asarray(rewards, np.float32))
+    batch = sampled.batch.replace(rewards_B=np.asarray(rewards, np.float32))
+    if sampled.episodes is not None:  # the environments' own rewards win
+        batch = episodes_lib.with_env_rewards(batch, sampled.episodes)
+    return batch
 
 
 def train_batch(host: RolloutBatch) -> TrainBatch:

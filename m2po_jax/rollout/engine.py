@@ -281,16 +281,7 @@ class ContinuousEngine(RolloutEngine):
                     prefixes = programs["prefill"](
                         params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)
                     )
-        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
-        version_BxN, (decode_steps, live_steps) = _host((version_BxN, counters))
-        return Generation(
-            out=out,
-            version_BxN=np.asarray(version_BxN, np.int32),
-            decode_steps=int(np.max(decode_steps)),
-            slot_steps=int(np.sum(decode_steps)) * slots,
-            live_steps=int(np.sum(live_steps)),
-            weight_updates=updates,
-        )
+        return _generation(programs, state, prompt_tokens_BxP, prompt_valid_BxP, slots, updates)
 
     def _put(self, host_R, rows: int):
         """A host array split by rows over the batch shards (as the prompts are)."""
@@ -421,10 +412,12 @@ class ContinuousEngine(RolloutEngine):
         the sampled ones) and version -1. An append must fit the turn's `room`.
         `max_append`: the most tokens one append may add (cache columns kept free).
         """
-        if self.mesh is not None:
+        if self.mesh is not None and not all(
+            d.process_index == jax.process_index() for d in self.mesh.devices.flat
+        ):
             raise ValueError(
-                "rollout engine: multi-turn episodes run on one device per rollout process "
-                "(the engine has a mesh)"
+                "rollout engine: multi-turn episodes run on this process's devices (the "
+                "engine's mesh spans several processes)"
             )
         if int(max_append) < 1:
             raise ValueError(f"max_append: must be >= 1, got {max_append}")
@@ -434,7 +427,8 @@ class ContinuousEngine(RolloutEngine):
         keys_U = _typed(rng)[None]
         prompts = np.shape(prompt_tokens_BxP)[0]
         jobs = prompts * n_samples
-        slots, lanes = self.sizes(jobs)
+        slots = self.slots * self.shards or jobs  # one program over every slot, on a mesh too
+        lanes = min(self.insert_lanes or max(slots // 4, 1), slots)
         extra = int(max_append)
         programs = self._compiled(n_samples, slots, lanes, extra)
         prefixes = programs["prefill"](
@@ -467,16 +461,7 @@ class ContinuousEngine(RolloutEngine):
                 prefixes = programs["prefill"](
                     params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)
                 )
-        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
-        version_BxN, (decode_steps, live_steps) = _host((version_BxN, counters))
-        return Generation(
-            out=out,
-            version_BxN=np.asarray(version_BxN, np.int32),
-            decode_steps=int(np.max(decode_steps)),
-            slot_steps=int(np.sum(decode_steps)) * slots,
-            live_steps=int(np.sum(live_steps)),
-            weight_updates=updates,
-        )
+        return _generation(programs, state, prompt_tokens_BxP, prompt_valid_BxP, slots, updates)
 
     def _held_turns(self, state, slot_H, job_S, step_S, turn_start, extra) -> list[Turn]:
         """The turns that ended in the held slots `slot_H`."""
@@ -530,6 +515,20 @@ class ContinuousEngine(RolloutEngine):
                 len_L[i] = len(delta)
             state = programs["append"](params, state, keys_U, slot_L, delta_LxM, len_L, version)
         return state
+
+
+def _generation(programs, state, tokens_QxP, valid_QxP, slots: int, updates: int) -> Generation:
+    """The finished state's `Generation` (its rows and decode counters)."""
+    out, version_BxN, counters = programs["finish"](state, tokens_QxP, valid_QxP)
+    version_BxN, (decode_steps, live_steps) = _host((version_BxN, counters))
+    return Generation(
+        out=out,
+        version_BxN=np.asarray(version_BxN, np.int32),
+        decode_steps=int(np.max(decode_steps)),
+        slot_steps=int(np.sum(decode_steps)) * slots,
+        live_steps=int(np.sum(live_steps)),
+        weight_updates=updates,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1000,7 +999,7 @@ def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh, extr
 
     `extra` > 0: multi-turn episodes (`ContinuousEngine.episodes`): the cache has `extra`
     columns for the host's appends, a slot whose turn ends is held, and "append" /
-    "release" resume or end held slots (one device only)."""
+    "release" resume or end held slots (one program over every slot, even on a mesh)."""
     statics = dict(model_config=model_config, sampling_config=sampling_config)
     turns = extra > 0
     prefill = functools.partial(_prefill, **statics)
@@ -1017,15 +1016,14 @@ def _programs(model_config, sampling_config, n_samples, slots, lanes, mesh, extr
         "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
         "finished": jax.jit(_finished),
     }
-    if turns:
-        if mesh is not None:
-            raise ValueError("rollout engine: multi-turn episodes run on one device (mesh=None)")
+    if turns:  # one program over all slots (on a mesh, partitioned by XLA: correct, not fast)
+        on = lambda fn: fn if mesh is None else sharding.on_mesh(fn, mesh)
         return programs | {
-            "prefill": jax.jit(prefill),
-            "start": jax.jit(start),
-            "run": jax.jit(run, donate_argnums=(1,)),
+            "prefill": jax.jit(on(prefill)),
+            "start": jax.jit(on(start)),
+            "run": jax.jit(on(run), donate_argnums=(1,)),
             "append": jax.jit(
-                functools.partial(_append, **statics, extra=extra), donate_argnums=(1,)
+                on(functools.partial(_append, **statics, extra=extra)), donate_argnums=(1,)
             ),
             "release": jax.jit(_release, donate_argnums=(0,)),
         }

@@ -19,6 +19,7 @@ from m2po_jax.tasks.base import (
     import_by_name,
     reward_fn_from_name,
 )
+from m2po_jax.tasks.calculator import CalculatorTask
 from m2po_jax.tasks.gsm8k import GSM8KTask, extract_last_number, numeric_reward
 from m2po_jax.tasks.math_problems import MathTask
 from m2po_jax.tasks.problems import (
@@ -29,7 +30,12 @@ from m2po_jax.tasks.problems import (
 )
 from m2po_jax.tasks.verifiers import VERIFIERS, Verifier, make_verifier
 
-TASKS: dict[str, type[Task]] = {"arith": ArithTask, "gsm8k": GSM8KTask, "math": MathTask}
+TASKS: dict[str, type[Task]] = {
+    "arith": ArithTask,
+    "calculator": CalculatorTask,
+    "gsm8k": GSM8KTask,
+    "math": MathTask,
+}
 
 
 def task_class(name: str) -> type[Task]:

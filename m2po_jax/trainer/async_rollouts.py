@@ -85,7 +85,7 @@ class AsyncRollouts:
 
     def _tagged(self, index: int, sampled: rollout_lib.SampledRollout):
         """`sampled` with the global prompt ids of batch `index` and its decode metrics kept."""
-        self.engine_records[index] = metrics_lib.engine_stats(sampled.generation)
+        self.engine_records[index] = metrics_lib.rollout_stats(sampled)
         first = index * self.batch_size + self.prompts.start
         batch = sampled.batch.replace(group_id_B=sampled.batch.group_id_B + np.int32(first))
         return dataclasses.replace(sampled, batch=batch)
@@ -126,6 +126,7 @@ class AsyncRollouts:
             placement=run.rollout_placement,
             engine=run.engine,
             weights=self._newest if self.cfg.rollout.inflight_updates else None,
+            agent=run.agent,
         )
         return self._tagged(index, sampled)
 

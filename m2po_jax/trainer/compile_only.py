@@ -567,8 +567,13 @@ def _compile_engine(cfg, placement, params, model_config, decoding, prompts, wid
 
     engine = setup_lib.build_engine(cfg, model_config, decoding, placement)
     n = cfg.gconfig.n_samples
-    slots, lanes = engine.sizes(prompts * n)
-    phases = engine._compiled(n, slots, lanes)
+    extra = cfg.agent.max_append_tokens if cfg.agent.env else 0
+    if extra:  # multi-turn episodes: one program over every slot (`engine.episodes`)
+        slots = engine.slots * engine.shards or prompts * n
+        lanes = min(engine.insert_lanes or max(slots // 4, 1), slots)
+    else:
+        slots, lanes = engine.sizes(prompts * n)
+    phases = engine._compiled(n, slots, lanes, extra)
     tokens = _rows(placement, jnp.int32, prompts, width)
     valid = _rows(placement, jnp.bool_, prompts, width)
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=placement.replicated)
@@ -595,7 +600,16 @@ def _compile_engine(cfg, placement, params, model_config, decoding, prompts, wid
         "engine_run", "decode loop with refills", phases["run"],
         params, slots_state, prefixes, keys, steps,
     )  # fmt: skip
-    return [prefill, start, run]
+    if not extra or run.error:
+        return [prefill, start, run]
+    # The widest append: every slot takes an environment's answer of max_append tokens.
+    lane = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=placement.replicated)
+    append = compile_program(
+        "engine_append", f"{slots} held slots take {extra}-token answers", phases["append"],
+        params, slots_state, keys, lane(jnp.int32, slots), lane(jnp.int32, slots, extra),
+        lane(jnp.int32, slots), version,
+    )  # fmt: skip
+    return [prefill, start, run, append]
 
 
 def _outputs(compiled):

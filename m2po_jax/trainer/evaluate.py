@@ -56,7 +56,7 @@ def evaluate(run: RunSetup, params, rng: jax.Array) -> dict[str, float]:
     engine = _engine(run, settings)
     size = cfg.eval.batch_size
     out: dict[str, float] = {}
-    avg, passed = [], []
+    avg, passed, calls = [], [], []
     for index, (name, examples) in enumerate(run.task.eval_sets().items()):
         examples = examples[: cfg.eval.num_examples]
         if not examples:
@@ -77,12 +77,18 @@ def evaluate(run: RunSetup, params, rng: jax.Array) -> dict[str, float]:
                 max_prompt_len=cfg.task.max_prompt_len,
                 placement=run.placement,
                 engine=engine,
+                agent=run.agent,
             )
             rows = len(chunk) * k  # the padding's rows are not scored
             batch = jax.tree.map(lambda x, rows=rows: x[:rows], sampled.batch)
-            kept = dataclasses.replace(sampled, texts=sampled.texts[:rows], batch=batch)
+            episodes = sampled.episodes and sampled.episodes.rows(rows)
+            kept = dataclasses.replace(
+                sampled, texts=sampled.texts[:rows], batch=batch, episodes=episodes
+            )
             rewards = rollout_lib.score_rollout(kept, score).rewards_B
             right.append(np.asarray(rewards >= 1.0).reshape(len(chunk), k))
+            if episodes is not None:
+                calls.append(episodes.tool_calls_B)
         correct = np.concatenate(right)
         avg.append(float(correct.mean()))
         passed.append(float(correct.any(axis=1).mean()))
@@ -90,6 +96,8 @@ def evaluate(run: RunSetup, params, rng: jax.Array) -> dict[str, float]:
             out[f"eval/{name}/avg@{k}"] = avg[-1]
             out[f"eval/{name}/pass@{k}"] = passed[-1]
     out["eval/accuracy"] = float(np.mean(avg)) if avg else float("nan")
+    if calls:  # multi-turn: how often the held-out episodes call a tool
+        out["eval/tool_calls_mean"] = float(np.mean(np.concatenate(calls)))
     if k > 1:
         out[f"eval/pass@{k}"] = float(np.mean(passed)) if passed else float("nan")
     return out

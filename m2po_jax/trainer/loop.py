@@ -540,10 +540,11 @@ class Trainer:
             max_prompt_len=cfg.task.max_prompt_len,
             placement=self.placement,
             engine=self.setup.engine,
+            agent=self.setup.agent,
         )
         rewards = self.setup.rewards or self.task.reward
         batch = rollout_lib.score_rollout(sampled, rewards, cfg.rollout.reward_workers)
-        return batch, truncated, metrics_lib.engine_stats(sampled.generation)
+        return batch, truncated, metrics_lib.rollout_stats(sampled)
 
     def _step(self, step: int) -> tuple[dict, dict]:
         """One RL step: a fresh rollout into the queue, an update on the stale one.

@@ -354,6 +354,15 @@ def engine_stats(generation: Any) -> dict[str, float]:
     return record
 
 
+def rollout_stats(sampled: Any) -> dict[str, float]:
+    """A sampled rollout's decode counters (`engine_stats`) and, for multi-turn episodes,
+    their outcomes (`rollout.episodes.EpisodeStats.metrics`: episode/...)."""
+    record = engine_stats(sampled.generation)
+    if sampled.episodes is not None:
+        record.update(sampled.episodes.metrics())
+    return record
+
+
 def host_metrics(tree: Mapping[str, Any]) -> dict[str, Any]:
     """Device metrics -> Python numbers with one `jax.device_get` for the whole dict.
 

@@ -28,6 +28,7 @@ from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
 from m2po_jax.tasks import Task, make_task, parse_eval_sets, task_class
@@ -55,6 +56,8 @@ class RunSetup:
     # scores the rollouts (and evaluations with eval.reward="train"): the task's reward,
     # rollout.reward_workers at once, rollout.reward_timeout_s each
     rewards: rewards_lib.RewardScorer | None = None
+    # agent.env: multi-turn episodes (environments, tools, the chat format), else None
+    agent: episodes_lib.Agent | None = None
 
 
 def build(cfg: Config) -> RunSetup:
@@ -94,6 +97,55 @@ def build(cfg: Config) -> RunSetup:
         rewards=rewards_lib.RewardScorer(
             task, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
         ),
+        agent=build_agent(cfg, task, prompts),
+    )
+
+
+def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
+    """The multi-turn `Agent` of `agent.env` (None for single-turn runs): the task's own
+    chat format (`task.chat_format()`) or the chat template's, and per episode a new
+    environment: `ToolEnv` over `agent.tools` for "tools", else the named class."""
+    ag = cfg.agent
+    if not ag.env:
+        return None
+    from concurrent import futures
+
+    from m2po_jax.tasks import environments, tool_calls, tools
+
+    tool_list = tools.load_tools(config_lib.tool_names(ag.tools))
+    own = getattr(task, "chat_format", None)
+    chat_format = own() if own is not None else episodes_lib.TemplateFormat(prompts)
+    family = ag.parser
+    if family == "auto":
+        family = getattr(chat_format, "parser", None) or tool_calls.family_of_template(
+            prompts.chat_template
+        )
+        if family is None:
+            raise ValueError(
+                "agent.parser='auto': the chat template shows no known tool-call format; set "
+                f"agent.parser to one of {sorted(tool_calls.PARSERS)}"
+            )
+    if ag.env == "tools":
+        pool = futures.ThreadPoolExecutor(2 * ag.workers, "m2po-tool")
+
+        def factory():
+            return environments.ToolEnv(
+                tool_list,
+                family,
+                timeout_s=ag.tool_timeout_s,
+                on_tool_error=ag.on_tool_error,
+                pool=pool,
+            )
+
+    else:
+        factory = environments.env_factory_from_name(ag.env)
+    return episodes_lib.Agent(
+        factory,
+        chat_format,
+        max_turns=ag.max_turns,
+        max_append=ag.max_append_tokens,
+        bad_tool_call_reward=ag.bad_tool_call_reward,
+        workers=ag.workers,
     )
 
 
@@ -129,7 +181,7 @@ def build_task(
     once, here; a task named "package.module:Class" is that class's `from_config`."""
     t = cfg.task
     reward_fn = t.reward_fn or None
-    if t.name == "arith":
+    if t.name in ("arith", "calculator"):
         kwargs = dict(
             seed=t.seed,
             ops=t.ops,
@@ -143,8 +195,11 @@ def build_task(
             kwargs["tokenizer"] = tokenizer
         names = {name: f"task.{name}" for name in ("seed", "ops", "min_digits", "max_digits")}
         names |= {"eval_size": "eval.num_examples", "format_reward": "task.format_reward"}
+        if t.name == "calculator":
+            kwargs["tool_demos"] = t.tool_demos
+            names["tool_demos"] = "task.tool_demos"
         with _named_as_in_the_config(names):
-            return make_task("arith", **kwargs)
+            return make_task(t.name, **kwargs)
     prompts = prompts or (build_prompts(cfg, tokenizer) if tokenizer is not None else None)
     screen = dict(
         prompt_encode=prompts.encode if prompts is not None else None,

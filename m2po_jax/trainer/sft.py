@@ -70,7 +70,8 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
 
     Prompts are encoded as in rollouts and left-padded to `task.max_prompt_len` (longer ones
     keep their last tokens); the answer plus EOS follows, cut at `gconfig.max_new_tokens`,
-    and only its tokens are targets.
+    and only its tokens are targets. A multi-turn task's answer is an episode's segments
+    (`tasks.calculator.CalculatorTask.sft_examples`): its assistant turns are the targets.
     """
     tokenizer = run.tokenizer
     width = run.cfg.task.max_prompt_len
@@ -80,11 +81,18 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
     target = np.zeros_like(tokens, bool)
     for row, (prompt, answer) in enumerate(run.task.sft_examples(start, count)):
         p = run.prompts.encode(prompt)[-width:]
-        c = (list(tokenizer.encode(answer)) + [tokenizer.eos_id])[:new]
+        c, t = [], []
+        # An answer, or an episode's segments: (text, True) an assistant turn (a target,
+        # with its EOS), (text, False) what an environment appended (context only).
+        for text, trained in [(answer, True)] if isinstance(answer, str) else answer:
+            ids = list(tokenizer.encode(text)) + ([tokenizer.eos_id] if trained else [])
+            c += ids
+            t += [trained] * len(ids)
+        c, t = c[:new], t[:new]
         tokens[row, width - len(p) : width] = p
         tokens[row, width : width + len(c)] = c
         valid[row, width - len(p) : width + len(c)] = True
-        target[row, width : width + len(c)] = True
+        target[row, width : width + len(c)] = t
     return tokens, valid, target
 
 

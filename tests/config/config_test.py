@@ -86,6 +86,19 @@ PRESET_CHANGES = {
     "authors": {"actor.m2po_candidates": "harmful", "actor.m2po_stop_rule": "capped_clip"},
     "tiny": TINY,
     "stale_grpo,tiny": {**TINY, "actor.m2_threshold": None},
+    "calculator": {
+        "task.name": "calculator",
+        "task.ops": "*",
+        "task.min_digits": 2,
+        "task.max_digits": 3,
+        "task.max_prompt_len": 10,
+        "gconfig.max_new_tokens": 24,
+        "agent.env": "tools",
+        "agent.tools": "m2po_jax.tasks.calculator:calculator",
+        "agent.max_turns": 2,
+        "agent.max_append_tokens": 8,
+        "agent.on_tool_error": "end",
+    },
 }
 
 
@@ -119,12 +132,19 @@ def test_default_and_presets_build():
     )
     assert (m.actor.m2_threshold, m.eval.n_samples, m.eval.temperature) == (0.04, 4, 0.6)
     # The built-in default decides by the budget; the real-size presets keep the static
-    # sampler they were proven to fit with (the engine did not fit the 1.7B's v5e-8).
+    # sampler they were proven to fit with (the engine did not fit the 1.7B's v5e-8); the
+    # multi-turn ones need the engine's episodes.
     assert cfg.rollout.engine == "auto" and config_lib.rollout_engine(cfg) == "static"
     for module in (gsm8k, math_config):
         for name in module.PRESETS:
             preset = config_lib.from_configdict(module.get_config(name))
-            assert config_lib.rollout_engine(preset) == "static", name
+            engine = "continuous" if preset.agent.env else "static"
+            assert config_lib.rollout_engine(preset) == engine, name
+    tools = config_lib.from_configdict(gsm8k.get_config("qwen2.5-0.5b,tools"))
+    assert (tools.agent.env, tools.agent.tools) == (
+        "tools",
+        "m2po_jax.tasks.calculator:python_calculator",
+    )
 
 
 def test_unknown_preset_lists_the_valid_ones():
@@ -501,3 +521,42 @@ def test_a_bool_for_a_number_is_refused_in_a_plain_dict_config():
         config_lib.from_configdict(ml_collections.ConfigDict(c))
     c["actor"]["kl_ctl"] = 0
     assert config_lib.from_configdict(ml_collections.ConfigDict(c)).actor.kl_ctl == 0.0
+
+
+CALC = {"agent.env": "tools", "agent.tools": "m2po_jax.tasks.calculator:calculator"}
+AGENT_ERRORS = [
+    ({"agent.env": "nope"}, r"agent\.env='nope': expected '' \(single-turn\), 'tools' or"),
+    ({"agent.env": "tools"}, r"agent\.env='tools' needs agent\.tools"),
+    ({**CALC, "rollout.engine": "static"}, r"multi-turn episodes run on the continuous engine"),
+    (
+        {**CALC, "gconfig.max_new_tokens": 8, "agent.max_append_tokens": 8},
+        r"agent\.max_append_tokens=8 must be below gconfig\.max_new_tokens=8",
+    ),
+    ({**CALC, "agent.parser": "xml"}, r"agent\.parser='xml': expected auto or one of \["),
+    ({**CALC, "agent.on_tool_error": "ignore"}, r"agent\.on_tool_error"),
+    ({**CALC, "agent.max_turns": 0}, r"agent\.max_turns=0 is out of range"),
+    (
+        {"agent.env": "tools", "agent.tools": "m2po_jax.tasks.calculator:nope"},
+        r"agent\.tools 'm2po_jax\.tasks\.calculator:nope'.*has no attribute 'nope'",
+    ),
+    ({"agent.env": "no_such_envs:Env"}, r"agent\.env 'no_such_envs:Env': module"),
+    (
+        {
+            **CALC,
+            "rollout.mode": "async",
+            "rollout.engine": "continuous",
+            "rollout.stream_batches": 2,
+        },
+        r"episodes are not streamed; set rollout\.stream_batches=1",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("changes, message", AGENT_ERRORS)
+def test_agent_errors_are_one_line_config_errors(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message) as err:
+        build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **changes})
+    assert "\n" not in str(err.value)
+    # auto resolves to the continuous engine for episodes
+    ok = build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC})
+    assert config_lib.rollout_engine(ok) == "continuous"

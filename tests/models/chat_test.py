@@ -189,3 +189,167 @@ def test_block_whitespace_and_loop_controls_match_transformers(tmp_path):
     )
     assert chat.render(template, messages, add_generation_prompt=True) == expected
     assert "b" not in expected and "\n" in expected
+
+
+# ---------------------------------------------------------------- tools and turn deltas
+
+
+def _lookup(city: str, days: int = 1) -> str:
+    """Looks up the weather.
+
+    Args:
+        city: The city.
+        days: How many days ahead.
+    """
+    return "sunny"
+
+
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Looks up the weather.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city."},
+                "days": {"type": "integer", "description": "How many days ahead."},
+            },
+            "required": ["city"],
+        },
+    },
+}
+DATE = {"date_string": "26 Jul 2024"}  # Llama 3.2 prints a date; the others ignore it
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama-3.2-instruct"])
+def test_render_lists_tools_as_transformers(name, tmp_path):
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    path = write_checkpoint(tmp_path, template)
+    specials = tokenizer.load_tokenizer(path).special_tokens
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    ours = chat.render(template, messages, tools=[TOOL_SCHEMA], **specials, **DATE)
+    expected = hf_tokenizer(path).apply_chat_template(
+        messages, tools=[TOOL_SCHEMA], tokenize=False, add_generation_prompt=True, **DATE
+    )
+    assert ours == expected
+    assert '"name": "lookup"' in ours and ours != chat.render(
+        template, messages, **specials, **DATE
+    )
+
+
+# (template, its end-of-turn token, what the template writes after a last turn's token,
+# a first assistant turn calling the tool, the final assistant turn)
+TURNS = {
+    "qwen2.5-instruct": (
+        "<|im_end|>",
+        "\n",
+        'Let me look.\n<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        "It is sunny in Oslo.",
+    ),
+    "llama-3.2-instruct": (
+        "<|eot_id|>",
+        "",
+        '{"name": "lookup", "parameters": {"city": "Oslo"}}',
+        "It is sunny in Oslo.",
+    ),
+    # Qwen3 renders a conversation's last assistant turn with a think block (an empty one
+    # when it has none): the final turn carries one, as a thinking model writes it.
+    "qwen3": (
+        "<|im_end|>",
+        "\n",
+        'Let me look.\n<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        "<think>\n\n</think>\n\nIt is sunny in Oslo.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TURNS))
+def test_turn_delta_continues_a_conversation_as_transformers_renders_it(name, tmp_path):
+    end_of_turn, after_last, first, final = TURNS[name]
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    path = write_checkpoint(tmp_path, template)
+    kwargs = {**tokenizer.load_tokenizer(path).special_tokens, **DATE, "tools": [TOOL_SCHEMA]}
+    user = {"role": "user", "content": PROMPT}
+    answer = {"role": "tool", "name": "lookup", "content": "sunny"}
+    delta = chat.turn_delta(template, [answer], end_of_turn=end_of_turn, **kwargs)
+    ours = (
+        chat.render(template, [user], add_generation_prompt=True, **kwargs)
+        + first
+        + end_of_turn
+        + delta
+        + final
+        + end_of_turn
+    )
+    hf = hf_tokenizer(path)
+    conversation = [
+        user,
+        {"role": "assistant", "content": first},
+        answer,
+        {"role": "assistant", "content": final},
+    ]
+    expected = hf.apply_chat_template(conversation, tools=[TOOL_SCHEMA], tokenize=False, **DATE)
+    assert ours + after_last == expected
+    assert delta.count("sunny") == 1 and not delta.startswith(end_of_turn)
+    expected_ids = hf.apply_chat_template(
+        conversation, tools=[TOOL_SCHEMA], tokenize=True, return_dict=False, **DATE
+    )
+    assert hf.encode(ours + after_last, add_special_tokens=False) == list(expected_ids)
+    # A user message after the turn continues it the same way.
+    follow = {"role": "user", "content": "And tomorrow?"}
+    delta = chat.turn_delta(template, [follow], end_of_turn=end_of_turn, **kwargs)
+    full = chat.render(template, [user, conversation[1], follow], **kwargs)
+    assert full.endswith(end_of_turn + delta)
+
+
+def test_turn_delta_keeps_qwen3_reasoning_that_a_re_render_changes(tmp_path):
+    template = (TEMPLATES / "qwen3.jinja").read_text()
+    hf = hf_tokenizer(write_checkpoint(tmp_path, template))
+    user = {"role": "user", "content": PROMPT}
+    thought = "<think>reasoning</think>\n\nIt is 42."
+    for follow in (
+        {"role": "user", "content": "Are you sure?"},  # a re-render drops the think block
+        {"role": "tool", "name": "lookup", "content": "sunny"},  # ... or rewrites it
+    ):
+        delta = chat.turn_delta(template, [follow], end_of_turn="<|im_end|>")
+        ours = chat.render(template, [user]) + thought + "<|im_end|>" + delta
+        rendered = hf.apply_chat_template(
+            [user, {"role": "assistant", "content": thought}, follow],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        assert thought in ours and ours.endswith("<|im_start|>assistant\n")
+        assert thought not in rendered  # what the model wrote is not what a re-render shows
+        if follow["role"] == "user":
+            assert "reasoning" not in rendered
+            rewritten = ""
+        else:
+            rewritten = "<think>\nreasoning\n</think>\n\n"
+            assert rewritten in rendered
+        # Apart from the think block, the two are the same text.
+        assert ours.replace("<think>reasoning</think>\n\n", rewritten) == rendered
+
+
+def test_turn_delta_refuses_templates_it_cannot_continue():
+    turn = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    prompt = "{% if add_generation_prompt %}<assistant>{% endif %}"
+    tool = [{"role": "tool", "content": "42"}]
+    assert chat.turn_delta(turn + prompt, tool, end_of_turn="</s>") == "<tool>42</s><assistant>"
+    with pytest.raises(
+        ValueError, match=r"ends an assistant turn with '</s>', not end_of_turn '<eot>'"
+    ):
+        chat.turn_delta(turn + prompt, tool, end_of_turn="<eot>")
+    counted = "[{{ messages | length }}]" + turn + prompt  # a header that changes per message
+    with pytest.raises(ValueError, match="re-renders earlier turns"):
+        chat.turn_delta(counted, tool, end_of_turn="</s>")
+    hidden = "{% for m in messages %}<{{ m.role }}>{% if m.role != 'assistant' %}{{ m.content }}"
+    hidden += "{% endif %}</s>{% endfor %}" + prompt
+    with pytest.raises(ValueError, match="does not render an assistant message's content verbatim"):
+        chat.turn_delta(hidden, tool, end_of_turn="</s>")
+    closing = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% if loop.last or m.role != 'assistant' %}</s>{% else %}</x>{% endif %}{% endfor %}"
+        + prompt
+    )
+    with pytest.raises(ValueError, match="'</s>' alone but '</x>' when messages follow"):
+        chat.turn_delta(closing, tool, end_of_turn="</s>")

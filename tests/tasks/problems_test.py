@@ -239,7 +239,7 @@ def test_a_task_of_the_users_by_name(tmp_path, monkeypatch):
         task_class("my_tasks:Nope")
     with pytest.raises(ValueError, match="module 'no_such_tasks' not found"):
         task_class("no_such_tasks:T")
-    with pytest.raises(ValueError, match=r"unknown 'nope'; expected one of \['arith', 'gsm8k', "
-                                         r"'math'\] or 'package.module:TaskClass'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown 'nope'; expected one of \['arith', "
+                       r"'calculator', 'gsm8k', 'math'\] or 'package.module:TaskClass'"):  # fmt: skip
         task_class("nope")
     sys.modules.pop("my_tasks", None)
