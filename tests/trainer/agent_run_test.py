@@ -94,29 +94,33 @@ def test_async_episodes_take_weights_between_turns_and_resume_without_a_lost_epi
 
 
 def test_the_calculator_demonstration_learns_to_call_its_tool(tmp_path):
-    """configs/arith.py:calculator at a fifth of its size: after the warm-up (a fifth of its
-    examples demonstrate the call) greedy episodes seldom call the calculator and seldom
-    get 2-3 digit products right; a dozen RL steps later they call it and are right."""
+    """configs/arith.py:calculator at a sixth of its size, on one device: after the warm-up
+    (a fifth of its examples demonstrate the call) greedy episodes seldom call the
+    calculator and seldom get 2-3 digit products right; ten RL steps later they call it and
+    are right."""
     cfg = calculator_config(
         "calculator",
         **{
-            "total_steps": 12,
-            "eval.every": 6,
+            "total_steps": 10,
+            "eval.every": 5,
             "eval.num_examples": 64,
             "eval.batch_size": 64,
-            "rollout.batch_size": 16,
-            "sft.max_steps": 150,
+            "rollout.batch_size": 32,
+            "sft.max_steps": 200,
             "task.tool_demos": 0.2,
             "checkpoint.every": 0,
             "logging.plots": False,
+            "mesh.data": 1,
         },
     )
     trainer_lib.Trainer(cfg, tmp_path).run()
     records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")
-    evals = [r for r in records if "eval/accuracy" in r]
-    first, last = evals[0], evals[-1]
-    print([(r["step"], r["eval/accuracy"], r["eval/tool_calls_mean"]) for r in evals])
-    assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.3
-    assert last["eval/tool_calls_mean"] >= 0.8 > first["eval/tool_calls_mean"]
-    calls = [r["episode/tool_calls_mean"] for r in records]
-    assert np.mean(calls[-3:]) > np.mean(calls[:3]) + 0.2
+    evals = [
+        (r["step"], r["eval/accuracy"], r["eval/tool_calls_mean"])
+        for r in records
+        if "eval/accuracy" in r
+    ]
+    (_, accuracy0, calls0), (_, accuracy, calls) = evals[0], evals[-1]
+    assert accuracy >= accuracy0 + 0.3 and calls >= 0.6 > calls0, evals
+    sampled = [r["episode/tool_calls_mean"] for r in records]
+    assert np.mean(sampled[-3:]) > np.mean(sampled[:3]) + 0.2, sampled
