@@ -1,6 +1,6 @@
 """Sync against async rollouts through the trainer, on the same 8 devices, in one run.
 
-    python benchmarks/async_bench.py                # both cases, the README's table
+    python benchmarks/async_bench.py                # both cases, the table in docs/benchmarks.md
     python benchmarks/async_bench.py --steps 40 --cases b --timeline docs/async_timeline.png
 
 8 fake CPU devices (`--xla_force_host_platform_device_count=8`): sync runs rollouts and

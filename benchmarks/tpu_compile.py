@@ -1,6 +1,6 @@
 """The real-size presets compiled for their TPU slices on this CPU (libtpu, deviceless).
 
-    python benchmarks/tpu_compile.py            # the README's TPU table: every preset
+    python benchmarks/tpu_compile.py            # the TPU table of docs/scale.md: every preset
     python benchmarks/tpu_compile.py qwen3-8b   # one of them
     python benchmarks/tpu_compile.py math:qwen3-4b-base math:qwen3-1.7b-base   # configs/math.py
 

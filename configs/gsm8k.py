@@ -13,7 +13,8 @@ Settings follow AReaL's GSM8K M2PO example (tau 0.04, eps_clip 0.0, one minibatc
 scale one accelerator host handles; raise rollout.batch_size and use a mesh for more.
 
 Presets for real runs (combine left to right, e.g. `configs/gsm8k.py:qwen2.5-7b`); the
-README shows the memory plan of each (`python benchmarks/scale_bench.py --plans`):
+Scale page of the manual (docs/scale.md) shows the memory plan of each
+(`python benchmarks/scale_bench.py --plans`):
   qwen2.5-0.5b   Qwen2.5-0.5B(-Instruct) on one 80 GB GPU
   qwen2.5-7b     Qwen2.5-7B(-Instruct) on 8 GPUs (fsdp=8), 512 rows in 4 minibatches
   qwen3-8b       Qwen3-8B on a TPU v5e-16 slice (16 chips x 16 GB, fsdp=4 x tensor=4)

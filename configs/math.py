@@ -26,7 +26,7 @@ Presets (combine left to right):
   qwen3-1.7b-base  Qwen3-1.7B-Base on a TPU v5e-8 (8 chips x 16 GB, fsdp=4 x tensor=2)
   qwen3-4b-base    Qwen3-4B-Base on a TPU v5e-16 (16 chips x 16 GB, fsdp=4 x tensor=4)
   data=DIR         train.jsonl and the held-out sets of EVAL_SETS found in DIR
-Each passes `m2po-train --compile_only` for its slice (README, "TPU pods").
+Each passes `m2po-train --compile_only` for its slice (docs/scale.md, "Compile before you rent").
 """
 
 import os
