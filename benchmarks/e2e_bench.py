@@ -188,9 +188,9 @@ def run_ours(
     from m2po_jax.learner import logprobs
     from m2po_jax.models.prompts import make_prompt_encoder
     from m2po_jax.models.tokenizer import load_tokenizer
+    from m2po_jax.run import metrics as metrics_lib
     from m2po_jax.tasks.gsm8k import DEFAULT_PROMPT_TEMPLATE
     from m2po_jax.trainer import compile_cache
-    from m2po_jax.trainer import metrics as metrics_lib
 
     encode = make_prompt_encoder(load_tokenizer(fix["checkpoint"]), chat_template="off").encode
 

@@ -50,7 +50,7 @@ def _die(*_args, **_kwargs):
 def _arm(fault: str, workdir: Path) -> None:
     """Patches the trainer in this process so that `fault` happens."""
     from m2po_jax import trainer as trainer_lib
-    from m2po_jax.trainer import checkpoint as ckpt_lib
+    from m2po_jax.run import checkpoint as ckpt_lib
 
     kind, *args = fault.split(":")
 
@@ -125,7 +125,7 @@ def _arm(fault: str, workdir: Path) -> None:
 
 def _arm_full_disk(step: int, target: str, workdir: Path, at_step) -> None:
     """From step `step`, writes to `target` fail with ENOSPC, as on a full disk."""
-    from m2po_jax.trainer import checkpoint as ckpt_lib
+    from m2po_jax.run import checkpoint as ckpt_lib
 
     full = {"on": False}
     real_open = builtins.open
@@ -184,7 +184,7 @@ def child(argv: list[str]) -> None:
     workdir = next(Path(a.split("=", 1)[1]) for a in rest if a.startswith("--workdir="))
     if args.fault:
         _arm(args.fault, workdir.absolute())
-    from m2po_jax.trainer import main
+    from m2po_jax.cli import train as main
 
     sys.argv = ["m2po-train", *rest]
     main.run()
@@ -209,7 +209,7 @@ def _train(workdir: Path, *extra: str, fault: str = "", wait: bool = True):
 
 
 def _rows(workdir: Path) -> dict[int, dict]:
-    from m2po_jax.trainer import metrics as metrics_lib
+    from m2po_jax.run import metrics as metrics_lib
 
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -222,7 +222,7 @@ def _rows(workdir: Path) -> dict[int, dict]:
 
 def _lost(workdir: Path, reference: Path) -> int:
     """Reference rows missing or different in metrics.jsonl or in the TensorBoard scalars."""
-    from m2po_jax.trainer import tensorboard
+    from m2po_jax.run import tensorboard
 
     want, got = _rows(reference), _rows(workdir)
     events = tensorboard.read_scalars(workdir / "tensorboard")

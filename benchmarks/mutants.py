@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Not copied: the virtualenv, git, run outputs and caches (ignored by .gitignore too).
-# Run outputs only at the top: m2po_jax/trainer/workdir.py is code.
+# Run outputs only at the top: m2po_jax/run/workdir.py is code.
 TOP_IGNORE = ("runs", "workdir*", "build")
 COPY_IGNORE = (
     ".git",
@@ -256,7 +256,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "peft-export-b-untransposed",
-        "m2po_jax/trainer/export.py",
+        "m2po_jax/run/export.py",
         'yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(r, -1).T)',
         'yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(-1, r))',
         (T("tests/e2e/lora_export_test.py"),),
@@ -264,7 +264,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "lora-resume-accepts-another-base",
-        "m2po_jax/trainer/checkpoint.py",
+        "m2po_jax/run/checkpoint.py",
         'if saved["hash"] != base["hash"]:',
         'if saved["path"] != base["path"]:',
         (T("tests/e2e/lora_checkpoint_test.py"),),
@@ -397,7 +397,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "checkpoint-queue-reversed",
-        "m2po_jax/trainer/checkpoint.py",
+        "m2po_jax/run/checkpoint.py",
         'for i in range(meta["queue_len"])',
         'for i in reversed(range(meta["queue_len"]))',
         (
@@ -409,7 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "checkpoint-crc-not-checked",
-        "m2po_jax/trainer/checkpoint.py",
+        "m2po_jax/run/checkpoint.py",
         "            if _crc32(path) != crc:\n"
         '                return f"{name}: checksum mismatch (damaged)"\n',
         "",
@@ -599,7 +599,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "run-record-resume-may-change-the-seed",
-        "m2po_jax/trainer/run_record.py",
+        "m2po_jax/run/run_record.py",
         '    "total_steps", "logging.", "eval.", "checkpoint.", "mesh.", "model.path",',
         '    "total_steps", "seed", "logging.", "eval.", "checkpoint.", "mesh.", "model.path",',
         (T("tests/trainer/run_record_test.py", "every_field"),),
@@ -607,7 +607,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "run-record-reward-workers-refused",
-        "m2po_jax/trainer/run_record.py",
+        "m2po_jax/run/run_record.py",
         '    "rollout.worker_timeout_s", "rollout.reward_workers", "rollout.reward_timeout_s",',
         '    "rollout.worker_timeout_s", "rollout.reward_timeout_s",',
         (T("tests/trainer/run_record_test.py", "every_field"),),
@@ -615,7 +615,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "study-tie-counts-as-hurting",
-        "m2po_jax/trainer/study.py",
+        "m2po_jax/cli/study.py",
         '            hurts = _spread([s["final"] for s in stale])[0] < lo',
         '            hurts = _spread([s["final"] for s in stale])[0] <= lo',
         (T("tests/trainer/study_test.py", "equality"),),
@@ -623,7 +623,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "study-tie-does-not-rescue",
-        "m2po_jax/trainer/study.py",
+        "m2po_jax/cli/study.py",
         '                    ok = _spread([s["final"] for s in found[(k, rule, lr)]])[0] >= lo',
         '                    ok = _spread([s["final"] for s in found[(k, rule, lr)]])[0] > lo',
         (T("tests/trainer/study_test.py", "equality"),),

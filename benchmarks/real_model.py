@@ -113,7 +113,7 @@ def write_data(workdir: Path, task: str = "gsm8k") -> tuple[Path, Path]:
 
 def train(model_dir: Path, train_path: Path, eval_path: Path, run_dir: Path, steps: int, task: str):
     cmd = [
-        sys.executable, "-m", "m2po_jax.trainer.main",
+        sys.executable, "-m", "m2po_jax.cli.train",
         "--config=configs/gsm8k.py:smollm2-135m-cpu", f"--workdir={run_dir}",
         f"--config.model.path={model_dir}", f"--config.task.train_path={train_path}",
         f"--config.task.eval_path={eval_path}", f"--config.total_steps={steps}",
@@ -135,7 +135,7 @@ def check_export(run_dir: Path, steps: int, out: Path) -> float:
     import torch
     import transformers
 
-    from m2po_jax.trainer import export_main
+    from m2po_jax.cli import export as export_main
 
     served = run_dir / "hf" / f"step_{steps}"
     transformers.AutoModelForCausalLM.from_pretrained(served)  # the bf16 export loads
@@ -163,8 +163,9 @@ def check_export(run_dir: Path, steps: int, out: Path) -> float:
 
 def _trained(run_dir: Path):
     """The last checkpoint's state and the model config, as `m2po-export` rebuilds them."""
-    from m2po_jax.trainer import checkpoint as ckpt_lib
-    from m2po_jax.trainer import export_main, run_record
+    from m2po_jax.cli import export as export_main
+    from m2po_jax.run import checkpoint as ckpt_lib
+    from m2po_jax.run import run_record
     from m2po_jax.trainer import setup as setup_lib
 
     record = run_record.read_record(run_dir)

@@ -197,7 +197,7 @@ def profile(args, work: Path) -> dict:
     import jax
 
     from m2po_jax.rollout import rewards as rewards_lib
-    from m2po_jax.trainer import metrics as metrics_lib
+    from m2po_jax.run import metrics as metrics_lib
 
     fix = e2e_bench.make_fixtures(work, args.setting)
     fix["slots"] = args.slots

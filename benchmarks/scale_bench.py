@@ -57,7 +57,7 @@ def part_a(steps: int = 3) -> dict:
     args = [
         sys.executable,
         "-m",
-        "m2po_jax.trainer.main",
+        "m2po_jax.cli.train",
         "--config=configs/gsm8k.py",
         f"--workdir={work / 'run'}",
         f"--config.model.path={work / 'qwen3-0.6b'}",
@@ -125,7 +125,6 @@ def compile_preset(
     from m2po_jax.learner import batching, memory
     from m2po_jax.models import architectures
     from m2po_jax.parallel import placement as placement_lib
-    from m2po_jax.trainer import memory_check
     from m2po_jax.trainer import setup as setup_lib
 
     cfg = _on_devices(preset, devices)
@@ -148,9 +147,7 @@ def compile_preset(
     n_micro = batching.micro_batch_count(
         rows_mb, seq_len, a.mb_spec.n_mbs, a.mb_spec.max_tokens_per_mb
     )
-    xla = memory_check.compiled_step_memory(
-        cfg, model_config, placement, share_prompts=share_prompts
-    )
+    xla = setup_lib.compiled_step_memory(cfg, model_config, placement, share_prompts=share_prompts)
     step_plan = setup_lib.step_plan(cfg, placement)
     shared = step_plan.loss_prompt if share_prompts else None
     plan = memory.memory_plan(

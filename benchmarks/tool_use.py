@@ -30,7 +30,7 @@ def run(name: str, extra: list[str], steps: int, eval_every: int, workdir: Path)
     command = [
         sys.executable,
         "-m",
-        "m2po_jax.trainer.main",
+        "m2po_jax.cli.train",
         "--config=configs/arith.py:calculator",
         f"--workdir={workdir}",
         f"--config.total_steps={steps}",

@@ -4,8 +4,10 @@ The package by role, each importing only those above it in this list:
 `common` (errors, checks, the batch records, the config schema, mesh axis names),
 `algorithm` (the pure M2PO math), `models` (the LM, attention, Hugging Face files,
 tokenizers, prompts), `tasks`, `parallel` (meshes, shardings, multi-host), `learner` (the
-jitted update) and `rollout` (sampling, the stale queue), `config` (validation and
-overrides), `trainer` (the loop, checkpoints, metrics, the CLI).
+jitted update) and `rollout` (sampling, episodes, the stale queue), `config` (validation and
+overrides), `run` (what a run writes: workdir, checkpoints, metrics, plots, exports),
+`trainer` (the loop and what it is built from), `cli` (`m2po-train`, `m2po-export`,
+`m2po-study`).
 
 Importing `m2po_jax` or the masking function loads no Flax, orbax or transformers.
 """
@@ -42,7 +44,7 @@ MOVED = {
     "attention_kernels": "models.attention_kernels",
     "batching": "learner.batching",
     "chat": "models.chat",
-    "checkpoint": "trainer.checkpoint",
+    "checkpoint": "run.checkpoint",
     "checks": "common.checks",
     "compile_cache": "trainer.compile_cache",
     "config_schema": "common.config_schema",
@@ -52,25 +54,25 @@ MOVED = {
     "hf_format": "models.hf_format",
     "logprobs": "learner.logprobs",
     "losses": "algorithm.losses",
-    "main": "trainer.main",
+    "main": "cli.train",
     "masking": "algorithm.masking",
     "masking_kernels": "algorithm.masking_kernels",
     "masking_stats": "algorithm.masking_stats",
     "memory": "learner.memory",
-    "metrics": "trainer.metrics",
+    "metrics": "run.metrics",
     "model": "models.model",
     "model_config": "models.model_config",
     "optim": "learner.optim",
     "overrides": "config.overrides",
-    "paths": "trainer.paths",
+    "paths": "run.paths",
     "penalties": "algorithm.penalties",
     "placement": "parallel.placement",
-    "plots": "trainer.plots",
+    "plots": "run.plots",
     "prompts": "models.prompts",
     "proximal": "algorithm.proximal",
     "rejection": "algorithm.rejection",
     "rope": "models.rope",
-    "run_record": "trainer.run_record",
+    "run_record": "run.run_record",
     "sampling": "rollout.sampling",
     "scopes": "algorithm.scopes",
     "setup": "trainer.setup",
@@ -79,12 +81,24 @@ MOVED = {
     "step_math": "learner.step_math",
     "step_metrics": "learner.step_metrics",
     "step_plan": "learner.step_plan",
-    "tensorboard": "trainer.tensorboard",
+    "tensorboard": "run.tensorboard",
     "tokenizer": "models.tokenizer",
     "train_step": "learner.train_step",
     "types": "common.types",
     "variants": "algorithm.variants",
-    "workdir": "trainer.workdir",
+    "workdir": "run.workdir",
+    # 0.2: the trainer's command-line programs and what a run writes left the trainer
+    "trainer.workdir": "run.workdir",
+    "trainer.paths": "run.paths",
+    "trainer.checkpoint": "run.checkpoint",
+    "trainer.metrics": "run.metrics",
+    "trainer.tensorboard": "run.tensorboard",
+    "trainer.plots": "run.plots",
+    "trainer.run_record": "run.run_record",
+    "trainer.export": "run.export",
+    "trainer.main": "cli.train",
+    "trainer.export_main": "cli.export",
+    "trainer.study": "cli.study",
 }
 # Old paths that stay public without a warning.
 PUBLIC = {"hf": "models.hf"}

@@ -21,7 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -37,6 +37,10 @@ from m2po_jax.models.hf_format import (
 from m2po_jax.models.model import apply, check_token_ids, init_params
 from m2po_jax.models.model_config import ModelConfig, as_dtype
 from m2po_jax.models.tokenizer import HFTokenizer, load_tokenizer
+
+# safetensors' numpy backend reads BF16 tensors as numpy's "bfloat16", a type that exists
+# once ml_dtypes is imported (it registers it).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

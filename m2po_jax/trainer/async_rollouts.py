@@ -32,7 +32,7 @@ from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout import staleness
 from m2po_jax.rollout import worker as worker_lib
-from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
 
 

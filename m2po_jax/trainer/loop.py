@@ -33,14 +33,15 @@ from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.parallel import distributed
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout.worker import RolloutWorkerError
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import export as export_lib
+from m2po_jax.run import metrics as metrics_lib
+from m2po_jax.run import paths, plots, run_record
+from m2po_jax.run import workdir as workdir_lib
 from m2po_jax.trainer import async_rollouts as async_lib
-from m2po_jax.trainer import checkpoint as ckpt_lib
 from m2po_jax.trainer import evaluate as evaluate_lib
-from m2po_jax.trainer import export as export_lib
-from m2po_jax.trainer import metrics as metrics_lib
-from m2po_jax.trainer import paths, plots, run_record, sft, stopping
 from m2po_jax.trainer import setup as setup_lib
-from m2po_jax.trainer import workdir as workdir_lib
+from m2po_jax.trainer import sft, stopping
 
 # Streams of the base PRNG key: every use derives its key with fold_in(stream, index).
 _GEN, _TRAIN, _FILL, _INIT, _EVAL = range(5)

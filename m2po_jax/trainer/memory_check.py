@@ -3,8 +3,9 @@
 check_fits(memory.memory_plan(...))   # raises with the numbers, and the knob that makes it fit
 
 `memory_plan` (m2po_jax.learner.memory) is the analytic plan of what the train step holds;
-`compiled_step_memory` compiles the run's step from abstract shapes and reads XLA's
-`memory_analysis()`, which tests/learner/memory_test.py checks the plan against.
+`setup.compiled_step_memory` compiles the run's step from abstract shapes and reads XLA's
+`memory_analysis()` (a `CompiledStep`), which tests/learner/memory_test.py checks the plan
+against.
 """
 
 from __future__ import annotations
@@ -13,14 +14,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from m2po_jax.common.types import TrainBatch
 from m2po_jax.learner import memory as memory_lib
-from m2po_jax.learner import optim
-from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -144,48 +140,3 @@ class CompiledStep:
             + x.output_size_in_bytes
             - x.alias_size_in_bytes
         )
-
-
-def compiled_step_memory(
-    cfg, model_config: model_config_lib.ModelConfig, placement, *, share_prompts: bool = True
-) -> CompiledStep:
-    """XLA's memory analysis of the run's jitted train step, compiled from abstract shapes.
-
-    The step is built by `setup.build_train_step`, the trainer's own builder, for the
-    run's largest batch (`rollout.batch_size x gconfig.n_samples` rows of
-    `task.max_prompt_len + gconfig.max_new_tokens` tokens). Nothing is allocated: params,
-    optimizer state and the batch are `ShapeDtypeStruct`s laid out by `placement`.
-    `share_prompts=False` compiles the plain step instead (the baseline).
-    """
-    import time
-
-    from m2po_jax.trainer import setup as setup_lib  # imported late: setup imports this module
-
-    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
-    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
-    tx, schedule = optim.make_optimizer(cfg.actor.optimizer, 1)
-    params = jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
-    state = jax.eval_shape(lambda p: step_lib.init_train_state(p, tx), params)
-    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
-    batch = TrainBatch(
-        tokens_BxT=shape(jnp.int32, rows, seq_len),
-        valid_BxT=shape(jnp.bool_, rows, seq_len),
-        behav_logp_BxT=shape(jnp.float32, rows, seq_len),
-        loss_mask_BxT=shape(jnp.bool_, rows, seq_len),
-        rewards_B=shape(jnp.float32, rows),
-        version_B=shape(jnp.int32, rows),
-    )
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    ref = params if cfg.actor.kl_ctl > 0 else None
-    step = setup_lib.build_train_step(
-        cfg, model_config, tx, schedule, placement, state, share_prompts=share_prompts
-    )
-    start = time.perf_counter()
-    lowered = step.lower(state, batch, rng, ref)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    return CompiledStep(
-        analysis=compiled.memory_analysis(),
-        lower_s=lowered_at - start,
-        compile_s=time.perf_counter() - lowered_at,
-    )

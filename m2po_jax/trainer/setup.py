@@ -14,14 +14,16 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
-from m2po_jax.common.types import PromptGroups
-from m2po_jax.learner import batching, memory
+from m2po_jax.common.types import PromptGroups, TrainBatch
+from m2po_jax.learner import batching, memory, optim
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import hf_format, lora, quant
+from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
@@ -31,9 +33,9 @@ from m2po_jax.rollout import engine as engine_lib
 from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.tasks import Task, make_task, parse_eval_sets, task_class
 from m2po_jax.trainer import memory_check
-from m2po_jax.trainer import metrics as metrics_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +407,7 @@ def build_train_step(
     completions of each prompt, so the step runs each prompt through the trunk once and
     keeps groups whole in minibatches and micro-batches (`step_plan.plan_step` decides per
     shape what of that runs). `state` may be abstract (`jax.eval_shape`). The memory
-    check against XLA (`memory_check.compiled_step_memory`), `benchmarks/scale_bench.py` and
+    check against XLA (`compiled_step_memory`), `benchmarks/scale_bench.py` and
     `benchmarks/device_check.sh` compile through this function, so what they measure is
     the trainer's step. `share_prompts=False` builds the plain step (every row's whole
     sequence), the benchmarks' baseline.
@@ -480,3 +482,46 @@ def init_state(run: RunSetup, params, tx) -> step_lib.TrainState:
     shape = jax.eval_shape(init_fn, params)
     init = jax.jit(init_fn, out_shardings=run.placement.state_shardings(shape))
     return init(params)
+
+
+def compiled_step_memory(
+    cfg, model_config: model_config_lib.ModelConfig, placement, *, share_prompts: bool = True
+) -> memory_check.CompiledStep:
+    """XLA's memory analysis of the run's jitted train step, compiled from abstract shapes.
+
+    The step is built by `build_train_step`, the trainer's own builder, for the
+    run's largest batch (`rollout.batch_size x gconfig.n_samples` rows of
+    `task.max_prompt_len + gconfig.max_new_tokens` tokens). Nothing is allocated: params,
+    optimizer state and the batch are `ShapeDtypeStruct`s laid out by `placement`.
+    `share_prompts=False` compiles the plain step instead (the baseline).
+    """
+    import time
+
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
+    tx, schedule = optim.make_optimizer(cfg.actor.optimizer, 1)
+    params = jax.eval_shape(lambda: model_lib.init_params(model_config, jax.random.key(0)))
+    state = jax.eval_shape(lambda p: step_lib.init_train_state(p, tx), params)
+    shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
+    batch = TrainBatch(
+        tokens_BxT=shape(jnp.int32, rows, seq_len),
+        valid_BxT=shape(jnp.bool_, rows, seq_len),
+        behav_logp_BxT=shape(jnp.float32, rows, seq_len),
+        loss_mask_BxT=shape(jnp.bool_, rows, seq_len),
+        rewards_B=shape(jnp.float32, rows),
+        version_B=shape(jnp.int32, rows),
+    )
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    ref = params if cfg.actor.kl_ctl > 0 else None
+    step = build_train_step(
+        cfg, model_config, tx, schedule, placement, state, share_prompts=share_prompts
+    )
+    start = time.perf_counter()
+    lowered = step.lower(state, batch, rng, ref)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return memory_check.CompiledStep(
+        analysis=compiled.memory_analysis(),
+        lower_s=lowered_at - start,
+        compile_s=time.perf_counter() - lowered_at,
+    )

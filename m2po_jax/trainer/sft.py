@@ -18,7 +18,7 @@ import optax
 from m2po_jax.learner import logprobs
 from m2po_jax.models import lora
 from m2po_jax.parallel import sharding
-from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
 
 

@@ -293,7 +293,7 @@ def test_bad_overrides_files_name_the_file_line_and_key(tmp_path):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "m2po_jax.trainer.main", *args],
+        [sys.executable, "-m", "m2po_jax.cli.train", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -440,7 +440,7 @@ def test_placeholder_override_of_the_wrong_type_names_the_declared_type(tmp_path
 
 
 def test_cli_parses_derived_fields_and_none_clip():
-    # m2po_jax.trainer.main's own flag parsing, then the config it hands to the trainer.
+    # m2po_jax.cli.train's own flag parsing, then the config it hands to the trainer.
     code = (
         "import sys; from m2po_jax import main, config as c; main.define_flags(); "
         "main.parse_flags(sys.argv); cfg = main.FLAGS.config; "

@@ -18,12 +18,12 @@ from gsm8k_run_test import checkpoint, completion_length_reward, small_gsm8k  # 
 from safetensors.numpy import load_file
 
 from m2po_jax import trainer as trainer_lib
+from m2po_jax.cli import export as export_main
 from m2po_jax.common.errors import CheckpointError
 from m2po_jax.models import hf
 from m2po_jax.models import model as model_lib
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import export as export_lib
-from m2po_jax.trainer import export_main
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import export as export_lib
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
@@ -195,7 +195,7 @@ def test_two_processes_export_the_params_they_shard(source, tmp_path):
     workdir = tmp_path / "run"
     port = _free_port()
     args = [
-        sys.executable, "-m", "m2po_jax.trainer.main", "--config=configs/gsm8k.py",
+        sys.executable, "-m", "m2po_jax.cli.train", "--config=configs/gsm8k.py",
         f"--workdir={workdir}", f"--config.model.path={source}",
         f"--config.task.train_path={source / 'train.jsonl'}", "--config.task.eval_size=8",
         "--config.model.dtype=float32", "--config.model.remat=False",

@@ -12,8 +12,8 @@ from m2po_jax.configs import gsm8k
 from m2po_jax.models import hf
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.tasks import gsm8k as gsm8k_task
-from m2po_jax.trainer import metrics as metrics_lib
 from m2po_jax.trainer import sft
 
 WORDS = "what is plus minus the answer apples have has how many".split()
@@ -176,7 +176,7 @@ def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
 
 
 def test_a_study_on_the_gsm8k_config_runs_its_cells_from_the_checkpoint(checkpoint, tmp_path):
-    from m2po_jax.trainer import study
+    from m2po_jax.cli import study
 
     base = small_gsm8k_dict(checkpoint, reward_fn=f"{__name__}:completion_length_reward")
     cells = study.grid([0, 1], ["grpo", "m2po"], [1e-6], [0])

@@ -17,12 +17,12 @@ from safetensors.numpy import load_file, save_file
 
 from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
+from m2po_jax.cli import export as export_main
 from m2po_jax.common.errors import CheckpointError
 from m2po_jax.models import hf, lora
 from m2po_jax.models import model as model_lib
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import export as export_lib
-from m2po_jax.trainer import export_main
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import export as export_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -19,11 +19,12 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from m2po_jax import config as config_lib
+from m2po_jax.cli import export as export_main
 from m2po_jax.configs import default
 from m2po_jax.models import hf, lora
 from m2po_jax.models import model as model_lib
-from m2po_jax.trainer import export as export_lib
-from m2po_jax.trainer import export_main, run_record
+from m2po_jax.run import export as export_lib
+from m2po_jax.run import run_record
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

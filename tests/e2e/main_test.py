@@ -15,7 +15,7 @@ TINY = ["--config=configs/arith.py:m2po,tiny", "--config.mesh.data=1"]
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "m2po_jax.trainer.main", *args],
+        [sys.executable, "-m", "m2po_jax.cli.train", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -179,7 +179,7 @@ def test_areal_spelling_and_shipped_configs_by_name(tmp_path):
         [
             sys.executable,
             "-m",
-            "m2po_jax.trainer.main",
+            "m2po_jax.cli.train",
             "--config=arith:nope",
             f"--workdir={tmp_path}",
         ],

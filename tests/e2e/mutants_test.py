@@ -146,12 +146,12 @@ def test_copy_leaves_out_git_venv_runs_and_caches(tmp_path):
         (src / name).write_text("x")
     (src / "workdir_old").mkdir()
     (src / "workdir_old" / "config.json").write_text("{}")
-    (src / "m2po_jax" / "trainer").mkdir(parents=True)
+    (src / "m2po_jax" / "run").mkdir(parents=True)
     (src / "m2po_jax" / "mod.py").write_text("x = 1\n")
-    (src / "m2po_jax" / "trainer" / "workdir.py").write_text("x = 2\n")  # code, not a run
+    (src / "m2po_jax" / "run" / "workdir.py").write_text("x = 2\n")  # code, not a run
     dst = mutants.copy_repo(src, tmp_path / "dst")
     files = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
-    assert files == ["m2po_jax/mod.py", "m2po_jax/trainer/workdir.py"]
+    assert files == ["m2po_jax/mod.py", "m2po_jax/run/workdir.py"]
 
 
 def test_device_flag_follows_the_conftest(tmp_path):

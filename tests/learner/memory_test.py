@@ -132,7 +132,7 @@ def test_memory_plan_is_within_25_percent_of_xla(
     config = model_config_lib.ModelConfig(**model)
     cfg = _run_config(rows, seq_len, seq_len // 4, n_samples, n_mbs)
     placement = placement_lib.Placement.from_shape({"data": 1, "fsdp": 1, "tensor": 1}, config)
-    xla = memory_check.compiled_step_memory(cfg, config, placement, share_prompts=share)
+    xla = setup_lib.compiled_step_memory(cfg, config, placement, share_prompts=share)
     shared = setup_lib.step_plan(cfg, placement).loss_prompt if share else None
     assert (shared.length_blocks if share else 1) == blocks
     plan = memory.memory_plan(

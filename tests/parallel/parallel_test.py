@@ -29,8 +29,8 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import sampling
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import metrics as metrics_lib
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = os.environ["M2PO_TEST_XLA_FLAGS"]  # the suite's compile flags (conftest)
@@ -214,7 +214,7 @@ def _train(workdir, steps, env_extra, n_procs, extra=()):
     args = [
         sys.executable,
         "-m",
-        "m2po_jax.trainer.main",
+        "m2po_jax.cli.train",
         "--config=configs/arith.py:m2po,tiny",
         f"--workdir={workdir}",
         f"--config.total_steps={steps}",

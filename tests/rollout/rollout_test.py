@@ -13,7 +13,7 @@ from m2po_jax.common.types import RolloutBatch
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.rollout import batches as rollout_lib
-from m2po_jax.trainer import checkpoint as ckpt_lib
+from m2po_jax.run import checkpoint as ckpt_lib
 
 
 class _Words:

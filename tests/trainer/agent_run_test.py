@@ -8,8 +8,8 @@ import numpy as np
 from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.tasks import environments
-from m2po_jax.trainer import metrics as metrics_lib
 
 
 class Echo(environments.Environment):

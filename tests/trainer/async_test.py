@@ -15,8 +15,8 @@ from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith, default
 from m2po_jax.rollout import worker as worker_lib
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.trainer import async_rollouts
-from m2po_jax.trainer import metrics as metrics_lib
 
 B = 8  # prompts per batch
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from m2po_jax.common.errors import CheckpointError, WorkdirError, WriterError
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import workdir as workdir_lib
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import workdir as workdir_lib
 
 
 def _state(value):

@@ -16,7 +16,7 @@ from trainer_test import read, strip_times, tiny_config
 
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.common.errors import WriterError
-from m2po_jax.trainer import tensorboard
+from m2po_jax.run import tensorboard
 
 REPO = Path(__file__).resolve().parents[2]
 DRILL = [sys.executable, str(REPO / "benchmarks" / "fault_drill.py"), "child"]

@@ -10,7 +10,7 @@ from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import default
 from m2po_jax.models import lora
-from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.run import metrics as metrics_lib
 
 
 def _base(params):

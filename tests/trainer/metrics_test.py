@@ -1,4 +1,4 @@
-"""Tests for m2po_jax.trainer.metrics and m2po_jax.trainer.plots: writers, resume, non-finite values, plots."""
+"""Tests for m2po_jax.run.metrics and m2po_jax.run.plots: writers, resume, non-finite values, plots."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from m2po_jax.common.errors import WriterError
-from m2po_jax.trainer import metrics as M
-from m2po_jax.trainer import paths, plots, tensorboard
+from m2po_jax.run import metrics as M
+from m2po_jax.run import paths, plots, tensorboard
 
 
 def _lines(path):

@@ -9,10 +9,10 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from m2po_jax.common.errors import WorkdirError
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import metrics as metrics_lib
-from m2po_jax.trainer import paths, plots, run_record, tensorboard
-from m2po_jax.trainer import workdir as workdir_lib
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import metrics as metrics_lib
+from m2po_jax.run import paths, plots, run_record, tensorboard
+from m2po_jax.run import workdir as workdir_lib
 
 _PROTOCOLS = ("gs", "gcs")
 fsspec_registry = importlib.import_module("fsspec.registry")  # the module, not its mapping

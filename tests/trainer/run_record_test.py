@@ -9,7 +9,7 @@ from m2po_jax import config as config_lib
 from m2po_jax.common.errors import WorkdirError
 from m2po_jax.configs import arith
 from m2po_jax.models import model_config
-from m2po_jax.trainer import run_record
+from m2po_jax.run import run_record
 
 MODEL = model_config.ModelConfig(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1

@@ -17,7 +17,6 @@ from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import placement as placement_lib
-from m2po_jax.trainer import memory_check
 from m2po_jax.trainer import setup as setup_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +57,7 @@ def test_trainer_and_memory_check_compile_the_same_builder(monkeypatch):
     )
     trainer_lib.Trainer._jitted_step(fake)
     assert calls[-1] == ((cfg, MODEL, tx, schedule, placement, state), {})
-    compiled = memory_check.compiled_step_memory(cfg, MODEL, placement)
+    compiled = setup_lib.compiled_step_memory(cfg, MODEL, placement)
     (run, model, _, _, place, abstract), kwargs = calls[-1]
     assert (run, model, place) == (cfg, MODEL, placement) and kwargs == {"share_prompts": True}
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
@@ -76,7 +75,7 @@ def test_scale_bench_and_device_check_use_the_builder(monkeypatch):
         raise Stop
 
     scale = _bench("scale_bench")
-    monkeypatch.setattr(memory_check, "compiled_step_memory", fake_compiled)
+    monkeypatch.setattr(setup_lib, "compiled_step_memory", fake_compiled)
     for share in (True, False):
         try:
             scale.compile_preset("qwen2.5-7b", share_prompts=share, devices=1)

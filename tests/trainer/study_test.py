@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from m2po_jax.cli import study
 from m2po_jax.common.errors import ConfigError
 from m2po_jax.configs import arith
-from m2po_jax.trainer import loop, study
+from m2po_jax.trainer import loop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,7 +123,7 @@ def test_one_seed_gives_a_reading_not_a_verdict():
 
 def _study_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "m2po_jax.trainer.study", *args],
+        [sys.executable, "-m", "m2po_jax.cli.study", *args],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -11,7 +11,7 @@ from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib
 from m2po_jax.configs import arith
 from m2po_jax.learner import batching
-from m2po_jax.trainer import metrics as metrics_lib
+from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.trainer import sft
 
 CONTRACT_KEYS = (

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from m2po_jax.common.errors import WorkdirError
-from m2po_jax.trainer import paths
+from m2po_jax.run import paths
 
 LOCK_FILE = ".lock"
 

@@ -492,8 +492,8 @@ def _run_cells(base, cells, out: Path, stop: _Stop, tau, steps, slots: list):
 
 def _one_line(error: BaseException) -> str:
     """`<what>: <message>` in one line, as `m2po-train` reports errors."""
+    from m2po_jax.cli import train as train_main
     from m2po_jax.common.errors import M2poError
-    from m2po_jax.trainer import main as train_main
 
     what = error.what if isinstance(error, M2poError) else type(error).__name__
     return f"{what}: {train_main._clean(error)}"
@@ -886,7 +886,7 @@ def _exit_status(e: StudyError, out: Path) -> int:
 
 def run() -> None:
     """The `m2po-study` entry point (shipped configs by name, as `m2po-train`)."""
-    from m2po_jax.trainer import main as train_main
+    from m2po_jax.cli import train as train_main
 
     sys.argv = sys.argv[:1] + [train_main.spelled_our_way(arg) for arg in sys.argv[1:]]
     define_flags(train_main.DEFAULT_CONFIG)
@@ -898,6 +898,6 @@ def run() -> None:
 
 if __name__ == "__main__":
     # The cells' processes unpickle this module's functions and errors by its own name.
-    from m2po_jax.trainer import study
+    from m2po_jax.cli import study
 
     study.run()

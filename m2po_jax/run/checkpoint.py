@@ -45,7 +45,7 @@ from m2po_jax.common.errors import CheckpointError, WriterError, describe_os_err
 from m2po_jax.common.types import RolloutBatch
 from m2po_jax.models import lora
 from m2po_jax.parallel import placement
-from m2po_jax.trainer import paths
+from m2po_jax.run import paths
 
 MANIFEST = "m2po_manifest.json"
 ASIDE_DIR = "checkpoints_aside"

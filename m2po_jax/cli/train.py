@@ -167,7 +167,8 @@ def main(argv) -> None:
 
     from m2po_jax.common import errors
     from m2po_jax.parallel import distributed
-    from m2po_jax.trainer import compile_cache, paths, workdir
+    from m2po_jax.run import paths, workdir
+    from m2po_jax.trainer import compile_cache
 
     if FLAGS.compile_only:
         _compile_only(cfg)
@@ -241,7 +242,7 @@ def _collective_failure(error: BaseException) -> bool:
 
 def _accuracy_by_step(metrics_file, this_run: list) -> list[tuple[int, float]]:
     """Every held-out evaluation of the workdir's run, before a resume too."""
-    from m2po_jax.trainer import metrics as metrics_lib
+    from m2po_jax.run import metrics as metrics_lib
 
     try:
         rows = metrics_lib.read_metrics(metrics_file)

@@ -41,8 +41,8 @@ from m2po_jax.models import hf, lora
 from m2po_jax.models import model as model_lib
 from m2po_jax.models.model_config import ModelConfig, as_dtype
 from m2po_jax.parallel import placement
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import paths
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import paths
 
 HF_DIR = "hf"
 _STEP = re.compile(r"step_(\d+)")

@@ -21,7 +21,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
-from m2po_jax.trainer import paths
+from m2po_jax.run import paths
 
 _counter = itertools.count()
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from m2po_jax.common.checks import is_number
-from m2po_jax.trainer import paths
-from m2po_jax.trainer.metrics import read_metrics
+from m2po_jax.run import paths
+from m2po_jax.run.metrics import read_metrics
 
 DEFAULT_COMPARISON_KEYS = (
     "reward/mean",

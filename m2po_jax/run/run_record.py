@@ -21,7 +21,7 @@ from m2po_jax.common.errors import ConfigError, WorkdirError
 from m2po_jax.configs import default
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
-from m2po_jax.trainer import paths
+from m2po_jax.run import paths
 
 CONFIG_FILE = "config.json"
 # Prefixes of fields a resumed run may change without being asked.

@@ -21,7 +21,7 @@ import numpy as np
 
 from m2po_jax.common.checks import is_number
 from m2po_jax.common.errors import WriterError, describe_os_error
-from m2po_jax.trainer import paths
+from m2po_jax.run import paths
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -99,7 +99,7 @@ class MetricsWriter:
 
     Args:
       workdir: output directory (created if needed).
-      tensorboard: also write scalars to `workdir/tensorboard` (`m2po_jax.trainer.tensorboard`:
+      tensorboard: also write scalars to `workdir/tensorboard` (`m2po_jax.run.tensorboard`:
         on this thread, so a full disk raises here instead of hanging a writer thread).
       wandb: keyword arguments for `wandb.init`, or None for no wandb.
       is_primary: False on every process but 0 of a multi-host run; then nothing is
@@ -151,7 +151,7 @@ class MetricsWriter:
                 self._truncate(resume_step)
             self._file = paths.AppendLog(self.path)
         if tensorboard:
-            from m2po_jax.trainer.tensorboard import EventFile
+            from m2po_jax.run.tensorboard import EventFile
 
             with _io_errors(tb_dir):
                 self._tb = EventFile(tb_dir, purge_step=resume_step)

@@ -29,9 +29,9 @@ from m2po_jax.learner import optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import hf, lora, quant
 from m2po_jax.models import model as model_lib
-from m2po_jax.trainer import checkpoint as ckpt_lib
-from m2po_jax.trainer import export as export_lib
-from m2po_jax.trainer import paths, run_record
+from m2po_jax.run import checkpoint as ckpt_lib
+from m2po_jax.run import export as export_lib
+from m2po_jax.run import paths, run_record
 from m2po_jax.trainer import setup as setup_lib
 
 FORMATS = ("hf", "peft")
