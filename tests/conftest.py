@@ -70,6 +70,7 @@ def pytest_sessionfinish(session):
 HEAVY_FIRST = (
     "tests/parallel/parallel_test.py::test_two_processes_",
     "tests/trainer/async_test.py::test_an_async_run_learns",
+    "tests/trainer/agent_run_test.py::test_the_calculator_demonstration",
     "tests/e2e/device_check_test.py::",
     "tests/e2e/colab_test.py::",
     "tests/e2e/main_test.py::test_a_resume_with_another_model",
