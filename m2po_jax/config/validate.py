@@ -198,6 +198,10 @@ def _check_m2po(cfg: Config) -> Config:
     return cfg
 
 
+# Long on purpose: one flat table of checks in the order of configs/default.py, one line per
+# field, so that a field's rule is found by searching its name; groups of checks that relate
+# fields to each other have their own function (`_check_m2po`, `_check_lora`, `_check_agent`,
+# `_check_derived`).
 def validate(cfg: Config) -> Config:
     """Range and consistency checks, then the library objects the run will build (whatever
     they refuse is refused here); raises ConfigError naming the field."""

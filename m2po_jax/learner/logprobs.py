@@ -121,6 +121,9 @@ def sequence_logp(
     return head_logp_entropy(hidden, head, tokens_BxT, temperature, chunk, with_entropy)
 
 
+# Long on purpose: most of it is the docstring (the layout the sampler must write and the
+# length blocks' measured gain); the body is the prompt pass, then the blocked completion
+# pass whose `lax.switch` branches close over the prompt's keys and values.
 def shared_prompt_logp(
     params,
     config: model_config.ModelConfig,

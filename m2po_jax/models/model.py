@@ -358,6 +358,11 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
 
+    # Long on purpose: the forward's modes (no cache, a cache written at one column or at one
+    # column per row, a shared prompt prefix; layers scanned or unrolled; logits, hidden
+    # states or keys and values out) share one embedding, mask, rope and head, declared once
+    # here under `nn.compact` (a split would pass the mask, rope and cache between methods
+    # and declare the params elsewhere).
     @nn.compact
     def __call__(
         self,

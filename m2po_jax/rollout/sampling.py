@@ -247,6 +247,9 @@ def is_stop(token_B: jax.Array, stop_token_ids: tuple[int, ...]) -> jax.Array:
     return jnp.any(token_B[:, None] == jnp.asarray(stop_token_ids, jnp.int32)[None, :], axis=-1)
 
 
+# Long on purpose: the prefill, the first draw, the decode loop and the output layout of one
+# jitted program; the loop's body closes over the prefill's widths, buckets and key, and
+# reads top to bottom as the sampler runs.
 @functools.partial(jax.jit, static_argnames=("model_config", "sampling", "n_samples"))
 def _generate(
     params,
