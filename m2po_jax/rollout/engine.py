@@ -895,65 +895,25 @@ def _append(
     slots = state.job_S.shape[0]
     jobs, new = state.tokens_JxN.shape
     lanes, m = delta_LxM.shape
-    total = state.cache.valid_BxS.shape[1]
-    width = total - new - extra
+    width = state.cache.valid_BxS.shape[1] - new - extra
     use_L = slot_L < slots
     s_L = jnp.minimum(slot_L, slots - 1)
     job_L = jnp.where(use_L, state.job_S[s_L], jobs)
     step_L = state.step_S[s_L]  # the sequence's tokens; its last is not in the cache yet
-    t_M = jnp.arange(m, dtype=jnp.int32)
-    at = (job_L[:, None], step_L[:, None] + t_M[None])
-    real_LxM = use_L[:, None] & (t_M[None] < len_L[:, None])
-    drop = jnp.where(real_LxM, at[0], jobs)  # padding lanes and columns are dropped
-    state = state.replace(
-        tokens_JxN=state.tokens_JxN.at[drop, at[1]].set(delta_LxM, mode="drop"),
-        valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),
-        version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),
-    )
+    state = _write_appended(state, job_L, step_L, use_L, delta_LxM, len_L)
     tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
     t_T = jnp.arange(m + 1, dtype=jnp.int32)
-    valid_LxT = t_T[None] <= len_L[:, None]
     positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]
-    column_L = width + step_L - 1
-
-    def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
-        cache = model_lib.KVCache(
-            k=tuple(k[None] for k in k_rows),
-            v=tuple(v[None] for v in v_rows),
-            valid_BxS=valid_row[None],
-        )
-        hidden_1xTxE, cache = model_lib.apply(
-            params,
-            model_config,
-            tokens_T[None],
-            positions_T[None],
-            valid_T[None],
-            cache,
-            column,
-            hidden_only=True,
-        )
-        return (
-            hidden_1xTxE[0],
-            tuple(k[0] for k in cache.k),
-            tuple(v[0] for v in cache.v),
-            cache.valid_BxS[0],
-        )
-
-    rows = lambda x: x[s_L]
-    hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(
-        tuple(map(rows, state.cache.k)),
-        tuple(map(rows, state.cache.v)),
-        rows(state.cache.valid_BxS),
+    hidden_LxTxE, cache = _prefill_rows(
+        params,
+        state.cache,
+        slot_L,
+        s_L,
         tokens_LxT,
         positions_LxT,
-        valid_LxT,
-        column_L,
-    )
-    put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
-    cache = model_lib.KVCache(
-        k=tuple(map(put, state.cache.k, k_rows)),
-        v=tuple(map(put, state.cache.v, v_rows)),
-        valid_BxS=put(state.cache.valid_BxS, valid_rows),
+        t_T[None] <= len_L[:, None],
+        width + step_L - 1,
+        model_config,
     )
     last_LxE = hidden_LxTxE[jnp.arange(lanes), len_L]
     logits_LxV = model_lib.dense(last_LxE, model_lib.head_weight(params, model_config))
@@ -974,6 +934,70 @@ def _append(
         last_token_S=state.last_token_S.at[slot_L].set(token_L, mode="drop"),
         live_S=state.live_S.at[slot_L].set(~ends_L, mode="drop"),
         held_S=state.held_S.at[slot_L].set(ends_L, mode="drop"),
+    )
+
+
+def _write_appended(state: _Slots, job_L, step_L, use_L, delta_LxM, len_L) -> _Slots:
+    """Writes each lane's appended tokens into its sequence's row from column `step_L`:
+    valid, not sampled (no loss), version -1 (padding lanes and columns dropped)."""
+    jobs = state.tokens_JxN.shape[0]
+    t_M = jnp.arange(delta_LxM.shape[1], dtype=jnp.int32)
+    at = (job_L[:, None], step_L[:, None] + t_M[None])
+    real_LxM = use_L[:, None] & (t_M[None] < len_L[:, None])
+    drop = jnp.where(real_LxM, at[0], jobs)  # padding lanes and columns are dropped
+    return state.replace(
+        tokens_JxN=state.tokens_JxN.at[drop, at[1]].set(delta_LxM, mode="drop"),
+        valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),
+    )
+
+
+def _prefill_rows(
+    params, cache, slot_L, s_L, tokens_LxT, positions_LxT, valid_LxT, column_L, model_config
+):
+    """Runs each lane's tokens through the model into its slot's own cache row, from the
+    row's column `column_L` (a batch-1 forward per lane, vmapped: the rows write at
+    different columns). Returns the lanes' hidden states [L, T, E] and the updated cache
+    (lanes with slot `slot_L` out of range leave it as it was)."""
+
+    def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
+        row = model_lib.KVCache(
+            k=tuple(k[None] for k in k_rows),
+            v=tuple(v[None] for v in v_rows),
+            valid_BxS=valid_row[None],
+        )
+        hidden_1xTxE, row = model_lib.apply(
+            params,
+            model_config,
+            tokens_T[None],
+            positions_T[None],
+            valid_T[None],
+            row,
+            column,
+            hidden_only=True,
+        )
+        return (
+            hidden_1xTxE[0],
+            tuple(k[0] for k in row.k),
+            tuple(v[0] for v in row.v),
+            row.valid_BxS[0],
+        )
+
+    rows = lambda x: x[s_L]
+    hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(
+        tuple(map(rows, cache.k)),
+        tuple(map(rows, cache.v)),
+        rows(cache.valid_BxS),
+        tokens_LxT,
+        positions_LxT,
+        valid_LxT,
+        column_L,
+    )
+    put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
+    return hidden_LxTxE, model_lib.KVCache(
+        k=tuple(map(put, cache.k, k_rows)),
+        v=tuple(map(put, cache.v, v_rows)),
+        valid_BxS=put(cache.valid_BxS, valid_rows),
     )
 
 
