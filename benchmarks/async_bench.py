@@ -45,7 +45,7 @@ from m2po_jax import config as config_lib  # noqa: E402
 from m2po_jax import trainer as trainer_lib  # noqa: E402
 from m2po_jax.configs import default  # noqa: E402
 from m2po_jax.run import metrics as metrics_lib  # noqa: E402
-from m2po_jax.trainer import plots  # noqa: E402
+from m2po_jax.run import plots  # noqa: E402
 
 REWARD_S = 0.020
 
