@@ -384,7 +384,7 @@ def validate(cfg: Config) -> Config:
 ROLLOUT_MODES = ("sync", "async")
 ROLLOUT_ENGINES = ("auto", "static", "continuous")  # m2po_jax/rollout/engine.py
 # rollout.engine=auto takes the continuous engine from this completion budget on: measured
-# on this project's CPU (README, Benchmarks), 32 new tokens that never stop ran 16% slower
+# on this project's CPU (docs/benchmarks.md), 32 new tokens that never stop ran 16% slower
 # through the engine than the static sampler, and 256 new tokens with long-tailed lengths
 # 1.73x faster (the static sampler decodes every row until the batch's longest one ends).
 AUTO_CONTINUOUS_MIN_NEW_TOKENS = 128

@@ -126,7 +126,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *w.shape[:n_in]] @ w, contracting the last `n_in` dims of x with w's first.
 
     Done as one 2-D matmul on flattened views: XLA:CPU lays out the backward pass of a
-    2-D matmul far better than that of a batched einsum (measured: README, Benchmarks).
+    2-D matmul far better than that of a batched einsum (measured: docs/benchmarks.md).
     """
     lead, w_in, w_out = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     y = x.reshape(math.prod(lead), math.prod(w_in)) @ w.reshape(math.prod(w_in), -1)

@@ -75,7 +75,7 @@ def _runs(*finals):
 
 
 def test_the_verdicts_follow_the_protocol():
-    # Grid A's second run (README), final accuracies by seed.
+    # Grid A's second run (docs/stale_study_results.md), final accuracies by seed.
     found = {
         (0, "grpo", 1e-4): _runs(0.582, 0.586, 0.590),
         (16, "stale_grpo", 1e-4): _runs(0.582, 0.586, 0.590),
