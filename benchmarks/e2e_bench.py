@@ -283,7 +283,8 @@ def run_trl(fix: dict, steps: int, workdir: str) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from m2po_jax.tasks.gsm8k import DEFAULT_PROMPT_TEMPLATE, numeric_reward
+    from m2po_jax.tasks.gsm8k import DEFAULT_PROMPT_TEMPLATE
+    from m2po_jax.tasks.verifiers import numeric_reward
 
     torch.set_num_threads(os.cpu_count() or 1)
     with open(fix["data"]) as fh:

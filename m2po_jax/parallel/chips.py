@@ -3,7 +3,8 @@
 The compile-only dry run (`m2po_jax.trainer.compile_only`) checks a run's memory per chip
 against `hbm_bytes` and turns XLA's cost analysis into a roofline with `peak_flops` and
 `hbm_bandwidth`. Figures are the vendors' published per-chip numbers (dense bfloat16,
-no sparsity); HBM sizes are taken as GiB, as the devices report them.
+no sparsity); HBM sizes are what the devices report (GiB), never the marketing figure: the
+dry run passes a program whose peak is under `hbm_bytes`.
 
     chip = chips.for_topology("v5e:4x4")   # or chips.for_device_kind("TPU v5 lite")
     chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth
@@ -58,7 +59,8 @@ CHIPS: dict[str, Chip] = {
         Chip(
             "h200",
             "NVIDIA H200 141GB HBM3e",
-            141,
+            139.8,  # what the device reports: 143,156 MiB (the "141 GB" is 10^9 bytes, less
+            # the driver's reservation); 141 GiB would pass a program that does not fit
             989,
             4800,
             "https://www.nvidia.com/en-us/data-center/h200/",

@@ -96,11 +96,12 @@ dnn_version_info {
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
-# H200: identical SM90 part; differs in HBM size/bandwidth (upstream h200.txtpb).
+# H200: identical SM90 part; differs in HBM size/bandwidth (upstream h200.txtpb), the
+# memory as the device reports it (143,156 MiB; chips.CHIPS["h200"]).
 SPECS = {
     "h100": dict(name="NVIDIA H100 80GB HBM3", mem=84942979072, bw=3352320000000, memclk=2619000),
     "h200": dict(
-        name="NVIDIA H200 141GB HBM3e", mem=151397597184, bw=4800000000000, memclk=3750000
+        name="NVIDIA H200 141GB HBM3e", mem=143156 * 2**20, bw=4800000000000, memclk=3750000
     ),
 }
 

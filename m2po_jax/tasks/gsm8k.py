@@ -43,15 +43,6 @@ def format_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def numeric_reward(completion: str, answer: str) -> float:
-    """1.0 if the last number of `completion` equals the number in `answer` (|diff| <= 1e-6)."""
-    predicted = extract_last_number(completion)
-    reference = extract_last_number(answer)
-    if predicted is None or reference is None:
-        return 0.0
-    return 1.0 if abs(predicted - reference) <= TOLERANCE else 0.0
-
-
 class GSM8KTask(ProblemTask):
     """GSM8K-format problems from local files (`problems.ProblemTask` with GSM8K's defaults).
 
@@ -64,3 +55,13 @@ class GSM8KTask(ProblemTask):
 
     default_template = DEFAULT_PROMPT_TEMPLATE
     default_verifier = "numeric"
+
+
+def __getattr__(name: str):
+    # `numeric_reward` lives with the verifier it calls (m2po_jax.tasks.verifiers, which
+    # imports this module); its old path still names it ("m2po_jax.tasks.gsm8k:numeric_reward").
+    if name == "numeric_reward":
+        from m2po_jax.tasks.verifiers import numeric_reward
+
+        return numeric_reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

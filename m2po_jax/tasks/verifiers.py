@@ -117,6 +117,17 @@ class NumericVerifier(Verifier):
         return 1.0 if abs(predicted - value) <= TOLERANCE else 0.0
 
 
+def numeric_reward(completion: str, answer: str) -> float:
+    """1.0 if the last number of `completion` equals the reference of `answer` (the text
+    after its last `####`, or its last `\\boxed{}`, else the whole text; |diff| <= 1e-6),
+    as the trainer's GSM8K reward scores it (`NumericVerifier`).
+
+    Raises ValueError when the reference is not one plain number (`1/3`, `\\frac{1}{2}`):
+    reading its last digits would score a wrong answer right; such answers want
+    `MathVerifier` (task.verifier='math')."""
+    return NumericVerifier()(completion, extract_reference(answer))
+
+
 # A plain number for math-verify: its expression reader takes "1e3" for 1 and its LaTeX
 # reader for 1*e*3, so such a reference is written out first (`_plain_number`).
 _FLOATISH = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")

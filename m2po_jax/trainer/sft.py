@@ -6,6 +6,7 @@ It makes an untrained policy sometimes right, so that RL has rewards to work wit
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -158,9 +159,17 @@ def supervised_warmup(
     else:
         params = jax.tree.map(jnp.copy, params)  # the step donates its input
         opt_state, done, log = init_opt_state(run, params), 0, []
+    in_flight = collections.deque()  # the losses of the steps dispatched, not waited on
     for i in range(done, s.max_steps):
         batch = run.placement.to_global(sft_batch(run, i * s.batch_size, s.batch_size))
+        if len(in_flight) == 2:
+            # At most two steps in flight (the device never waits for the host). Unbounded,
+            # the host queued up to `eval_every` steps; on a host with few cores and many
+            # (fake CPU) devices one step's collectives then waited past XLA:CPU's 40 s
+            # rendezvous timeout behind the queued ones and the process aborted.
+            in_flight.popleft().block_until_ready()
         params, opt_state, loss = sft_step(params, opt_state, *batch)
+        in_flight.append(loss)
         done = i + 1
         if done % s.eval_every == 0 or done == s.max_steps:
             accuracy = evaluate(params)

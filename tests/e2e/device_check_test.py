@@ -38,13 +38,19 @@ def test_tiny_run_measures_every_section(tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         # One of the tiny preset's three attention paths: the train sections share their
-        # code, and the attention paths have their own tests (suite time).
+        # code, and the attention paths have their own tests (suite time). The RL sections'
+        # random checkpoint is written by m2po_jax, not by transformers in a child process
+        # that imports torch (5 s CPU): under "auto" a failing transformers write falls back
+        # to m2po_jax silently, so this test never checked it, and loading transformers'
+        # checkpoints has its own tests (tests/models/hf_test.py).
         [
             sys.executable,
             str(ROOT / "benchmarks" / "device_check.py"),
             "--tiny",
             "--attention",
             "xla",
+            "--checkpoint-writer",
+            "jax",
             "--out",
             str(out),
         ],  # fmt: skip
@@ -70,6 +76,7 @@ def test_tiny_run_measures_every_section(tmp_path):
         assert 0 < result["m2po_masked_fraction"] < 1
     _positive("sampler", sections["sampler"]["result"], SAMPLER_KEYS)
     rl = sections["rl_step"]["result"]
+    assert rl["checkpoint_writer"].startswith("m2po_jax.models.hf.save_pretrained"), rl
     _positive("rl_step", rl, RL_KEYS)
     assert rl["steps"] == 2
     for key in ("step_s", "rollout_s", "train_s", "tokens_per_s"):

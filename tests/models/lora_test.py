@@ -93,9 +93,20 @@ def test_a_merged_model_is_the_base_plus_scaled_b_a_on_every_target(adapted):
             at = lambda name, i=i, module=module: np.asarray(flat[(f"layers_{i}", module, name)])
             a, b = at(f"{target}_lora_a"), at(f"{target}_lora_b")
             w = at(f"{target}_kernel")
-            # numpy: W + (alpha / r) A B, contracting A's rank axis with B's.
-            want = w + scale * np.tensordot(a, b, axes=([a.ndim - 1], [0]))
-            np.testing.assert_allclose(out[(f"layers_{i}", module, f"{target}_kernel")], want, 1e-6)
+            # numpy in float64: W + (alpha / r) A B, contracting A's rank axis with B's.
+            a64, b64, w64 = (x.astype(np.float64) for x in (a, b, w))
+            want = w64 + scale * np.tensordot(a64, b64, axes=([a.ndim - 1], [0]))
+            # float32's rounding of r products summed, scaled and added to W: at most
+            # (r + 2) unit roundoffs of the magnitudes summed (Higham, Accuracy and Stability
+            # of Numerical Algorithms, 3.1), whatever order a machine sums them in.
+            size = np.abs(w64) + scale * np.tensordot(
+                np.abs(a64), np.abs(b64), axes=([a.ndim - 1], [0])
+            )
+            bound = (a.shape[-1] + 2) * np.finfo(np.float32).eps / 2 * size
+            got = np.asarray(out[(f"layers_{i}", module, f"{target}_kernel")], np.float64)
+            assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+            # ... and a wrong product is far outside it (the check can fail).
+            assert np.any(np.abs(w64 + 1.01 * (want - w64) - want) > bound)
     logits = _apply(params, LORA, TOKENS)
     np.testing.assert_allclose(_apply(merged, CONFIG, TOKENS), logits, atol=2e-5)
     assert float(jnp.max(jnp.abs(logits - _apply(base, CONFIG, TOKENS)))) > 1e-2

@@ -194,6 +194,17 @@ def test_numeric_reward():
     assert numeric_reward("72.001", "72") == 0.0
     assert numeric_reward("no number", "0") == 0.0
     assert numeric_reward("", "5") == 0.0
+    assert numeric_reward("Janet makes 9 + 9 = 18", "She earns 9 + 9 = 18.\n#### 18") == 1.0
+    assert numeric_reward("so 17", "She earns 9 + 9 = 18.\n#### 18") == 0.0
+    assert numeric_reward("it is 1,002", "#### 1,002") == 1.0
+
+
+@pytest.mark.parametrize("answer", ["x #### \\frac{1}{2}", "#### 1/3", "#### 2, 3", ""])
+def test_numeric_reward_refuses_a_reference_it_cannot_read(answer):
+    """As the trainer's GSM8K reward does: reading the last digits of `\\frac{1}{2}` would
+    score "The answer is 2" right."""
+    with pytest.raises(ValueError, match="plain number|empty reference"):
+        numeric_reward("The answer is 2", answer)
 
 
 # ---------------------------------------------------------------- GSM8K files

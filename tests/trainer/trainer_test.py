@@ -347,3 +347,41 @@ def test_the_auto_engine_is_continuous_from_a_long_completion_budget(tmp_path, b
         with pytest.raises(config_lib.ConfigError, match=r"engine=auto -> static\)"):
             tiny_config(**{"gconfig.max_new_tokens": budget, "rollout.mode": "async",
                            "rollout.inflight_updates": True})  # fmt: skip
+
+
+def test_the_warm_up_keeps_at_most_two_steps_in_flight(monkeypatch):
+    """Unbounded, the host queued a warm-up step per batch until the next evaluation; on a
+    host with few cores and 8 fake CPU devices one step's all-reduce then waited past
+    XLA:CPU's 40 s rendezvous timeout and the process aborted (a whole-suite run died in
+    the LoRA run's warm-up). Each step waits for the one before the last."""
+    from types import SimpleNamespace
+
+    pending, most = [], [0]
+
+    class Loss:  # a dispatched step's loss: done once waited on (in order, as a stream)
+        def block_until_ready(self):
+            if self in pending:
+                del pending[: pending.index(self) + 1]
+            return self
+
+        def __float__(self):
+            self.block_until_ready()
+            return 1.0
+
+    def fake_step(params, opt_state, *batch):
+        loss = Loss()
+        pending.append(loss)
+        most[0] = max(most[0], len(pending))
+        return params, opt_state, loss
+
+    monkeypatch.setattr(sft, "make_sft_step", lambda *a, **k: fake_step)
+    monkeypatch.setattr(sft, "sft_batch", lambda run, start, count: ())
+    s = SimpleNamespace(max_steps=30, batch_size=1, eval_every=30, stop_at_accuracy=2.0, lr=0.1)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(sft=s),
+        model_config=None,
+        placement=SimpleNamespace(mesh=None, to_global=lambda batch: batch),
+    )
+    resume = sft.Warmup(params={}, steps=0, log=[], opt_state={})
+    done = sft.supervised_warmup(run, {}, lambda params: 0.0, resume=resume)
+    assert done.steps == 30 and most[0] == 2
