@@ -796,8 +796,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rewards-thread-timeout-ignored",
         "m2po_jax/rollout/rewards.py",
-        "                    out.append(job.result(timeout=self.timeout_s or None))",
-        "                    out.append(job.result())",
+        "self._one, pairs, workers=self.workers, timeout_s=self.timeout_s, name=",
+        "self._one, pairs, workers=self.workers, timeout_s=0, name=",
         (T("tests/tasks/problems_test.py", "times_out"),),
         "rollout.reward_timeout_s is validated but a slow reward on threads is waited for",
     ),
@@ -808,6 +808,75 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:",
         (T("tests/tasks/problems_test.py", "raw_reference"),),
         "a reward function's NaN becomes the reward (training continues on a NaN advantage)",
+    ),
+    # ---- data, rewards, chips and stops (issue 48)
+    Mutant(
+        "problems-held-out-not-filtered",
+        "m2po_jax/tasks/problems.py",
+        '            elif split == "eval":\n                self._eval = kept',
+        '            elif split == "eval":\n                self._eval = examples',
+        (T("tests/tasks/gsm8k_data_test.py", "long_prompts"),),
+        "task.long_prompts='filter' counts the held-out prompts it drops but evaluates them",
+    ),
+    Mutant(
+        "rewards-alarm-not-set",
+        "m2po_jax/rollout/rewards.py",
+        "    signal.setitimer(signal.ITIMER_REAL, _TIMEOUT_S)\n    try:",
+        "    try:",
+        (T("tests/tasks/problems_test.py", "times_out"),),
+        "the reward worker's alarm is never armed: a slow verifier is stopped only by the "
+        "grace period and a new pool (seconds per timeout)",
+    ),
+    Mutant(
+        "deadlines-timed-out-call-keeps-its-place",
+        "m2po_jax/common/deadlines.py",
+        '                    outcomes[i] = ("timeout", None)  # abandoned: its place goes on\n'
+        "                    del running[i]",
+        '                    outcomes[i] = ("timeout", None)  # abandoned: its place goes on',
+        (T("tests/common/deadlines_test.py"), T("tests/tasks/problems_test.py", "times_out")),
+        "a reward (or call) past its deadline keeps its thread's place: the ones queued behind "
+        "it wait for it",
+    ),
+    Mutant(
+        "chips-h200-marketing-gigabytes",
+        "m2po_jax/parallel/chips.py",
+        "            139.8,",
+        "            141,",
+        (T("tests/parallel/chips_test.py"),),
+        "the H200's HBM is the marketing 141 (GiB) instead of what the device reports",
+    ),
+    Mutant(
+        "chips-v5e-hbm",
+        "m2po_jax/parallel/chips.py",
+        'Chip("v5e", "TPU v5 lite", 16, 197, 819,',
+        'Chip("v5e", "TPU v5 lite", 32, 197, 819,',
+        (T("tests/parallel/chips_test.py"),),
+        "a v5e chip judged with 32 GiB of HBM (the v6e's): the dry run passes what cannot fit",
+    ),
+    Mutant(
+        "stopping-signal-not-shared",
+        "m2po_jax/trainer/stopping.py",
+        "                    state.client.key_value_set(_SIGNAL_KEY, str(int(signum)))",
+        "                    pass",
+        (T("tests/parallel/parallel_test.py", "a_signal_to_one_of_two"),),
+        "a signal to one process of a run: the others exit with SIGTERM's code, not its own",
+    ),
+    Mutant(
+        "peer-watch-leaving-ignored",
+        "m2po_jax/parallel/distributed.py",
+        "            missing = [i for i in ids if i not in live and not _left(state.client, i)]",
+        "            missing = [i for i in ids if i not in live]",
+        (T("tests/parallel/distributed_test.py", "peer_watch"),),
+        "a process that finished (or stopped) and disconnected is reported lost by the others",
+    ),
+    Mutant(
+        "sft-unbounded-dispatch",
+        "m2po_jax/trainer/sft.py",
+        "        if len(in_flight) == 2:",
+        "        if len(in_flight) == s.eval_every:",
+        (T("tests/trainer/trainer_test.py", "in_flight"),),
+        "the warm-up queues steps until the next evaluation (XLA:CPU's collectives time out "
+        "and abort the process on a busy host)",
     ),
 )
 

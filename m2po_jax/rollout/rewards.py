@@ -8,8 +8,9 @@ A verifier that can take unbounded time on adversarial input (math-verify's symp
 `may_hang`) runs in `workers` spawned processes: a completion is stopped after `timeout_s`
 by an alarm in its worker, and a worker stuck where an alarm cannot reach it (C code) is
 replaced. Any other reward (a user's `task.reward_fn`, a task's own `verify`) runs in this
-process on `workers` threads; one that passes `timeout_s` scores 0 and is counted, and its
-thread is left to finish on its own (a thread cannot be stopped). A reward that raises or
+process on `workers` threads; one that passes `timeout_s` (counted from its own start)
+scores 0 and is counted, and its thread is left to finish on its own (a thread cannot be
+stopped) while the next completion takes its place (`common.deadlines`). A reward that raises or
 returns anything but a finite number stops the run with `RewardError` naming the function,
 the problem and the completion.
 """
@@ -22,10 +23,10 @@ import queue
 import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 
 from absl import logging
 
+from m2po_jax.common import deadlines
 from m2po_jax.tasks.base import RewardFailure, Task, call_reward, reward_error
 
 _GRACE_S = 5.0  # past its alarm, how long a worker may take before it is replaced
@@ -133,18 +134,13 @@ class RewardScorer:
     def _here(self, pairs):
         if self.workers == 1 and self.timeout_s <= 0:
             return [self._one(p) for p in pairs]
-        pool = futures.ThreadPoolExecutor(self.workers, thread_name_prefix="m2po-reward")
-        try:
-            jobs = [pool.submit(self._one, p) for p in pairs]
-            out = []
-            for job in jobs:
-                try:
-                    out.append(job.result(timeout=self.timeout_s or None))
-                except futures.TimeoutError:
-                    out.append(("timeout", None))  # its thread finishes on its own
-            return out
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        # Each completion's deadline counts from its own start, and one past it gives its
+        # place to the next: a hung reward never makes the completions queued behind it
+        # "time out" unscored.
+        outcomes = deadlines.call_all(
+            self._one, pairs, workers=self.workers, timeout_s=self.timeout_s, name="m2po-reward"
+        )
+        return [value if kind == "ok" else (kind, None) for kind, value in outcomes]
 
     # ---- in worker processes ------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 
 from m2po_jax.learner import logprobs
 from m2po_jax.models import lora
@@ -70,8 +71,9 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
     """(tokens, valid, target) [count, max_prompt_len + max_new_tokens] of examples from `start`.
 
     Prompts are encoded as in rollouts and left-padded to `task.max_prompt_len` (longer ones
-    keep their last tokens); the answer plus EOS follows, cut at `gconfig.max_new_tokens`,
-    and only its tokens are targets. A multi-turn task's answer is an episode's segments
+    keep their last tokens, as `task.long_prompts='left'` does in rollouts); the answer plus
+    EOS follows, cut at `gconfig.max_new_tokens` (said in a warning, once), and only its
+    tokens are targets. A multi-turn task's answer is an episode's segments
     (`tasks.calculator.CalculatorTask.sft_examples`): its assistant turns are the targets.
     """
     tokenizer = run.tokenizer
@@ -80,6 +82,7 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
     tokens = np.full((count, width + new), tokenizer.pad_id, np.int32)
     valid = np.zeros_like(tokens, bool)
     target = np.zeros_like(tokens, bool)
+    cut = 0
     for row, (prompt, answer) in enumerate(run.task.sft_examples(start, count)):
         p = run.prompts.encode(prompt)[-width:]
         c, t = [], []
@@ -89,11 +92,25 @@ def sft_batch(run: RunSetup, start: int, count: int) -> tuple[np.ndarray, np.nda
             ids = list(tokenizer.encode(text)) + ([tokenizer.eos_id] if trained else [])
             c += ids
             t += [trained] * len(ids)
+        if len(c) > new:
+            cut += 1
         c, t = c[:new], t[:new]
         tokens[row, width - len(p) : width] = p
         tokens[row, width : width + len(c)] = c
         valid[row, width - len(p) : width + len(c)] = True
         target[row, width : width + len(c)] = t
+    if cut:
+        logging.log_first_n(
+            logging.WARNING,
+            "warm-up: %d of %d reference answers (examples %d..) are longer than "
+            "gconfig.max_new_tokens=%d tokens with their EOS and are cut there (their end and "
+            "EOS are not trained); said once",
+            1,
+            cut,
+            count,
+            start,
+            new,
+        )
     return tokens, valid, target
 
 

@@ -136,3 +136,46 @@ def test_a_bad_heartbeat_timeout_is_refused_naming_the_variable(monkeypatch, raw
         distributed._heartbeat_from_env()
     monkeypatch.setenv(distributed.HEARTBEAT_ENV, "7")
     assert distributed._heartbeat_from_env() == 7
+
+
+def test_the_peer_watch_ends_a_process_for_a_lost_peer_and_never_for_one_that_left(
+    monkeypatch, capsys
+):
+    """Against a fake runtime of 3 processes (this one is 1): process 2 disconnected after
+    marking its end (`leaving`): not lost. Then process 0 stops beating without that mark:
+    this process says so in one line and exits 75."""
+    import threading
+    import time
+
+    class Client:
+        def __init__(self):
+            self.live, self.kv = [0, 1], {"m2po/leaving/2": "1"}
+
+        def get_live_nodes(self, ids):
+            return [i for i in ids if i in self.live]
+
+        def key_value_try_get(self, key):
+            return self.kv[key]  # KeyError: not set, as the runtime's raises
+
+    client = Client()
+    state = types.SimpleNamespace(client=client, num_processes=3, process_id=1)
+    exits, exited = [], threading.Event()
+    monkeypatch.setattr(distributed, "_state", lambda: state)
+    monkeypatch.setattr(distributed, "_exiting", threading.Event())
+    monkeypatch.setattr(distributed, "_lost", threading.Event())
+    monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(distributed.os, "_exit", lambda code: exits.append(code) or exited.set())
+    try:
+        distributed.watch_peers(5, interval_s=0.02)
+        time.sleep(0.3)
+        assert exits == []  # process 2 left: not lost
+        client.live = [1]
+        assert exited.wait(5) and exits == [75]
+        err = capsys.readouterr().err
+        assert err.startswith("m2po-train: lost process 0 of 3 (no heartbeat for 5 s")
+        assert err.count("\n") == 1 and "(exit 75)" in err
+    finally:
+        distributed._exiting.set()  # the watch thread ends at its next look
+        for t in threading.enumerate():
+            if t.name == "m2po-peer-watch":
+                t.join(1)

@@ -260,18 +260,21 @@ def _drill():
     return module
 
 
-def test_sigterm_to_one_of_two_processes_stops_both_after_one_step_then_resumes_like_one(tmp_path):
-    """SIGTERM to process 1 only: both processes stop after the same step with one
-    checkpoint and exit 143 (the runtime's preemption sync point, not a deadlock); the same
-    command resumes to the end; the rows equal one process with both devices."""
+def test_a_signal_to_one_of_two_processes_stops_both_after_one_step_then_resumes_like_one(
+    tmp_path,
+):
+    """SIGINT to process 1 only: both processes stop after the same step with one
+    checkpoint and exit 130, the signal process 1 got (the runtime's preemption sync point,
+    not a deadlock; process 0 reads the signal from the runtime's key-value store); the
+    same command resumes to the end; the rows equal one process with both devices."""
     drill = _drill()
     # Steps of a fraction of a second here; a stop is agreed about a second after its signal
     # (the runtime's notifier polls once a second).
     steps = ("--config.total_steps=12",)
     stopped = drill.train_processes(
-        tmp_path / "multi", 2, {1: "signal:2:TERM"}, *steps, xla_flags=FLAGS
+        tmp_path / "multi", 2, {1: "signal:2:INT"}, *steps, xla_flags=FLAGS
     )
-    assert [r[0] for r in stopped] == [143, 143], stopped[0][2][-2000:] + stopped[1][2][-2000:]
+    assert [r[0] for r in stopped] == [130, 130], stopped[0][2][-2000:] + stopped[1][2][-2000:]
     at = {drill._interrupted_step(r[1]) for r in stopped}
     assert len(at) == 1 and 2 <= at.pop() < 11
     assert "every process stops after the same step" in stopped[1][2]

@@ -105,6 +105,11 @@ def test_gsm8k_long_prompts_filter_error_and_left(tmp_path):
     assert sorted(e.answer for e in task.train_examples(0, 4)) == ["0", "1", "2", "3"]
     assert [e.answer for e in task.eval_examples()] == ["6"]
     assert sorted(p for p, _ in task.sft_examples(0, 4)) == sorted(prompts[:4])
+    # A held-out set is filtered like the training set, and counted apart.
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", _long_records((1, 5, 2, 6)))
+    task = GSM8KTask(path, tok, eval_path=mixed, **{**kwargs, "long_prompts": "filter"})
+    assert task.prompts_filtered == {"train": 2, "eval": 2}
+    assert [e.answer for e in task.eval_examples()] == ["0", "2"]
     long_eval = _write_jsonl(tmp_path / "eval.jsonl", _long_records((5, 6)))
     with pytest.raises(ValueError, match=r"all 2 eval prompts are longer"):
         GSM8KTask(path, tok, eval_path=long_eval, **{**kwargs, "long_prompts": "filter"})

@@ -1,0 +1,60 @@
+"""Calls on threads with a deadline each, from its own start; a hung call gives up its
+place instead of holding it."""
+
+import threading
+import time
+
+import pytest
+
+from m2po_jax.common.deadlines import call_all
+
+
+def test_each_call_has_its_whole_timeout_from_its_own_start():
+    # One thread, three calls of 0.2 s under a 0.35 s timeout: 0.6 s in all, each in time.
+    t0 = time.monotonic()
+    out = call_all(lambda s: time.sleep(s) or s, [0.2, 0.2, 0.2], workers=1, timeout_s=0.35)
+    assert out == [("ok", 0.2)] * 3 and time.monotonic() - t0 >= 0.6
+
+
+def test_a_hung_call_times_out_and_its_place_goes_to_the_next():
+    release = threading.Event()
+    started = []
+
+    def fn(x):
+        started.append(x)
+        if x == "hang":
+            release.wait(10)
+        return x
+
+    t0 = time.monotonic()
+    out = call_all(fn, ["hang", "a", "b"], workers=1, timeout_s=0.2)
+    took = time.monotonic() - t0
+    release.set()
+    assert out == [("timeout", None), ("ok", "a"), ("ok", "b")]
+    assert started == ["hang", "a", "b"] and took < 1.0
+
+
+def test_workers_bound_the_calls_running_at_once():
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def fn(x):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.05)
+        with lock:
+            now[0] -= 1
+        return x * 2
+
+    assert call_all(fn, list(range(8)), workers=3, timeout_s=0) == [("ok", 2 * i) for i in range(8)]
+    assert most[0] == 3
+
+
+def test_an_exception_of_a_call_is_raised_to_the_caller():
+    def fn(x):
+        if x == 2:
+            raise KeyError("boom")
+        return x
+
+    with pytest.raises(KeyError, match="boom"):
+        call_all(fn, [1, 2, 3], workers=2, timeout_s=1.0)
