@@ -234,7 +234,14 @@ def test_a_hung_tool_does_not_poison_a_shared_pool():
     assert (result.info["tool_timeouts"], result.info["tool_abandoned"]) == (1, 1)
     assert (pool.abandoned, pool.stuck) == (1, 1)
     other = ToolEnv([sleeps, add], "hermes", timeout_s=0.2, pool=pool)
-    result = other.step(call("add", a=1, b=2))
+    answers = []  # stepped in a daemon thread: a pool without threads would wait forever
+    waiter = threading.Thread(
+        target=lambda: answers.append(other.step(call("add", a=1, b=2))), daemon=True
+    )
+    waiter.start()
+    waiter.join(3.0)
+    assert answers, "the fast call never ran: the pool has no thread left"
+    result = answers[0]
     assert result.messages[0]["content"] == "3"
     assert (result.info["tool_timeouts"], result.info["tool_abandoned"]) == (0, 0)
     # Time queued behind a busy thread does not count: two 0.15 s calls through one thread
