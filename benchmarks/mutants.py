@@ -878,6 +878,71 @@ MUTANTS: tuple[Mutant, ...] = (
         "the warm-up queues steps until the next evaluation (XLA:CPU's collectives time out "
         "and abort the process on a busy host)",
     ),
+    # ---- episodes and tools (issue 48)
+    Mutant(
+        "tools-timeout-not-from-config",
+        "m2po_jax/trainer/setup.py",
+        "                timeout_s=ag.tool_timeout_s,\n",
+        "",
+        (T("tests/config/config_test.py", "agent_is_built"),),
+        "agent.tool_timeout_s is validated but never reaches ToolEnv (its 10 s default runs)",
+    ),
+    Mutant(
+        "tools-timeout-per-call",
+        "m2po_jax/tasks/environments.py",
+        "            end = job.started_at + timeout_s",
+        "            end = time.perf_counter() + timeout_s",
+        (T("tests/tasks/environments_test.py", "share_one_deadline"),),
+        "the timeout restarts for each call of a turn: two hung calls take 2 x tool_timeout_s",
+    ),
+    Mutant(
+        "tools-abandoned-thread-not-replaced",
+        "m2po_jax/tasks/environments.py",
+        "            self._spawn()\n        return True",
+        "        return True",
+        (T("tests/tasks/environments_test.py", "poison"),),
+        "a timed-out call keeps its pool thread: a hung tool starves every later call",
+    ),
+    Mutant(
+        "episodes-exception-text-is-the-text",
+        "m2po_jax/rollout/episodes.py",
+        'episode.status, episode.error = env_lib.ENV_ERROR, f"{type(e).__name__}: {e}"',
+        'episode.status, episode.text = env_lib.ENV_ERROR, f"{type(e).__name__}: {e}"',
+        (T("tests/rollout/episodes_test.py", "crashed"),),
+        "a crashed environment's exception becomes the episode's text: scored and trained on",
+    ),
+    Mutant(
+        "episodes-failed-not-masked",
+        "m2po_jax/rollout/episodes.py",
+        "        return (self.mask_failed and status in FAILED) or (self.mask_truncated and status in _CUT)",
+        "        return self.mask_truncated and status in _CUT",
+        (T("tests/rollout/episodes_test.py", "crashed"),),
+        "agent.mask_failed_episodes is ignored: env_error episodes stay in the loss",
+    ),
+    Mutant(
+        "episodes-step-rewards-not-summed",
+        "m2po_jax/rollout/episodes.py",
+        "        episode.reward = (episode.reward or 0.0) + float(result.reward)",
+        "        episode.reward = float(result.reward)",
+        (T("tests/rollout/episodes_test.py", "sum_of_its_steps"),),
+        "only the last step's reward counts: rewards of earlier steps are dropped",
+    ),
+    Mutant(
+        "episodes-long-prompt-uncounted",
+        "m2po_jax/rollout/episodes.py",
+        "    return len(long), 0\n",
+        "    return 0, 0\n",
+        (T("tests/rollout/episodes_test.py", "long_agent_prompts"),),
+        "an agent prompt cut from the left is not counted in rollout/prompts_truncated",
+    ),
+    Mutant(
+        "episodes-async-on-threads",
+        "m2po_jax/rollout/episodes.py",
+        "    if inspect.iscoroutinefunction(fn):",
+        "    if False:",
+        (T("tests/rollout/episodes_test.py", "share_one_loop"),),
+        "async environment steps each hold a worker thread: episodes do not overlap",
+    ),
 )
 
 

@@ -162,12 +162,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.agent.parser = "auto"
     c.agent.max_turns = 4  # assistant turns per episode (status max_turns past it)
     c.agent.max_append_tokens = 256  # tokens one environment answer may add (max_tokens past it)
-    c.agent.tool_timeout_s = 10.0  # per tool call; a call past it answers an error
+    # per turn: the tool calls of one turn share this deadline (a call queued behind busy
+    # threads gets it from its own start); a call past it answers an error, and its thread
+    # is left to finish and replaced (episode/tool_abandoned)
+    c.agent.tool_timeout_s = 10.0
     # a tool that raises or times out: reply (its error is the tool's answer, the episode goes
     # on) | end (the episode ends with status tool_error / tool_timeout)
     c.agent.on_tool_error = "reply"
     c.agent.bad_tool_call_reward = 0.0  # reward of an episode ended by a malformed tool call
     c.agent.workers = 4  # environment steps (tool calls) run at once, on host threads
+    # seconds one environment reset or step may take (tools included; above tool_timeout_s):
+    # a step past it ends its episode as env_timeout, a reset past it fails the rollout
+    c.agent.step_timeout_s = 300.0
+    # take failed episodes (env_error, env_timeout: the environment broke, not the model) out
+    # of the loss (their loss-mask rows zeroed; episode/masked_failed counts them)
+    c.agent.mask_failed_episodes = True
+    # take budget-cut episodes (max_turns, max_tokens) out of the loss, as TRL's
+    # mask_truncated_completions / DAPO's overlong filtering (episode/masked_truncated)
+    c.agent.mask_truncated_episodes = False
 
     c.actor = ml_collections.ConfigDict()
     c.actor.m2_threshold = placeholder(float)

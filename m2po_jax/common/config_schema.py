@@ -112,6 +112,9 @@ class AgentSection:
     on_tool_error: str
     bad_tool_call_reward: float
     workers: int
+    step_timeout_s: float
+    mask_failed_episodes: bool
+    mask_truncated_episodes: bool
 
 
 @dataclasses.dataclass(frozen=True)

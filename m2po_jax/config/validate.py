@@ -423,6 +423,12 @@ def _check_agent(cfg: Config, engine: str) -> None:
     _check_choice("agent.on_tool_error", ag.on_tool_error, ON_TOOL_ERROR)
     _check_range("agent.bad_tool_call_reward", ag.bad_tool_call_reward)
     _check_range("agent.workers", ag.workers, 1)
+    _check_range("agent.step_timeout_s", ag.step_timeout_s, 0.0, low_open=True)
+    if ag.env == "tools" and ag.step_timeout_s <= ag.tool_timeout_s:
+        raise ConfigError(
+            f"agent.step_timeout_s={ag.step_timeout_s} must be above agent.tool_timeout_s="
+            f"{ag.tool_timeout_s} (a step runs its turn's tool calls)"
+        )
     if engine != "continuous":
         raise ConfigError(
             f"agent.env={ag.env!r}: multi-turn episodes run on the continuous engine; set "

@@ -120,7 +120,8 @@ def sample_rollout(
     `engine`: a `rollout.engine.RolloutEngine` (None: `sampling.generate`); `weights`:
     newer weights it may take in flight (`RolloutEngine.generate`). `agent`: multi-turn
     episodes (`rollout.episodes`; the continuous engine, this process's devices): the
-    texts are the final assistant turns, the loss mask covers the sampled tokens only.
+    texts are the final assistant turns, the loss mask covers the sampled tokens only, and
+    none of an episode out of the loss (`EpisodeStats.masked_B`).
     """
     if agent is not None:
         if placement is not None and jax.process_count() > 1 and placement.mesh is not None:
@@ -145,7 +146,8 @@ def sample_rollout(
         sampled = _sampled_generation(
             generation, examples, tokenizer, sampling_config, n_samples, version
         )
-        return dataclasses.replace(sampled, texts=texts, episodes=stats)
+        batch = episodes_lib.without_masked(sampled.batch, stats)
+        return dataclasses.replace(sampled, batch=batch, texts=texts, episodes=stats)
     if placement is None:
         texts_in = [e.prompt for e in examples]
         prompts_BxP, valid_BxP = encode_prompts(texts_in, tokenizer, max_prompt_len)

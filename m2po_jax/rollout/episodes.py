@@ -8,7 +8,8 @@
 Each episode opens with its environment's `reset(example)` messages, rendered once with
 the chat template (tools included) into the prompt. The continuous engine decodes until
 the assistant's turn ends (a stop token); the host decodes that turn's tokens, calls the
-environment's `step(text)` (tools run there, in worker threads with a timeout), renders
+environment's `step(text)` (tools run there, in worker threads with a timeout; async
+environments on the agent's one event loop), renders
 only what the environment answered (the template's delta after an assistant turn: the
 tool messages and the next assistant header) and appends those tokens to the episode's
 live slot. The history is never rendered again, so the trained tokens are exactly the
@@ -22,14 +23,23 @@ tokens). GRPO groups are the `n_samples` episodes of one problem. An episode end
 status (`tasks.environments.STATUSES`): done (the environment said so: the model answered
 without a tool call), max_turns, max_tokens (the completion budget, or an answer that does
 not fit), bad_tool_call (its reward is `bad_tool_call_reward`), tool_error / tool_timeout
-(an environment that ends on tool failures), env_error (the environment raised).
-Rewards: the environment's, when its last step gave one; else the task's reward of the
-final assistant turn's text.
+(an environment that ends on tool failures), env_error (the environment raised: the
+exception is logged, never trained on or scored), env_timeout (a reset or step ran past
+`step_timeout_s`), prompt_too_long (`long_prompts="filter"`: the opening prompt is over
+`max_prompt_len`; not run). Failed episodes (env_error, env_timeout) and, when asked,
+budget-cut ones (max_turns, max_tokens) are taken out of the loss: their `loss_mask_BxT`
+rows are zeroed (`EpisodeStats.masked_B`; their rewards stay in their GRPO group's
+statistics, as TRL's `mask_truncated_completions` does). Rewards: the sum of those the
+environment gave on the episode's steps; when it gave none, the task's reward of the final
+assistant turn's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,11 +51,13 @@ import numpy as np
 
 from m2po_jax.common.types import RolloutBatch
 from m2po_jax.models import chat
+from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.rollout import sampling
 from m2po_jax.tasks import environments as env_lib
 
 STATUSES = env_lib.STATUSES
 _CUT = (env_lib.MAX_TURNS, env_lib.MAX_TOKENS)  # the statuses of episodes a budget ended
+FAILED = (env_lib.ENV_ERROR, env_lib.ENV_TIMEOUT)  # the environment failed, not the model
 
 
 class ChatFormat(Protocol):
@@ -101,11 +113,13 @@ class _Episode:
     env: env_lib.Environment
     turns: int = 0
     status: str | None = None
-    reward: float | None = None
-    text: str = ""  # the last assistant turn's text
+    reward: float | None = None  # the sum of the rewards its steps gave
+    text: str = ""  # the last assistant turn's text (the model's, never an error's)
+    error: str = ""  # what the environment raised (env_error / env_timeout)
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    tool_abandoned: int = 0
     tool_latency_s: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -121,6 +135,12 @@ class EpisodeStats:
     env_reward_B: np.ndarray  # float32, NaN where the environment gave none
     tool_latency_s: tuple[float, ...]
     env_step_s: float  # host time in environment steps (tools included)
+    masked_B: np.ndarray | None = None  # bool: out of the loss (failed / cut / not run)
+    tool_abandoned_B: np.ndarray | None = None  # tool threads left running past a timeout
+    prompts_truncated: int = 0  # problems whose opening prompt was cut from the left
+    prompts_filtered: int = 0  # problems not run: their prompt is too long ("filter")
+    masked_failed: int = 0  # episodes out of the loss: env_error / env_timeout
+    masked_truncated: int = 0  # episodes out of the loss: max_turns / max_tokens
 
     def rows(self, count: int) -> EpisodeStats:
         """The first `count` episodes' outcomes (an evaluation drops its padding rows)."""
@@ -132,18 +152,31 @@ class EpisodeStats:
             tool_errors_B=self.tool_errors_B[:count],
             tool_timeouts_B=self.tool_timeouts_B[:count],
             env_reward_B=self.env_reward_B[:count],
+            masked_B=None if self.masked_B is None else self.masked_B[:count],
+            tool_abandoned_B=(
+                None if self.tool_abandoned_B is None else self.tool_abandoned_B[:count]
+            ),
         )
 
     def metrics(self) -> dict[str, float]:
         """episode/turns_mean, episode/tool_calls_mean, episode/status/<status> (the share
-        of episodes), tool errors and timeouts per episode, tool latency (ms)."""
+        of episodes), tool errors and timeouts per episode, tool threads abandoned, tool
+        latency (ms), the share of episodes out of the loss (masked_failed,
+        masked_truncated), prompts cut from the left (prompts_truncated) or not run
+        (prompts_filtered)."""
         rows = max(len(self.status_B), 1)
+        abandoned = 0 if self.tool_abandoned_B is None else int(np.sum(self.tool_abandoned_B))
         record = {
             "episode/turns_mean": float(np.mean(self.turns_B)),
             "episode/tool_calls_mean": float(np.mean(self.tool_calls_B)),
             "episode/tool_errors_mean": float(np.mean(self.tool_errors_B)),
             "episode/tool_timeouts_mean": float(np.mean(self.tool_timeouts_B)),
+            "episode/tool_abandoned": abandoned,
             "episode/env_step_s": self.env_step_s,
+            "episode/masked_failed": self.masked_failed / rows,
+            "episode/masked_truncated": self.masked_truncated / rows,
+            "episode/prompts_truncated": self.prompts_truncated,
+            "episode/prompts_filtered": self.prompts_filtered,
         }
         for status in STATUSES:
             record[f"episode/status/{status}"] = self.status_B.count(status) / rows
@@ -164,7 +197,20 @@ class Agent:
       max_append: tokens one environment answer may add; a longer one ends the episode
         (max_tokens).
       bad_tool_call_reward: the reward of an episode ended by a malformed tool call.
-      workers: environment steps run at once (threads).
+      workers: plain (not async) environment steps run at once (threads of a
+        `WorkerPool`: a step past `step_timeout_s` leaves its thread, a fresh one
+        replaces it).
+      step_timeout_s: seconds one reset or step may take (None: no bound); a step past it
+        ends its episode as env_timeout, a reset past it fails the rollout.
+      mask_failed: take failed episodes (env_error, env_timeout) out of the loss.
+      mask_truncated: take budget-cut episodes (max_turns, max_tokens) out of the loss.
+      long_prompts: an opening prompt over `max_prompt_len` tokens: "left" (cut from the
+        left, counted), "filter" (its problem's episodes are not run: prompt_too_long,
+        out of the loss) or "error" (ValueError before generation), as
+        `task.long_prompts`.
+
+    Async environment methods run on the agent's own event loop (`EnvLoop`); `close()`
+    ends its threads.
     """
 
     def __init__(
@@ -176,6 +222,10 @@ class Agent:
         max_append: int = 256,
         bad_tool_call_reward: float = 0.0,
         workers: int = 4,
+        step_timeout_s: float | None = None,
+        mask_failed: bool = True,
+        mask_truncated: bool = False,
+        long_prompts: str = "left",
     ):
         for name, value in (("max_turns", max_turns), ("max_append", max_append)):
             if int(value) < 1:
@@ -184,11 +234,70 @@ class Agent:
             raise ValueError(
                 f"agent.bad_tool_call_reward: must be finite, got {bad_tool_call_reward}"
             )
+        if step_timeout_s is not None and not (0 < step_timeout_s < math.inf):
+            raise ValueError(f"agent.step_timeout_s: expected seconds > 0, got {step_timeout_s}")
+        if long_prompts not in prompts_lib.LONG_PROMPT_MODES:
+            raise ValueError(
+                f"task.long_prompts: expected one of {', '.join(prompts_lib.LONG_PROMPT_MODES)}, "
+                f"got {long_prompts!r}"
+            )
         self.env_factory = env_factory
         self.chat_format = chat_format
         self.max_turns, self.max_append = int(max_turns), int(max_append)
         self.bad_tool_call_reward = float(bad_tool_call_reward)
-        self.pool = futures.ThreadPoolExecutor(max(int(workers), 1), "m2po-env")
+        self.step_timeout_s = None if step_timeout_s is None else float(step_timeout_s)
+        self.mask_failed, self.mask_truncated = bool(mask_failed), bool(mask_truncated)
+        self.long_prompts = long_prompts
+        self.pool = env_lib.WorkerPool(max(int(workers), 1), "m2po-env")
+        self.loop = env_lib.EnvLoop()
+        self._warned_long = False
+
+    def masked(self, status: str) -> bool:
+        """Whether an episode that ended with `status` is out of the loss."""
+        if status == env_lib.PROMPT_TOO_LONG:
+            return True
+        return (self.mask_failed and status in FAILED) or (self.mask_truncated and status in _CUT)
+
+    def close(self) -> None:
+        """Ends the agent's threads and event loop."""
+        self.pool.shutdown()
+        self.loop.close()
+
+
+class _StepTimeout(Exception):
+    """An environment call ran past `agent.step_timeout_s`."""
+
+
+def _start(agent: Agent, fn: Callable, *args) -> Callable[[], object]:
+    """Starts the environment call `fn(*args)`: an `async def` on the agent's loop, a plain
+    one on its pool. Returns the wait for its result (`_StepTimeout` past the bound)."""
+    timeout_s = agent.step_timeout_s
+    if inspect.iscoroutinefunction(fn):
+        job = agent.loop.submit(fn(*args))
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+
+        def wait_async():
+            left = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+            try:
+                return job.result(left)
+            except futures.TimeoutError:
+                if job.cancel():
+                    raise _StepTimeout(f"ran past agent.step_timeout_s={timeout_s:g}s") from None
+                return job.result()
+
+        return wait_async
+    call = functools.partial(env_lib.run_env, fn, loop=agent.loop)
+    job = agent.pool.submit(call, *args)
+
+    def wait_thread():
+        try:
+            return agent.pool.wait(job, timeout_s)
+        except TimeoutError:
+            if job.abandoned:
+                raise _StepTimeout(f"ran past agent.step_timeout_s={timeout_s:g}s") from None
+            raise
+
+    return wait_thread
 
 
 def _new_env(agent: Agent) -> env_lib.Environment:
@@ -204,11 +313,15 @@ def _open(agent: Agent, examples: Sequence, n_samples: int):
     """A new environment per episode, reset on its problem; the prompt of each problem
     (its episodes must open alike: their prompt is prefilled once)."""
     episodes = [_Episode(_new_env(agent)) for _ in range(len(examples) * n_samples)]
-    resets = agent.pool.map(
-        lambda i: env_lib.run_env(episodes[i].env.reset, examples[i // n_samples]),
-        range(len(episodes)),
-    )
-    messages = list(resets)
+    waits = [_start(agent, e.env.reset, examples[i // n_samples]) for i, e in enumerate(episodes)]
+    messages = []
+    for i, wait in enumerate(waits):
+        try:
+            messages.append(wait())
+        except _StepTimeout as e:
+            raise TimeoutError(
+                f"agent.env: reset of an episode of problem {examples[i // n_samples].uid} {e}"
+            ) from None
     prompts = []
     for b, example in enumerate(examples):
         first = messages[b * n_samples]
@@ -222,24 +335,29 @@ def _open(agent: Agent, examples: Sequence, n_samples: int):
     return episodes, prompts
 
 
-def _step(agent: Agent, episode: _Episode, text: str, room: int) -> list[int] | None:
-    """The environment's answer to the turn `text`: tokens to append, or None (ended)."""
+def _step(agent: Agent, episode: _Episode, text: str, wait, room: int) -> list[int] | None:
+    """The environment's answer to the turn `text` (`wait` gives its `StepResult`): tokens
+    to append, or None (ended). Rewards of every step add up, whichever way it ends."""
     episode.turns += 1
     episode.text = text
     try:
-        result = env_lib.run_env(episode.env.step, text)
+        result = wait()
+    except _StepTimeout as e:
+        episode.status, episode.error = env_lib.ENV_TIMEOUT, f"step {e}"
+        return None
     except Exception as e:  # noqa: BLE001 (an environment's failure ends its episode only)
-        episode.status = env_lib.ENV_ERROR
-        episode.text = f"{type(e).__name__}: {e}"
+        episode.status, episode.error = env_lib.ENV_ERROR, f"{type(e).__name__}: {e}"
         return None
     info = result.info or {}
     episode.tool_calls += int(info.get("tool_calls", 0))
     episode.tool_errors += int(info.get("tool_errors", 0))
     episode.tool_timeouts += int(info.get("tool_timeouts", 0))
+    episode.tool_abandoned += int(info.get("tool_abandoned", 0))
     episode.tool_latency_s += [float(t) for t in info.get("tool_latency_s", ())]
+    if result.reward is not None:
+        episode.reward = (episode.reward or 0.0) + float(result.reward)
     if result.done:
         episode.status = result.status or env_lib.DONE
-        episode.reward = result.reward
         return None
     if episode.turns >= agent.max_turns:
         episode.status = env_lib.MAX_TURNS
@@ -249,6 +367,33 @@ def _step(agent: Agent, episode: _Episode, text: str, room: int) -> list[int] | 
         episode.status = env_lib.MAX_TOKENS
         return None
     return delta
+
+
+def _check_prompt_lengths(agent: Agent, episodes, examples, prompt_ids, n_samples, width):
+    """`agent.long_prompts` on the opening prompts: (problems cut, problems filtered)."""
+    long = [b for b, ids in enumerate(prompt_ids) if len(ids) > width]
+    if not long:
+        return 0, 0
+    b = long[0]
+    where = (
+        f"agent: the opening prompt of problem {examples[b].uid} (reset messages and tool "
+        f"schemas, rendered) is {len(prompt_ids[b])} tokens, over task.max_prompt_len={width}"
+    )
+    if agent.long_prompts == "error":
+        raise ValueError(f"{where} (task.long_prompts='error')")
+    if agent.long_prompts == "filter":
+        for b in long:
+            for k in range(n_samples):
+                episodes[b * n_samples + k].status = env_lib.PROMPT_TOO_LONG
+        return 0, len(long)
+    if not agent._warned_long:
+        agent._warned_long = True
+        logging.warning(
+            "%s; kept its last tokens (task.long_prompts='left'; counted in "
+            "rollout/prompts_truncated; logged once)",
+            where,
+        )
+    return len(long), 0
 
 
 def run_episodes(
@@ -272,6 +417,9 @@ def run_episodes(
     if engine is None or not hasattr(engine, "episodes"):
         raise ValueError("agent: multi-turn episodes need rollout.engine='continuous'")
     episodes, prompt_ids = _open(agent, examples, n_samples)
+    truncated, filtered = _check_prompt_lengths(
+        agent, episodes, examples, prompt_ids, n_samples, max_prompt_len
+    )
     tokens_BxP, valid_BxP = sampling.pad_prompts(
         [ids[-max_prompt_len:] for ids in prompt_ids], prompts.pad_id, width=max_prompt_len
     )
@@ -280,18 +428,24 @@ def run_episodes(
 
     def on_turns(turns):
         t0 = time.perf_counter()
-
-        def one(turn):
+        waits = []
+        for turn in turns:
             episode = episodes[turn.row]
             ids = turn.tokens[:-1] if turn.tokens and turn.tokens[-1] in stop_ids else turn.tokens
-            if turn.cut:
+            text = prompts.decode(ids)
+            if episode.status == env_lib.PROMPT_TOO_LONG:
+                waits.append(None)
+            elif turn.cut:  # the budget ran out mid-turn: the text is the cut turn's
                 episode.turns += 1
-                episode.text = prompts.decode(ids)
+                episode.text = text
                 episode.status = env_lib.MAX_TOKENS
-                return None
-            return _step(agent, episode, prompts.decode(ids), turn.room)
-
-        answers = list(agent.pool.map(one, turns))
+                waits.append(None)
+            else:
+                waits.append((text, _start(agent, episode.env.step, text)))
+        answers = [
+            None if w is None else _step(agent, episodes[turn.row], w[0], w[1], turn.room)
+            for turn, w in zip(turns, waits, strict=True)
+        ]
         spent[0] += time.perf_counter() - t0
         return answers
 
@@ -329,8 +483,38 @@ def run_episodes(
         ),
         tool_latency_s=tuple(t for e in episodes for t in e.tool_latency_s),
         env_step_s=spent[0],
+        masked_B=np.asarray([agent.masked(e.status) for e in episodes], bool),
+        tool_abandoned_B=np.asarray([e.tool_abandoned for e in episodes], np.int32),
+        prompts_truncated=truncated,
+        prompts_filtered=filtered,
+        masked_failed=sum(agent.masked(e.status) and e.status in FAILED for e in episodes),
+        masked_truncated=sum(agent.masked(e.status) and e.status in _CUT for e in episodes),
     )
+    _log_failures(episodes)
     return generation, [e.text for e in episodes], stats
+
+
+def _log_failures(episodes) -> None:
+    """One warning per rollout naming the first environment failure (never trained on)."""
+    failed = [e for e in episodes if e.status in FAILED]
+    if failed:
+        logging.warning(
+            "agent.env: %d of %d episodes ended by the environment failing (env_error / "
+            "env_timeout); the first: %s",
+            len(failed),
+            len(episodes),
+            failed[0].error,
+        )
+
+
+def without_masked(batch: RolloutBatch, stats: EpisodeStats) -> RolloutBatch:
+    """`batch` with the loss mask of the episodes out of the loss (`stats.masked_B`)
+    zeroed: their tokens carry no gradient and no advantage (the advantages and losses
+    are zero outside the mask, their token counts at least 1)."""
+    if stats.masked_B is None or not stats.masked_B.any():
+        return batch
+    keep_BxT = np.asarray(batch.loss_mask_BxT, bool) & ~stats.masked_B[:, None]
+    return batch.replace(loss_mask_BxT=keep_BxT)
 
 
 def with_env_rewards(batch: RolloutBatch, stats: EpisodeStats) -> RolloutBatch:

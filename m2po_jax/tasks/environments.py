@@ -6,8 +6,10 @@
 
 The shape is Tunix's `BaseEnv` / TRL's environments: `reset` opens an episode, `step`
 answers one assistant turn with messages to append (or ends the episode). One instance
-serves one episode. Either method may be `async def`; the episode driver calls them
-through `run_env` from worker threads.
+serves one episode. Either method may be `async def`: the episode driver runs every async
+call of every episode on one long-lived event loop (`EnvLoop`), so an episode's `reset` and
+`step`s share a loop (loop-bound objects made in `reset` work in `step`) and many episodes'
+steps overlap without a thread each; plain methods run on the driver's worker threads.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import abc
 import asyncio
 import dataclasses
 import inspect
+import itertools
 import math
 import numbers
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -34,7 +39,19 @@ BAD_TOOL_CALL = "bad_tool_call"  # a tool call that could not be read
 TOOL_ERROR = "tool_error"  # a tool failed (ToolEnv with on_tool_error="end")
 TOOL_TIMEOUT = "tool_timeout"  # a tool timed out (ToolEnv with on_tool_error="end")
 ENV_ERROR = "env_error"  # the environment raised
-STATUSES = (DONE, MAX_TURNS, MAX_TOKENS, BAD_TOOL_CALL, TOOL_ERROR, TOOL_TIMEOUT, ENV_ERROR)
+ENV_TIMEOUT = "env_timeout"  # a reset or step ran past the driver's bound (agent.step_timeout_s)
+PROMPT_TOO_LONG = "prompt_too_long"  # not run: its prompt is over task.max_prompt_len ("filter")
+STATUSES = (
+    DONE,
+    MAX_TURNS,
+    MAX_TOKENS,
+    BAD_TOOL_CALL,
+    TOOL_ERROR,
+    TOOL_TIMEOUT,
+    ENV_ERROR,
+    ENV_TIMEOUT,
+    PROMPT_TOO_LONG,
+)
 
 
 @dataclasses.dataclass
@@ -78,18 +95,172 @@ class Environment(abc.ABC):
         """The answer to an assistant turn (its decoded text, end-of-turn token excluded)."""
 
 
-def run_env(fn: Callable, *args):
+class EnvLoop:
+    """One event loop running on a daemon thread, for the async methods of environments:
+    `run(awaitable)` waits for it on the loop from any thread, `submit` returns a
+    `concurrent.futures.Future`. `close()` stops the loop (pending calls are cancelled)."""
+
+    def __init__(self, name: str = "m2po-env-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, awaitable) -> futures.Future:
+        if self.loop.is_closed():
+            raise RuntimeError("EnvLoop: the loop is closed")
+        return asyncio.run_coroutine_threadsafe(_wait(awaitable), self.loop)
+
+    def run(self, awaitable, timeout_s: float | None = None):
+        """The awaitable's result; TimeoutError (the call cancelled) past `timeout_s`."""
+        job = self.submit(awaitable)
+        try:
+            return job.result(timeout_s)
+        except futures.TimeoutError:
+            job.cancel()
+            raise
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_all():
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(5.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def run_env(fn: Callable, *args, loop: EnvLoop | None = None):
     """`fn(*args)`, run to completion when it returns an awaitable (an `async def`
-    method): with `asyncio.run` in the calling thread, which must have no running loop
-    (the episode driver's worker threads have none)."""
+    method): on `loop` (the episode driver's: one loop for all episodes), or without one
+    with `asyncio.run` in the calling thread, which must have no running loop."""
     result = fn(*args)
     if inspect.isawaitable(result):
+        if loop is not None:
+            return loop.run(result)
         return asyncio.run(_wait(result))
     return result
 
 
 async def _wait(awaitable):
     return await awaitable
+
+
+class Job:
+    """A call submitted to a `WorkerPool`: `started` / `done` events, then `result()`."""
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, args
+        self.started, self.done = threading.Event(), threading.Event()
+        self.started_at: float | None = None
+        self.thread: threading.Thread | None = None
+        self.abandoned = False
+        self._value = self._error = None
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _run(self):
+        try:
+            self._value = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 (handed to the waiter)
+            self._error = e
+        self.done.set()
+
+
+class WorkerPool:
+    """`workers` daemon threads that a hung call cannot use up: a call its waiter gives up on
+    (`abandon`) keeps its thread, which leaves the pool, and a fresh thread takes its place,
+    so later calls still run (ToolEnv's tools, the episode driver's environment steps).
+    `abandoned` counts the threads left to their calls; `stuck` those still running. Daemon
+    threads: a call that never returns does not keep the interpreter from exiting."""
+
+    def __init__(self, workers: int, name: str = "m2po-tool"):
+        if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
+            raise ValueError(f"WorkerPool.workers: expected an int >= 1, got {workers!r}")
+        self.workers, self.name = int(workers), name
+        self.abandoned = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._serial = itertools.count()
+        self._left: list[threading.Thread] = []
+        self._closed = False
+        for _ in range(self.workers):
+            self._spawn()
+
+    @property
+    def stuck(self) -> int:
+        """Abandoned threads still running their call."""
+        return sum(t.is_alive() for t in self._left)
+
+    def _spawn(self):
+        name = f"{self.name}_{next(self._serial)}"
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                job.thread, job.started_at = threading.current_thread(), time.perf_counter()
+                job.started.set()
+            job._run()
+            with self._lock:
+                if job.abandoned:  # replaced already: this thread leaves the pool
+                    return
+
+    def submit(self, fn: Callable, *args) -> Job:
+        if self._closed:
+            raise RuntimeError(f"WorkerPool {self.name!r}: closed")
+        job = Job(fn, args)
+        self._queue.put(job)
+        return job
+
+    def wait(self, job: Job, timeout_s: float | None, deadline: float | None = None):
+        """`job`'s result once it ends; waiting in the queue does not count. TimeoutError
+        (the job abandoned) when it runs `timeout_s` past its start, or past `deadline`
+        (a `time.perf_counter` time) when that is later."""
+        job.started.wait()
+        if timeout_s is not None:
+            end = job.started_at + timeout_s
+            end = end if deadline is None else max(end, deadline)
+            if not job.done.wait(max(end - time.perf_counter(), 0.0)):
+                if self.abandon(job):
+                    raise TimeoutError(f"ran past {timeout_s:g}s")
+        job.done.wait()
+        return job.result()
+
+    def abandon(self, job: Job) -> bool:
+        """Gives up on a running `job`: a fresh thread replaces its thread. False when the
+        job had already ended (its result stands)."""
+        with self._lock:
+            if job.done.is_set() or job.abandoned:
+                return not job.done.is_set()
+            job.abandoned = True
+            self.abandoned += 1
+            self._left = [t for t in self._left if t.is_alive()] + [job.thread]
+            self._spawn()
+        return True
+
+    def shutdown(self) -> None:
+        """Idle threads end after the calls queued before this; no new calls."""
+        with self._lock:
+            self._closed = True
+            for _ in range(self.workers):
+                self._queue.put(None)
 
 
 def _run_one(t: Tool, arguments: dict) -> tuple[str, bool, float]:
@@ -111,15 +282,17 @@ class ToolEnv(Environment):
 
     A turn without a call ends the episode ("done", no reward: the task scores the final
     answer); a call the format cannot read ends it as "bad_tool_call" (`info["error"]`).
-    Otherwise every call runs in `pool` (or a private thread pool per turn) and the answer
-    is one message per call, in order: {"role": "tool", "name": ..., "content": result}.
-    An unknown tool, arguments that do not fit its schema, or an exception of the tool
-    answer "error: <Type>: <message>" (a tool error); a call still running `timeout_s`
-    after the turn's calls were submitted answers "error: timed out after <t>s" (a
-    timeout). A thread cannot be stopped: a timed-out call runs on to its end in its
-    thread (the interpreter waits for it at exit), so tools that wait on I/O should carry
-    their own timeouts too; a call still queued in a busy `pool` is cancelled. `pool`
-    must not be the pool the steps themselves run in (a full one would deadlock).
+    Otherwise every call runs in `pool` (a `WorkerPool`; or a private thread per call) and
+    the answer is one message per call, in order: {"role": "tool", "name": ..., "content":
+    result}. An unknown tool, arguments that do not fit its schema, or an exception of the
+    tool answer "error: <Type>: <message>" (a tool error). `timeout_s` is per turn: the
+    calls of a turn share one deadline, `timeout_s` after they were submitted; a call that
+    waited in a busy pool's queue gets `timeout_s` from its own start instead (waiting does
+    not count). A call still running then answers "error: timed out after <t>s" (a
+    timeout). A thread cannot be stopped: the timed-out call runs on to its end in its
+    thread, which leaves the pool (a fresh thread replaces it; `info["tool_abandoned"]`
+    counts them, `WorkerPool.stuck` those still running), so tools that wait on I/O should
+    carry their own timeouts too. `pool` must not be the pool the steps themselves run in.
 
     Args:
       tools: the tools (functions are made into tools with `tools.tool`).
@@ -128,7 +301,7 @@ class ToolEnv(Environment):
       on_tool_error: "reply" (the model sees the error and goes on) or "end" (a turn with
         an error or timeout ends the episode as "tool_error" / "tool_timeout"; a timeout
         wins when both happen).
-      pool: the executor for the calls; None: a private thread pool per turn.
+      pool: the `WorkerPool` for the calls (shared by episodes); None: a thread per call.
     """
 
     def __init__(
@@ -138,7 +311,7 @@ class ToolEnv(Environment):
         *,
         timeout_s: float = 10.0,
         on_tool_error: str = "reply",
-        pool: futures.Executor | None = None,
+        pool: WorkerPool | None = None,
     ):
         self.tools = [tool(t) for t in tools]
         self._by_name: dict[str, Tool] = {}
@@ -158,13 +331,18 @@ class ToolEnv(Environment):
             raise ValueError(
                 f"ToolEnv.on_tool_error: expected 'reply' or 'end', got {on_tool_error!r}"
             )
+        if pool is not None and not isinstance(pool, WorkerPool):
+            raise TypeError(
+                f"ToolEnv.pool: expected a WorkerPool or None, got {type(pool).__name__}"
+            )
         self.family = family
         self.timeout_s = float(timeout_s)
         self.on_tool_error = on_tool_error
         self.pool = pool
 
     def step(self, assistant_text: str) -> StepResult:
-        info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_latency_s": []}
+        info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_abandoned": 0}
+        info["tool_latency_s"] = []
         try:
             _, calls = parse_tool_calls(self.family, assistant_text)
         except MalformedToolCall as e:
@@ -172,7 +350,8 @@ class ToolEnv(Environment):
         if not calls:
             return StepResult([], done=True, status=DONE, info=info)
         info["tool_calls"] = len(calls)
-        pool = self.pool or futures.ThreadPoolExecutor(len(calls), "m2po-tool")
+        known = [c for c in calls if c.name in self._by_name]
+        pool = self.pool or WorkerPool(max(len(known), 1), "m2po-tool-turn")
         messages = []
         try:
             start = time.perf_counter()
@@ -185,27 +364,25 @@ class ToolEnv(Environment):
             ]
             for call, job in zip(calls, jobs, strict=True):
                 if job is None:
-                    known = ", ".join(self._by_name) or "none"
+                    names = ", ".join(self._by_name) or "none"
                     content = _error_text(
-                        ValueError(f"unknown tool {call.name!r} (tools: {known})")
+                        ValueError(f"unknown tool {call.name!r} (tools: {names})")
                     )
                     info["tool_errors"] += 1
                 else:
                     try:
-                        content, failed, seconds = job.result(
-                            max(deadline - time.perf_counter(), 0.0)
-                        )
+                        content, failed, seconds = pool.wait(job, self.timeout_s, deadline)
                         info["tool_errors"] += failed
-                    except futures.TimeoutError:
-                        job.cancel()  # only takes when it has not started
+                    except TimeoutError:
                         content = f"error: timed out after {self.timeout_s:g}s"
-                        seconds = time.perf_counter() - start
+                        seconds = time.perf_counter() - job.started_at
                         info["tool_timeouts"] += 1
+                        info["tool_abandoned"] += 1
                     info["tool_latency_s"].append(seconds)
                 messages.append({"role": "tool", "name": call.name, "content": content})
         finally:
             if pool is not self.pool:
-                pool.shutdown(wait=False)
+                pool.shutdown()
         if self.on_tool_error == "end" and (info["tool_timeouts"] or info["tool_errors"]):
             status = TOOL_TIMEOUT if info["tool_timeouts"] else TOOL_ERROR
             return StepResult(messages, done=True, status=status, info=info)

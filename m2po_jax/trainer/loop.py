@@ -543,6 +543,8 @@ class Trainer:
             engine=self.setup.engine,
             agent=self.setup.agent,
         )
+        if sampled.episodes is not None:  # an agent's prompts are its resets' (counted there)
+            truncated = sampled.episodes.prompts_truncated
         rewards = self.setup.rewards or self.task.reward
         batch = rollout_lib.score_rollout(sampled, rewards, cfg.rollout.reward_workers)
         return batch, truncated, metrics_lib.rollout_stats(sampled)

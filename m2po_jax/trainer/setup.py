@@ -110,8 +110,6 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
     ag = cfg.agent
     if not ag.env:
         return None
-    from concurrent import futures
-
     from m2po_jax.tasks import environments, tool_calls, tools
 
     tool_list = tools.load_tools(config_lib.tool_names(ag.tools))
@@ -128,7 +126,7 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
                 f"agent.parser to one of {sorted(tool_calls.PARSERS)}"
             )
     if ag.env == "tools":
-        pool = futures.ThreadPoolExecutor(2 * ag.workers, "m2po-tool")
+        pool = environments.WorkerPool(2 * ag.workers, "m2po-tool")
 
         def factory():
             return environments.ToolEnv(
@@ -148,6 +146,10 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
         max_append=ag.max_append_tokens,
         bad_tool_call_reward=ag.bad_tool_call_reward,
         workers=ag.workers,
+        step_timeout_s=ag.step_timeout_s,
+        mask_failed=ag.mask_failed_episodes,
+        mask_truncated=ag.mask_truncated_episodes,
+        long_prompts=cfg.task.long_prompts,
     )
 
 

@@ -535,6 +535,11 @@ AGENT_ERRORS = [
     ({**CALC, "agent.parser": "xml"}, r"agent\.parser='xml': expected auto or one of \["),
     ({**CALC, "agent.on_tool_error": "ignore"}, r"agent\.on_tool_error"),
     ({**CALC, "agent.max_turns": 0}, r"agent\.max_turns=0 is out of range"),
+    ({**CALC, "agent.step_timeout_s": 0.0}, r"agent\.step_timeout_s=0\.0 is out of range"),
+    (
+        {**CALC, "agent.tool_timeout_s": 10.0, "agent.step_timeout_s": 5.0},
+        r"agent\.step_timeout_s=5\.0 must be above agent\.tool_timeout_s=10\.0",
+    ),
     (
         {"agent.env": "tools", "agent.tools": "m2po_jax.tasks.calculator:nope"},
         r"agent\.tools 'm2po_jax\.tasks\.calculator:nope'.*has no attribute 'nope'",
@@ -560,3 +565,27 @@ def test_agent_errors_are_one_line_config_errors(changes, message):
     # auto resolves to the continuous engine for episodes
     ok = build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC})
     assert config_lib.rollout_engine(ok) == "continuous"
+
+
+def test_the_agent_is_built_with_its_settings_from_the_config():
+    from m2po_jax.tasks import calculator, environments
+    from m2po_jax.trainer import setup
+
+    cfg = build(
+        **{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC},
+        **{"agent.tool_timeout_s": 1.5, "agent.step_timeout_s": 7.0},
+        **{"agent.mask_failed_episodes": False, "agent.mask_truncated_episodes": True},
+        **{"task.long_prompts": "filter"},
+    )
+    agent = setup.build_agent(cfg, calculator.CalculatorTask(seed=0, eval_size=8), None)
+    try:
+        env = agent.env_factory()
+        assert env.timeout_s == 1.5 and isinstance(env.pool, environments.WorkerPool)
+        assert env.pool is agent.env_factory().pool  # one pool shared by the episodes
+        assert (agent.step_timeout_s, agent.long_prompts) == (7.0, "filter")
+        assert (agent.mask_failed, agent.mask_truncated) == (False, True)
+    finally:
+        agent.close()
+    defaults = build()
+    assert defaults.agent.mask_failed_episodes and not defaults.agent.mask_truncated_episodes
+    assert defaults.agent.step_timeout_s > defaults.agent.tool_timeout_s

@@ -283,12 +283,14 @@ class Scripted:
             for row in sorted(set(range(rows)) - done):
                 ids = self.turns[count[row]]
                 count[row] += 1
+                cut = len(ids) > self.new - len(tokens[row])  # the budget ends mid-turn
+                ids = ids[: self.new - len(tokens[row])]
                 tokens[row] += ids
                 sampled[row] += [True] * len(ids)
                 room = self.new - len(tokens[row]) - 1
-                turns.append(engine_lib.Turn(row, ids, False, room, len(tokens[row]) - len(ids)))
+                turns.append(engine_lib.Turn(row, ids, cut, room, len(tokens[row]) - len(ids)))
             for turn, answer in zip(turns, on_turns(turns), strict=True):
-                if answer is None:
+                if answer is None or turn.cut:
                     done.add(turn.row)
                 else:
                     tokens[turn.row] += answer
@@ -433,3 +435,218 @@ def test_the_warm_up_trains_a_calculator_episode_s_turns_as_the_environment_appe
         np.testing.assert_array_equal(trained, mask)
         assert answer == calculator.calculator(prompt[:-1])  # the right product
     assert 3 <= calls <= 13
+
+
+# ------------------------------------------------ failure paths, on the scripted engine
+
+EOS = TOKENIZER.eos_id
+
+
+def _scripted(factory, turns, *, new=40, width=10, examples=EXAMPLES[:2], **agent):
+    """A rollout of `examples` (N episodes each) through `Scripted(turns, new)`."""
+    made = episodes_lib.Agent(factory, TASK.chat_format(), **{"max_turns": 4, **agent})
+    settings = sampling.SamplingConfig(
+        max_new_tokens=new, pad_id=TOKENIZER.pad_id, stop_token_ids=(EOS,)
+    )
+    try:
+        return rollout_lib.sample_rollout(
+            None,
+            None,
+            settings,
+            examples,
+            _Prompts(),
+            jax.random.key(0),
+            n_samples=N,
+            version=0,
+            max_prompt_len=width,
+            engine=Scripted(turns, new),
+            agent=made,
+        )
+    finally:
+        made.close()
+
+
+def _turn(text):
+    return TOKENIZER.encode(text) + [EOS]
+
+
+class Rewards(environments.Environment):
+    """Gives 0.5 and 0.25 on its first two steps and 1.0 when it ends on the third."""
+
+    rewards = (0.5, 0.25, 1.0)
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, text):
+        self.steps += 1
+        reward = self.rewards[self.steps - 1]
+        done = self.steps == len(self.rewards)
+        return environments.StepResult([{"role": "tool", "content": "1"}], reward, done)
+
+
+def test_the_episode_reward_is_the_sum_of_its_steps_rewards():
+    sampled = _scripted(Rewards, [_turn("1")] * 4)
+    stats = sampled.episodes
+    assert set(stats.status_B) == {"done"}
+    np.testing.assert_array_equal(stats.env_reward_B, 1.75)
+    scored = rollout_lib.score_rollout(sampled, lambda example, text: -1.0)
+    np.testing.assert_array_equal(scored.rewards_B, 1.75)
+    # A reward on the step that reaches max_turns is kept too.
+    sampled = _scripted(Rewards, [_turn("1")] * 4, max_turns=2)
+    assert set(sampled.episodes.status_B) == {"max_turns"}
+    np.testing.assert_array_equal(sampled.episodes.env_reward_B, 0.75)
+
+
+class Leaks(environments.Environment):
+    """Raises with the problem's answer in its message."""
+
+    def reset(self, example):
+        self.answer = example.answer
+        return super().reset(example)
+
+    def step(self, text):
+        raise RuntimeError(f"sandbox down; expected {self.answer}")
+
+
+def _exact(example, text):
+    return float(str(example.answer) in text)
+
+
+def test_a_crashed_environment_is_never_scored_nor_trained_on(caplog):
+    with caplog.at_level("WARNING"):
+        sampled = _scripted(Leaks, [_turn("12")])
+    stats = sampled.episodes
+    assert set(stats.status_B) == {"env_error"}
+    assert sampled.texts == ["12"] * 4  # the model's turn, not the exception's text
+    scored = rollout_lib.score_rollout(sampled, _exact)
+    np.testing.assert_array_equal(scored.rewards_B, 0.0)
+    assert not sampled.batch.loss_mask_BxT.any() and stats.masked_B.all()
+    assert stats.metrics()["episode/masked_failed"] == 1.0
+    assert "4 of 4 episodes ended by the environment failing" in caplog.text
+    assert "RuntimeError: sandbox down" in caplog.text
+    # agent.mask_failed_episodes=False keeps them in the loss.
+    kept = _scripted(Leaks, [_turn("12")], mask_failed=False)
+    assert kept.batch.loss_mask_BxT.sum(1).tolist() == [3] * 4
+    assert kept.episodes.metrics()["episode/masked_failed"] == 0.0
+
+
+def test_budget_cut_episodes_leave_the_loss_when_asked():
+    turns = [_turn("1"), _turn("22"), _turn("333")]
+    kept = _scripted(Forever, turns, max_turns=2)
+    assert set(kept.episodes.status_B) == {"max_turns"} and kept.batch.loss_mask_BxT.any(1).all()
+    masked = _scripted(Forever, turns, max_turns=2, mask_truncated=True)
+    assert not masked.batch.loss_mask_BxT.any() and masked.episodes.masked_B.all()
+    assert masked.episodes.metrics()["episode/masked_truncated"] == 1.0
+    # A turn the token budget cuts: its text is the cut tokens' (no stop token to drop).
+    cut = _scripted(Forever, [_turn("1"), _turn("2345678")], new=7, mask_truncated=True)
+    assert set(cut.episodes.status_B) == {"max_tokens"}
+    assert cut.texts == ["234"] * 4 and cut.episodes.turns_B.tolist() == [2] * 4
+    assert not cut.batch.loss_mask_BxT.any()
+    # Done episodes stay in the loss.
+    done = _scripted(Rewards, [_turn("1")] * 3, mask_truncated=True)
+    assert done.batch.loss_mask_BxT.any(1).all() and not done.episodes.masked_B.any()
+
+
+def test_masked_rows_get_no_advantage_and_nothing_divides_by_zero():
+    from m2po_jax.algorithm import advantages
+
+    mask_BxT = np.ones((4, 3), bool)
+    mask_BxT[1] = False  # an episode out of the loss
+    adv = np.asarray(
+        advantages.grpo_token_advantages(
+            np.asarray([1.0, 0.0, 0.0, 1.0], np.float32), mask_BxT, group_size=2
+        )
+    )
+    assert np.isfinite(adv).all() and not adv[1].any() and adv[0].all()
+    none_BxT = np.zeros((4, 3), bool)
+    every = np.asarray(advantages.grpo_token_advantages(np.ones(4), none_BxT, group_size=2))
+    assert np.isfinite(every).all() and not every.any()
+
+
+class LongReset(environments.Environment):
+    """Opens the episodes of problem uid 1 with a long prompt."""
+
+    def reset(self, example):
+        self.calls = 0
+        return [{"role": "user", "content": "9" * (20 if example.uid == EXAMPLES[1].uid else 3)}]
+
+    def step(self, text):
+        return environments.StepResult([], done=True)
+
+
+def test_long_agent_prompts_follow_task_long_prompts(caplog):
+    uid = EXAMPLES[1].uid
+    with pytest.raises(
+        ValueError, match=f"problem {uid} .* is 21 tokens, over task.max_prompt_len=10"
+    ):
+        _scripted(LongReset, [_turn("1")], long_prompts="error")
+    sampled = _scripted(LongReset, [_turn("1")], long_prompts="filter")
+    stats = sampled.episodes
+    assert stats.status_B == ("done", "done", "prompt_too_long", "prompt_too_long")
+    assert stats.masked_B.tolist() == [False, False, True, True]
+    assert (
+        sampled.batch.loss_mask_BxT[:2].any(1).all() and not sampled.batch.loss_mask_BxT[2:].any()
+    )
+    assert stats.turns_B.tolist() == [1, 1, 0, 0]
+    assert stats.metrics()["episode/prompts_filtered"] == 1
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            sampled = _scripted(LongReset, [_turn("1")], long_prompts="left")
+    assert sampled.episodes.status_B == ("done",) * 4
+    assert sampled.episodes.metrics()["episode/prompts_truncated"] == 1
+    np.testing.assert_array_equal(sampled.batch.tokens_BxT[2, :10], TOKENIZER.encode("9" * 10))
+    assert caplog.text.count("is 21 tokens, over task.max_prompt_len=10") == 2  # once per agent
+
+
+class Hangs(environments.Environment):
+    def step(self, text):
+        time.sleep(1.0)
+        return environments.StepResult([], done=True)
+
+
+class AsyncHangs(environments.Environment):
+    async def step(self, text):
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        return environments.StepResult([], done=True)
+
+
+@pytest.mark.parametrize("env", [Hangs, AsyncHangs])
+def test_a_hung_environment_step_ends_as_env_timeout(env, caplog):
+    start = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        sampled = _scripted(env, [_turn("1")], step_timeout_s=0.2, workers=4)
+    assert time.perf_counter() - start < 0.8
+    assert sampled.episodes.status_B == ("env_timeout",) * 4
+    assert not sampled.batch.loss_mask_BxT.any()
+    assert "ran past agent.step_timeout_s=0.2s" in caplog.text
+
+
+class AsyncSleeps(environments.Environment):
+    """Makes a queue in `reset` (bound to the loop it runs on) and reads it in `step`."""
+
+    async def reset(self, example):
+        import asyncio
+
+        self.queue = asyncio.Queue()
+        await self.queue.put("1")
+        return [{"role": "user", "content": "12"}]
+
+    async def step(self, text):
+        import asyncio
+
+        await asyncio.sleep(0.3)
+        reward = float(await self.queue.get())
+        return environments.StepResult([], reward=reward, done=True)
+
+
+def test_async_environments_share_one_loop_and_overlap():
+    examples = EXAMPLES[:4]  # 8 episodes, one worker thread
+    start = time.perf_counter()
+    sampled = _scripted(AsyncSleeps, [_turn("1")], examples=examples, workers=1)
+    elapsed = time.perf_counter() - start
+    assert sampled.episodes.status_B == ("done",) * 8
+    np.testing.assert_array_equal(sampled.episodes.env_reward_B, 1.0)
+    assert elapsed < 8 * 0.3 / 2, elapsed

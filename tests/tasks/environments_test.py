@@ -62,9 +62,11 @@ def test_statuses_and_step_result():
         "tool_error",
         "tool_timeout",
         "env_error",
+        "env_timeout",
+        "prompt_too_long",
     )
     constants = ["DONE", "MAX_TURNS", "MAX_TOKENS", "BAD_TOOL_CALL", "TOOL_ERROR"]
-    constants += ["TOOL_TIMEOUT", "ENV_ERROR"]
+    constants += ["TOOL_TIMEOUT", "ENV_ERROR", "ENV_TIMEOUT", "PROMPT_TOO_LONG"]
     assert tuple(getattr(env_lib, c) for c in constants) == STATUSES
     for status in (*STATUSES, None):
         assert StepResult([], status=status).status == status
@@ -202,11 +204,105 @@ def test_calls_of_a_turn_run_concurrently_and_in_the_given_pool():
 
     result = ToolEnv([meet], "hermes").step(call("meet", n=1) + call("meet", n=2))
     assert [m["content"] for m in result.messages] == ["met 1", "met 2"]
-    with futures.ThreadPoolExecutor(2, "shared-pool") as pool:
-        env = ToolEnv([where], "hermes", pool=pool)
-        result = env.step(call("where"))
-        assert result.messages[0]["content"].startswith("shared-pool")
-        assert env.step(call("where")).messages[0]["content"].startswith("shared-pool")
+    pool = env_lib.WorkerPool(2, "shared-pool")
+    env = ToolEnv([where], "hermes", pool=pool)
+    result = env.step(call("where"))
+    assert result.messages[0]["content"].startswith("shared-pool")
+    assert env.step(call("where")).messages[0]["content"].startswith("shared-pool")
+    pool.shutdown()
+    with pytest.raises(TypeError, match="ToolEnv.pool: expected a WorkerPool or None, got Thread"):
+        ToolEnv([where], "hermes", pool=futures.ThreadPoolExecutor(1))
+
+
+def sleeps(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long.
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_a_hung_tool_does_not_poison_a_shared_pool():
+    # One thread, a 1 s call that times out at 0.2 s, then a fast call of another episode:
+    # the stuck thread is replaced, so the fast call runs (it is not a "timeout").
+    pool = env_lib.WorkerPool(1, "shared")
+    first = ToolEnv([sleeps, add], "hermes", timeout_s=0.2, pool=pool)
+    result = first.step(call("sleeps", seconds=1.0))
+    assert result.messages[0]["content"] == "error: timed out after 0.2s"
+    assert (result.info["tool_timeouts"], result.info["tool_abandoned"]) == (1, 1)
+    assert (pool.abandoned, pool.stuck) == (1, 1)
+    other = ToolEnv([sleeps, add], "hermes", timeout_s=0.2, pool=pool)
+    answers = []  # stepped in a daemon thread: a pool without threads would wait forever
+    waiter = threading.Thread(
+        target=lambda: answers.append(other.step(call("add", a=1, b=2))), daemon=True
+    )
+    waiter.start()
+    waiter.join(3.0)
+    assert answers, "the fast call never ran: the pool has no thread left"
+    result = answers[0]
+    assert result.messages[0]["content"] == "3"
+    assert (result.info["tool_timeouts"], result.info["tool_abandoned"]) == (0, 0)
+    # Time queued behind a busy thread does not count: two 0.15 s calls through one thread
+    # at a 0.2 s timeout both finish (the second starts 0.15 s after it was submitted).
+    result = other.step(call("sleeps", seconds=0.15) + call("sleeps", seconds=0.15))
+    assert [m["content"] for m in result.messages] == ["slept", "slept"]
+    assert result.info["tool_timeouts"] == 0
+    pool.shutdown()
+
+
+def test_the_calls_of_a_turn_share_one_deadline():
+    # Two hung calls in one turn (a thread each) time out together at timeout_s, not one
+    # after the other (per-call timeouts would take 2 x timeout_s).
+    env = ToolEnv([sleeps], "hermes", timeout_s=0.3)
+    start = time.perf_counter()
+    result = env.step(call("sleeps", seconds=1.0) + call("sleeps", seconds=1.0))
+    elapsed = time.perf_counter() - start
+    assert [m["content"] for m in result.messages] == ["error: timed out after 0.3s"] * 2
+    assert 0.28 < elapsed < 0.5, elapsed
+
+
+def test_worker_pool_abandons_only_running_calls():
+    pool = env_lib.WorkerPool(1, "p")
+    job = pool.submit(time.sleep, 0.0)
+    assert pool.wait(job, 1.0) is None and not pool.abandon(job)  # ended: nothing to abandon
+    failing = pool.submit(divide, 1, 0)
+    with pytest.raises(ZeroDivisionError):
+        pool.wait(failing, 1.0)
+    assert pool.abandoned == 0
+    with pytest.raises(ValueError, match="WorkerPool.workers: expected an int >= 1, got 0"):
+        env_lib.WorkerPool(0)
+    pool.shutdown()
+
+
+class LoopBound(Environment):
+    """Makes loop-bound objects in `reset` and uses them in `step`, as an HTTP client
+    session or a queue would be."""
+
+    async def reset(self, example):
+        self.queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        await self.queue.put(example.prompt)
+        return [{"role": "user", "content": example.prompt}]
+
+    async def step(self, assistant_text):
+        prompt = await asyncio.wait_for(self.queue.get(), 1.0)
+        same = asyncio.get_running_loop() is self.loop
+        return StepResult([], reward=float(same), done=True, info={"prompt": prompt})
+
+
+def test_an_async_episode_keeps_its_loop_from_reset_to_step():
+    loop = env_lib.EnvLoop()
+    try:
+        env = LoopBound()
+        with futures.ThreadPoolExecutor(1) as pool:  # from another thread, as the driver
+            pool.submit(run_env, env.reset, EXAMPLE, loop=loop).result()
+            result = pool.submit(run_env, env.step, "x", loop=loop).result()
+        assert result.reward == 1.0 and result.info["prompt"] == EXAMPLE.prompt
+    finally:
+        loop.close()
+    assert loop.loop.is_closed()
 
 
 def test_tool_env_validation():
