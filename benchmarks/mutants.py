@@ -828,16 +828,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "grace period and a new pool (seconds per timeout)",
     ),
     Mutant(
-        "deadlines-timed-out-call-keeps-its-place",
-        "m2po_jax/common/deadlines.py",
-        '                    outcomes[i] = ("timeout", None)  # abandoned: its place goes on\n'
-        "                    del running[i]",
-        '                    outcomes[i] = ("timeout", None)  # abandoned: its place goes on',
-        (T("tests/common/deadlines_test.py"), T("tests/tasks/problems_test.py", "times_out")),
-        "a reward (or call) past its deadline keeps its thread's place: the ones queued behind "
-        "it wait for it",
-    ),
-    Mutant(
         "chips-h200-marketing-gigabytes",
         "m2po_jax/parallel/chips.py",
         "            139.8,",
@@ -889,7 +879,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "tools-timeout-per-call",
-        "m2po_jax/tasks/environments.py",
+        "m2po_jax/common/workers.py",
         "            end = job.started_at + timeout_s",
         "            end = time.perf_counter() + timeout_s",
         (T("tests/tasks/environments_test.py", "share_one_deadline"),),
@@ -897,10 +887,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "tools-abandoned-thread-not-replaced",
-        "m2po_jax/tasks/environments.py",
+        "m2po_jax/common/workers.py",
         "            self._spawn()\n        return True",
         "        return True",
-        (T("tests/tasks/environments_test.py", "poison"),),
+        (
+            T("tests/tasks/environments_test.py", "poison"),
+            T("tests/common/workers_test.py"),
+            T("tests/tasks/problems_test.py", "times_out"),
+        ),
         "a timed-out call keeps its pool thread: a hung tool starves every later call",
     ),
     Mutant(

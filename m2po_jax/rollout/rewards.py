@@ -10,7 +10,7 @@ by an alarm in its worker, and a worker stuck where an alarm cannot reach it (C 
 replaced. Any other reward (a user's `task.reward_fn`, a task's own `verify`) runs in this
 process on `workers` threads; one that passes `timeout_s` (counted from its own start)
 scores 0 and is counted, and its thread is left to finish on its own (a thread cannot be
-stopped) while the next completion takes its place (`common.deadlines`). A reward that raises or
+stopped) while the next completion takes its place (`common.workers`). A reward that raises or
 returns anything but a finite number stops the run with `RewardError` naming the function,
 the problem and the completion.
 """
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from absl import logging
 
-from m2po_jax.common import deadlines
+from m2po_jax.common import workers as workers_lib
 from m2po_jax.tasks.base import RewardFailure, Task, call_reward, reward_error
 
 _GRACE_S = 5.0  # past its alarm, how long a worker may take before it is replaced
@@ -137,7 +137,7 @@ class RewardScorer:
         # Each completion's deadline counts from its own start, and one past it gives its
         # place to the next: a hung reward never makes the completions queued behind it
         # "time out" unscored.
-        outcomes = deadlines.call_all(
+        outcomes = workers_lib.call_all(
             self._one, pairs, workers=self.workers, timeout_s=self.timeout_s, name="m2po-reward"
         )
         return [value if kind == "ok" else (kind, None) for kind, value in outcomes]

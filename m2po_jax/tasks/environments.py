@@ -18,15 +18,14 @@ import abc
 import asyncio
 import dataclasses
 import inspect
-import itertools
 import math
 import numbers
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
+from m2po_jax.common.workers import WorkerPool
 from m2po_jax.tasks.base import Example, import_by_name
 from m2po_jax.tasks.tool_calls import MalformedToolCall, parse_tool_calls, parser
 from m2po_jax.tasks.tools import Tool, call_tool, tool
@@ -154,113 +153,6 @@ def run_env(fn: Callable, *args, loop: EnvLoop | None = None):
 
 async def _wait(awaitable):
     return await awaitable
-
-
-class Job:
-    """A call submitted to a `WorkerPool`: `started` / `done` events, then `result()`."""
-
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, args
-        self.started, self.done = threading.Event(), threading.Event()
-        self.started_at: float | None = None
-        self.thread: threading.Thread | None = None
-        self.abandoned = False
-        self._value = self._error = None
-
-    def result(self):
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def _run(self):
-        try:
-            self._value = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 (handed to the waiter)
-            self._error = e
-        self.done.set()
-
-
-class WorkerPool:
-    """`workers` daemon threads that a hung call cannot use up: a call its waiter gives up on
-    (`abandon`) keeps its thread, which leaves the pool, and a fresh thread takes its place,
-    so later calls still run (ToolEnv's tools, the episode driver's environment steps).
-    `abandoned` counts the threads left to their calls; `stuck` those still running. Daemon
-    threads: a call that never returns does not keep the interpreter from exiting."""
-
-    def __init__(self, workers: int, name: str = "m2po-tool"):
-        if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
-            raise ValueError(f"WorkerPool.workers: expected an int >= 1, got {workers!r}")
-        self.workers, self.name = int(workers), name
-        self.abandoned = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._serial = itertools.count()
-        self._left: list[threading.Thread] = []
-        self._closed = False
-        for _ in range(self.workers):
-            self._spawn()
-
-    @property
-    def stuck(self) -> int:
-        """Abandoned threads still running their call."""
-        return sum(t.is_alive() for t in self._left)
-
-    def _spawn(self):
-        name = f"{self.name}_{next(self._serial)}"
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                job.thread, job.started_at = threading.current_thread(), time.perf_counter()
-                job.started.set()
-            job._run()
-            with self._lock:
-                if job.abandoned:  # replaced already: this thread leaves the pool
-                    return
-
-    def submit(self, fn: Callable, *args) -> Job:
-        if self._closed:
-            raise RuntimeError(f"WorkerPool {self.name!r}: closed")
-        job = Job(fn, args)
-        self._queue.put(job)
-        return job
-
-    def wait(self, job: Job, timeout_s: float | None, deadline: float | None = None):
-        """`job`'s result once it ends; waiting in the queue does not count. TimeoutError
-        (the job abandoned) when it runs `timeout_s` past its start, or past `deadline`
-        (a `time.perf_counter` time) when that is later."""
-        job.started.wait()
-        if timeout_s is not None:
-            end = job.started_at + timeout_s
-            end = end if deadline is None else max(end, deadline)
-            if not job.done.wait(max(end - time.perf_counter(), 0.0)):
-                if self.abandon(job):
-                    raise TimeoutError(f"ran past {timeout_s:g}s")
-        job.done.wait()
-        return job.result()
-
-    def abandon(self, job: Job) -> bool:
-        """Gives up on a running `job`: a fresh thread replaces its thread. False when the
-        job had already ended (its result stands)."""
-        with self._lock:
-            if job.done.is_set() or job.abandoned:
-                return not job.done.is_set()
-            job.abandoned = True
-            self.abandoned += 1
-            self._left = [t for t in self._left if t.is_alive()] + [job.thread]
-            self._spawn()
-        return True
-
-    def shutdown(self) -> None:
-        """Idle threads end after the calls queued before this; no new calls."""
-        with self._lock:
-            self._closed = True
-            for _ in range(self.workers):
-                self._queue.put(None)
 
 
 def _run_one(t: Tool, arguments: dict) -> tuple[str, bool, float]:

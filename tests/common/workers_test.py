@@ -1,12 +1,12 @@
-"""Calls on threads with a deadline each, from its own start; a hung call gives up its
-place instead of holding it."""
+"""`call_all`: calls on a WorkerPool, a deadline each from its own start; a hung call
+gives up its place instead of holding it (WorkerPool itself: tests/tasks/environments_test.py)."""
 
 import threading
 import time
 
 import pytest
 
-from m2po_jax.common.deadlines import call_all
+from m2po_jax.common.workers import call_all
 
 
 def test_each_call_has_its_whole_timeout_from_its_own_start():
