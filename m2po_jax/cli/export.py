@@ -77,7 +77,7 @@ def export_workdir(
     saved_base = meta.get("base")  # set: the checkpoint holds the LoRA adapters alone
     state_like = _abstract_state(cfg, model_config, adapters_only=saved_base is not None)
     if fmt == "peft":
-        if saved_base is None and meta.get("sft_steps"):
+        if saved_base is None and meta.get("sft_steps") and cfg.model.lora.base == "float":
             raise WorkdirError(
                 f"{checkpointer.step_dir(chosen)}: the run's supervised warm-up "
                 f"({meta['sft_steps']} steps) trained the base, so its adapters do not fit "

@@ -439,10 +439,11 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         from m2po_jax.trainer import sft
 
         sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
-        # What the warm-up trains: every param, or under LoRA the base (`sft.warmup_split`).
-        warm_shape = sft.warmup_split(params_shape)[0]
+        # What the warm-up trains: every param, or under LoRA the base, or under a quantised
+        # base the adapters (`sft.warmup_split`).
+        warm_shape = sft.warmup_split(params_shape, model_config)[0]
         opt_shape = jax.eval_shape(sft_tx.init, warm_shape)
-        warm_shardings = sft.warmup_split(placement.train_params)[0]
+        warm_shardings = sft.warmup_split(placement.train_params, model_config)[0]
         opt = _abstract(
             opt_shape, sharding.opt_state_shardings(opt_shape, warm_shardings, placement.mesh)
         )

@@ -257,10 +257,12 @@ class Trainer:
         """The frozen base's `checkpoint.base_identity` when checkpoints hold the LoRA
         adapters alone: a LoRA run whose base is `model.path`'s weights as loaded (no
         warm-up trained it, no `initial_params` replaced it), which a resume loads again.
-        None otherwise: the whole params are saved."""
+        A warm-up under a quantised base trains the adapters alone (`sft.warmup_split`),
+        so such a run keeps its base. None otherwise: the whole params are saved."""
         if not (self.model_config.lora_rank and self.cfg.model.path):
             return None
-        if self.warm_started or self.sft_steps:
+        base_trained = self.sft_steps and self.model_config.lora_base == "float"
+        if self.warm_started or base_trained:
             return None
         if self._base_identity is None:
             self._base_identity = ckpt_lib.base_identity(self.cfg.model.path, self.state.params)
