@@ -153,6 +153,13 @@ def test_a_changed_base_is_refused_in_one_line(base, run, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("m2po-export: ") and "\n" not in err
         assert "its LoRA adapters were trained on the base" in err
+        # ... and so does the PEFT export: its adapters would go onto another base.
+        argv = [str(workdir), "--out", str(tmp_path / "p"), "--format", "peft"]
+        assert export_main.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("m2po-export: ") and "\n" not in err
+        assert "its LoRA adapters were trained on the base" in err
+        assert not (tmp_path / "p").exists()
     finally:
         save_file(original, file, metadata={"format": "pt"})
 
