@@ -311,6 +311,30 @@ def test_param_shardings_cover_the_quantised_leaves_and_a_sharded_init_matches()
             np.testing.assert_array_equal(x, plain[path], err_msg=str(path))
 
 
+def test_publishing_in_bfloat16_keeps_the_codes_and_the_float32_scales():
+    """rollout.publish_dtype=bfloat16 casts float weights only: the sampler dequantises
+    the learner's kernels exactly (rounded scales would shift every behaviour log-prob)."""
+    from m2po_jax.parallel import placement as placement_lib
+
+    cfg = qlora("nf4", targets=("q", "down"))
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, params)
+    published = _flat(placement_lib.WeightPublisher(shardings, "bfloat16")(params))
+    learner = _flat(params)
+    for path, x in learner.items():
+        if quant.is_quantized_leaf(path, x.dtype):
+            assert published[path].dtype == x.dtype, path
+            np.testing.assert_array_equal(published[path], x, err_msg=str(path))
+        else:
+            assert published[path].dtype == jnp.bfloat16, path
+    at = ("layers_0", "mlp")
+    kernel = lambda f: quant.dequantize(  # noqa: E731
+        "nf4", f[(*at, "down_kernel")], f[(*at, "down_kernel_scale")], (128, 64), 1
+    )
+    np.testing.assert_array_equal(kernel(published), kernel(learner))
+
+
 # ----------------------------------------------------------------------------- training
 
 
