@@ -362,17 +362,17 @@ def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, A
         rewards_B=_rows(placement, jnp.float32, rows),
         version_B=_rows(placement, jnp.int32, rows),
     )
-    with_ref = cfg.actor.kl_ctl > 0
+    ref = setup_lib.reference_params(cfg, model_config, state.params)  # as the trainer's
     step = setup_lib.build_train_step(cfg, model_config, tx, schedule, placement, state_shape)
     program = compile_program(
         "train_step",
         f"{rows} rows x {seq_len} tokens, the proximal pass"
-        f"{', the reference pass' if with_ref else ''} inside",
+        f"{', the reference pass' if cfg.actor.kl_ctl > 0 else ''} inside",
         step,
         state,
         batch,
         _key(placement),
-        state.params if with_ref else None,
+        ref,
     )
     return program, state
 

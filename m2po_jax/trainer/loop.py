@@ -234,7 +234,7 @@ class Trainer:
         if self.checkpointer.meta(step).get("warmup_unfinished"):
             return self._resume_warmup(step)
         # (Under LoRA the reference is the model with its adapters off: none is saved.)
-        need_ref = self.cfg.actor.kl_ctl > 0 and not self.model_config.lora_rank
+        need_ref = setup_lib.needs_reference(self.cfg, self.model_config)
         restored = self.checkpointer.restore(
             step,
             state_like=self.state,
@@ -383,9 +383,10 @@ class Trainer:
         True if a stop ended it during the warm-up."""
         if self.supervised_warmup():
             return True
-        if self.cfg.actor.kl_ctl > 0 and not self.setup.model_config.lora_rank:
-            # (Under LoRA the step's reference is the model with its adapters off.)
-            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+        # The step's KL reference (`setup.reference_params`: None under LoRA, where the
+        # step takes the model with its adapters off).
+        ref = setup_lib.reference_params(self.cfg, self.model_config, self.state.params)
+        self.ref_params = None if ref is None else jax.tree.map(jnp.copy, ref)
         if self.cfg.rollout.mode == "async":
             return False  # the worker fills its buffer as soon as it starts
         for i in range(self.cfg.rollout.max_head_offpolicyness):
