@@ -937,6 +937,64 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/rollout/episodes_test.py", "share_one_loop"),),
         "async environment steps each hold a worker thread: episodes do not overlap",
     ),
+    # ---- LoRA and QLoRA (issue 48)
+    Mutant(
+        "qlora-warmup-trains-the-codes",
+        "m2po_jax/trainer/sft.py",
+        '    if model_config.lora_base != "float":\n        return adapters, base',
+        "    if False:\n        return adapters, base",
+        (T("tests/e2e/lora_checkpoint_test.py", "qlora_warmup"),),
+        "under a quantised base the warm-up differentiates the base's integer codes (crash)",
+    ),
+    Mutant(
+        "nf4-blocks-along-the-kernel",
+        "m2po_jax/models/quant.py",
+        "    t = jnp.transpose(jnp.asarray(w, jnp.float32), _nf4_perm(len(shape), n_in))",
+        "    t = jnp.reshape(w.astype(jnp.float32), [shape[i] for i in _nf4_perm(len(shape), n_in)])",
+        (T("tests/models/quant_test.py", "bitsandbytes or torch_weight"),),
+        "NF4 blocks run along the [in, out] kernel, not bitsandbytes' torch weight [out, in]",
+    ),
+    Mutant(
+        "publish-casts-the-quant-scales",
+        "m2po_jax/parallel/placement.py",
+        "            if quant.is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(",
+        "            if not jnp.issubdtype(",
+        (T("tests/models/quant_test.py", "publishing"),),
+        "rollout.publish_dtype=bfloat16 rounds a quantised base's float32 scales",
+    ),
+    Mutant(
+        "export-peft-base-compared-with-itself",
+        "m2po_jax/cli/export.py",
+        "        base_params, base = _model_path_base(cfg, model_config, where)",
+        "        base_params, base = _model_path_base(cfg, model_config, where)\n"
+        '        base = saved_base if fmt == "peft" else base',
+        (T("tests/e2e/lora_checkpoint_test.py", "changed_base"),),
+        "m2po-export --format peft checks the checkpoint's base hash against itself",
+    ),
+    Mutant(
+        "dry-run-passes-the-params-as-kl-reference-under-lora",
+        "m2po_jax/trainer/setup.py",
+        "    return params if needs_reference(cfg, model_config) else None",
+        "    return params if cfg.actor.kl_ctl > 0 else None",
+        (T("tests/parallel/tpu_compile_test.py", "trainers_with_a_kl"),),
+        "under LoRA with kl_ctl > 0 the step gets the params as KL reference (a second copy)",
+    ),
+    Mutant(
+        "add-adapters-b-not-zero",
+        "m2po_jax/models/lora.py",
+        "            flat[path] = jnp.zeros(shape.shape, shape.dtype)",
+        "            flat[path] = model_lib.lora_a_init(rng, shape.shape, shape.dtype)",
+        (T("tests/models/lora_test.py", "zero_adapters"),),
+        "adapters added to a loaded checkpoint start with B != 0: the first step is not the base's",
+    ),
+    Mutant(
+        "qlora-memory-plan-scales-uncounted",
+        "m2po_jax/learner/memory.py",
+        "            quantised += n * shape.dtype.itemsize",
+        '            quantised += n * shape.dtype.itemsize if shape.dtype.kind in "iu" else 0',
+        (T("tests/models/quant_test.py", "memory_plan"),),
+        "the QLoRA memory plan leaves out the quantised base's float32 scales",
+    ),
 )
 
 

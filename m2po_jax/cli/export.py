@@ -76,34 +76,60 @@ def export_workdir(
     meta = checkpointer.meta(chosen)
     saved_base = meta.get("base")  # set: the checkpoint holds the LoRA adapters alone
     state_like = _abstract_state(cfg, model_config, adapters_only=saved_base is not None)
+    base_params, base = None, None
+    if saved_base is not None:
+        # The base from model.path again, as the trainer loads it: its hash must be the
+        # checkpoint's (`Checkpointer.restore` refuses another base in one line).
+        base_params, base = _model_path_base(cfg, model_config, where)
     if fmt == "peft":
-        if saved_base is None and meta.get("sft_steps"):
+        if cfg.model.lora.base == "int8":
+            raise WorkdirError(
+                f"{where}: model.lora.base='int8' has no PEFT base to match (bitsandbytes' "
+                "load_in_8bit also quantises the activations, so its logits are not the "
+                "run's); export the merged model (dequantised base + adapters) with "
+                "--format hf"
+            )
+        if saved_base is None and meta.get("sft_steps") and cfg.model.lora.base == "float":
             raise WorkdirError(
                 f"{checkpointer.step_dir(chosen)}: the run's supervised warm-up "
                 f"({meta['sft_steps']} steps) trained the base, so its adapters do not fit "
                 f"model.path={source}; export the merged model with --format hf"
             )
-        # The adapters are exported for the base they were trained on (`saved_base`).
-        restored = checkpointer.restore(chosen, state_like=state_like, base=saved_base)
-        adapters = lora.trainable(restored["state"].params)
+        # The adapters are exported for the base they were trained on (model.path's).
+        restored = checkpointer.restore(chosen, state_like=state_like, base=base)
+        adapters, saved = lora.split(restored["state"].params)
+        if saved_base is None:  # the whole params: their base must be model.path's
+            _, base = _model_path_base(cfg, model_config, where)
+            if ckpt_lib.params_hash(saved) != base["hash"]:
+                raise WorkdirError(
+                    f"{checkpointer.step_dir(chosen)}: its LoRA adapters were trained on "
+                    f"a base (hash {ckpt_lib.params_hash(saved)[:16]}) that is not "
+                    f"model.path={source} (hash {base['hash'][:16]}); export the merged "
+                    "model with --format hf"
+                )
         path = export_lib.export_peft(adapters, model_config, source, out, dtype=dtype)
         return chosen, path
-    base = None
-    if saved_base is not None:  # the base from model.path again, as the trainer loads it
-        try:
-            base_params = hf.load_params(
-                source, lora.base_config(model_config), dtype=cfg.model.param_dtype or None
-            )
-            base_params = quant.quantize_base(base_params, model_config)  # (QLoRA)
-        except (OSError, ValueError) as e:
-            raise WorkdirError(f"{where}: model.path={source}: {e}") from e
-        base = {"path": source, "hash": ckpt_lib.params_hash(base_params)}
+    if base_params is not None:
         state_like = state_like.replace(params=lora.merge(state_like.params, base_params))
     restored = checkpointer.restore(chosen, state_like=state_like, base=base)
     path = export_lib.export_params(
         restored["state"].params, model_config, source, out, dtype=dtype
     )
     return chosen, path
+
+
+def _model_path_base(cfg, model_config, where: str):
+    """(base params, `checkpoint.base_identity`) of the run's `model.path` loaded again
+    as the trainer loads it (quantised under QLoRA)."""
+    source = cfg.model.path
+    try:
+        base_params = hf.load_params(
+            source, lora.base_config(model_config), dtype=cfg.model.param_dtype or None
+        )
+        base_params = quant.quantize_base(base_params, model_config)  # (QLoRA)
+    except (OSError, ValueError) as e:
+        raise WorkdirError(f"{where}: model.path={source}: {e}") from e
+    return base_params, {"path": source, "hash": ckpt_lib.params_hash(base_params)}
 
 
 def _verified_step(checkpointer: ckpt_lib.Checkpointer, step: int | None) -> int:

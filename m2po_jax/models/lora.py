@@ -109,7 +109,8 @@ def merged(params, config: ModelConfig):
                 dtype = x.dtype
                 if jnp.issubdtype(x.dtype, jnp.integer):  # quantised codes
                     codes_scale = flat[(*path[:-1], target + quant.SCALE_SUFFIX)]
-                    x = quant.dequantize(config.lora_base, x, codes_scale, delta.shape)
+                    n_in = a.ndim - 1  # A is [in..., r]
+                    x = quant.dequantize(config.lora_base, x, codes_scale, delta.shape, n_in)
                     dtype = param_dtype
                 x = (x.astype(jnp.float32) + scale * delta).astype(dtype)
         out[path] = x

@@ -159,7 +159,9 @@ def _kernel(module, name: str, shape, in_axes, out_axes, config: ModelConfig, qu
         suffix: _param(module, f"{name}_{suffix}", s, a, nn.initializers.zeros, dtype)
         for suffix, (s, dtype, a) in layout.items()
     }
-    return quant.dequantize(config.lora_base, stored["kernel"], stored["kernel_scale"], shape)
+    return quant.dequantize(
+        config.lora_base, stored["kernel"], stored["kernel_scale"], shape, len(in_axes)
+    )
 
 
 def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConfig):

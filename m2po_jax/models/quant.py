@@ -13,18 +13,24 @@ Layouts, for a kernel `w` of shape `shape` whose first `n_in` dims are its input
   `{name}_kernel_scale` float32 of `shape[n_in:]` (the input dims reduced), with
   scale = absmax / 127 and q = round(w / scale) in [-127, 127]; w ~ q * scale, off by at
   most scale / 2 per element. Both leaves are sharded as the kernel's dims.
-- nf4 (the QLoRA paper's NormalFloat4, as bitsandbytes): the weight flattened row-major
-  is cut into blocks of `NF4_BLOCK` = 64 values; each block's absmax is its float32
+- nf4 (the QLoRA paper's NormalFloat4, laid out as bitsandbytes lays out the Hugging
+  Face weight): the kernel is stored transposed, its output dims first,
+  `t = w.transpose(out dims + in dims)`, so that `t` flattened row-major is the torch
+  Linear weight [out, in] flattened row-major (`hf_format`'s flattening of the head
+  axes), which bitsandbytes' `quantize_4bit(weight, blocksize=64, quant_type="nf4")`
+  cuts into blocks of `NF4_BLOCK` = 64 values; each block's absmax is its float32
   scale, and each value is the index (0..15) of the `NF4_CODE` entry nearest to
   value / absmax. Two indices share a byte: element 2i of the flattened weight in the
-  HIGH nibble, element 2i+1 in the LOW nibble (bitsandbytes' order). w ~
-  NF4_CODE[index] * block absmax. `{name}_kernel` is uint8 of shape
-  (*shape[:-1], shape[-1] // 2) (the same bytes as the flattened packing, kept in the
-  kernel's layout and sharded as its dims) when the last dim is even, else flat
-  (ceil(n / 2),) unsharded; `{name}_kernel_scale` is float32 of shape
-  (*shape[:k], prod(shape[k:]) // 64) for the largest k whose trailing dims hold whole
-  blocks (sharded as the kernel's leading k dims, the block dim replicated), else flat
-  (ceil(n / 64),) unsharded, the last block zero-padded.
+  HIGH nibble, element 2i+1 in the LOW nibble (bitsandbytes' order). t ~
+  NF4_CODE[index] * block absmax, so the codes and scales are bitsandbytes' own for the
+  same weight (a `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")` base
+  dequantises to our kernel). With `ts` = (*shape[n_in:], *shape[:n_in]) the transposed
+  shape and its axes permuted alike: `{name}_kernel` is uint8 of shape
+  (*ts[:-1], ts[-1] // 2) (the same bytes as the flattened packing, sharded as `t`'s
+  dims) when ts[-1] is even, else flat (ceil(n / 2),) unsharded; `{name}_kernel_scale`
+  is float32 of shape (*ts[:k], prod(ts[k:]) // 64) for the largest k whose trailing
+  dims hold whole blocks (sharded as `t`'s leading k dims, the block dim replicated),
+  else flat (ceil(n / 64),) unsharded, the last block zero-padded.
 
 Bytes per weight: int8 1 (+ 4 per output channel), nf4 0.5 (+ 4 per 64 weights).
 """
@@ -99,6 +105,12 @@ _KERNEL, _SCALE = "_kernel", SCALE_SUFFIX
 # ----------------------------------------------------------------------------- layouts
 
 
+def _nf4_perm(ndim: int, n_in: int) -> tuple[int, ...]:
+    """The transposition of a kernel [in..., out...] (`n_in` input dims) that NF4 stores:
+    [out..., in...], the torch Linear weight's order (bitsandbytes' blocks)."""
+    return (*range(n_in, ndim), *range(n_in))
+
+
 def _nf4_scale_split(shape: Sequence[int]) -> int | None:
     """The largest k whose trailing dims shape[k:] hold whole NF4 blocks, else None."""
     for k in range(len(shape) - 1, -1, -1):
@@ -119,6 +131,8 @@ def leaf_layout(base: str, shape: Sequence[int], n_in: int, axes: Sequence[str |
         }
     if base != "nf4":
         raise ValueError(f"lora_base: no quantised layout for {base!r}")
+    perm = _nf4_perm(len(shape), n_in)
+    shape, axes = tuple(shape[i] for i in perm), tuple(axes[i] for i in perm)
     n = math.prod(shape)
     if shape[-1] % 2 == 0:
         packed = ((*shape[:-1], shape[-1] // 2), jnp.uint8, axes)
@@ -160,15 +174,18 @@ def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- nf4
 
 
-def quantize_nf4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(packed uint8, block absmax float32) in `leaf_layout("nf4", w.shape, ...)`'s shapes:
-    each value the index of the NF4 code nearest to value / its block's absmax, two
-    indices per byte, the even element in the high nibble."""
+def quantize_nf4(w: jax.Array, n_in: int) -> tuple[jax.Array, jax.Array]:
+    """(packed uint8, block absmax float32) in `leaf_layout("nf4", w.shape, n_in, ...)`'s
+    shapes: `w` [in..., out...] (`n_in` input dims) transposed to [out..., in...] and
+    flattened (the torch weight's order, bitsandbytes' blocks), each value the index of
+    the NF4 code nearest to value / its block's absmax, two indices per byte, the even
+    element in the high nibble."""
     shape = tuple(w.shape)
-    layout = leaf_layout("nf4", shape, 0, (None,) * len(shape))
+    layout = leaf_layout("nf4", shape, n_in, (None,) * len(shape))
     n = math.prod(shape)
     blocks = -(-n // NF4_BLOCK)
-    flat = jnp.pad(jnp.ravel(jnp.asarray(w, jnp.float32)), (0, blocks * NF4_BLOCK - n))
+    t = jnp.transpose(jnp.asarray(w, jnp.float32), _nf4_perm(len(shape), n_in))
+    flat = jnp.pad(jnp.ravel(t), (0, blocks * NF4_BLOCK - n))
     flat = flat.reshape(blocks, NF4_BLOCK)
     absmax = jnp.max(jnp.abs(flat), axis=1)
     safe = jnp.where(absmax > 0, absmax, 1.0)[:, None]
@@ -178,22 +195,29 @@ def quantize_nf4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return packed.reshape(layout["kernel"][0]), absmax.reshape(layout["kernel_scale"][0])
 
 
-def dequantize_nf4(packed: jax.Array, scale: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """The float32 weight of `shape` from `quantize_nf4`'s (packed, scale): unpack, look
-    up, times the block scale. Kept in the kernel's layout where `leaf_layout` is (no
-    flattening of sharded dims)."""
+def dequantize_nf4(
+    packed: jax.Array, scale: jax.Array, shape: Sequence[int], n_in: int
+) -> jax.Array:
+    """The float32 kernel of `shape` ([in..., out...], `n_in` input dims) from
+    `quantize_nf4`'s (packed, scale): unpack, look up, times the block scale, transposed
+    back from the stored [out..., in...]. Kept in the stored layout where `leaf_layout`
+    is (no flattening of sharded dims)."""
     shape = tuple(shape)
+    perm = _nf4_perm(len(shape), n_in)
+    ts = tuple(shape[i] for i in perm)
     n = math.prod(shape)
     codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1)  # [..., bytes, 2]
     values = jnp.asarray(NF4_CODE)[codes.astype(jnp.int32)]
-    k = _nf4_scale_split(shape)
-    if packed.shape == (*shape[:-1], shape[-1] // 2) and k is not None:
-        values = values.reshape(*shape[:k], -1, NF4_BLOCK)
-        return (values * scale[..., None]).reshape(shape)
-    values = values.reshape(-1)[:n]
-    blocks = -(-n // NF4_BLOCK)
-    values = jnp.pad(values, (0, blocks * NF4_BLOCK - n)).reshape(blocks, NF4_BLOCK)
-    return (values * scale.reshape(blocks, 1)).reshape(-1)[:n].reshape(shape)
+    k = _nf4_scale_split(ts)
+    if packed.shape == (*ts[:-1], ts[-1] // 2) and k is not None:
+        values = values.reshape(*ts[:k], -1, NF4_BLOCK)
+        t = (values * scale[..., None]).reshape(ts)
+    else:
+        values = values.reshape(-1)[:n]
+        blocks = -(-n // NF4_BLOCK)
+        values = jnp.pad(values, (0, blocks * NF4_BLOCK - n)).reshape(blocks, NF4_BLOCK)
+        t = (values * scale.reshape(blocks, 1)).reshape(-1)[:n].reshape(ts)
+    return jnp.transpose(t, tuple(int(i) for i in np.argsort(perm)))
 
 
 # ----------------------------------------------------------------------------- both
@@ -204,16 +228,19 @@ def quantize(base: str, w: jax.Array, n_in: int) -> tuple[jax.Array, jax.Array]:
     if base == "int8":
         return quantize_int8(w, n_in)
     if base == "nf4":
-        return quantize_nf4(w)
+        return quantize_nf4(w, n_in)
     raise ValueError(f"lora_base: cannot quantise to {base!r}")
 
 
-def dequantize(base: str, codes: jax.Array, scale: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """The float32 kernel of `shape` from its stored (codes, scale) under `base`."""
+def dequantize(
+    base: str, codes: jax.Array, scale: jax.Array, shape: Sequence[int], n_in: int
+) -> jax.Array:
+    """The float32 kernel of `shape` (its first `n_in` dims the inputs) from its stored
+    (codes, scale) under `base`."""
     if base == "int8":
         return dequantize_int8(codes, scale)
     if base == "nf4":
-        return dequantize_nf4(codes, scale, shape)
+        return dequantize_nf4(codes, scale, shape, n_in)
     raise ValueError(f"lora_base: cannot dequantise {base!r}")
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from m2po_jax.common import mesh_axes
 from m2po_jax.common.types import TrainBatch
-from m2po_jax.models import lora
+from m2po_jax.models import lora, quant
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import distributed, sharding
 
@@ -200,16 +200,23 @@ class WeightPublisher:
     every train device holds a full copy) go straight from that device to the rollout
     devices of the same process. Params split over several processes (fsdp or tensor
     axes) are first gathered on the train mesh, one all-gather every process takes part
-    in, in the learner's program order. `dtype` (e.g. "bfloat16") casts them first, on
-    the train devices, which halves the bytes copied.
+    in, in the learner's program order. `dtype` (e.g. "bfloat16") casts the float
+    weights first, on the train devices, which halves the bytes copied; a quantised
+    base's integer codes and float32 scales (`quant.is_quantized_leaf`) go as they are,
+    so the sampler dequantises exactly the learner's kernels.
     """
 
     def __init__(self, rollout_shardings, dtype: str = ""):
         self.rollout_shardings = rollout_shardings
         self.dtype = dtype
-        # Floating params only: a quantised base's integer codes are published as they are.
-        cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-        self._cast = jax.jit(lambda t: jax.tree.map(cast, t))
+
+        def cast(path, x):
+            keys = tuple(getattr(k, "key", k) for k in path)
+            if quant.is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            return x.astype(dtype)
+
+        self._cast = jax.jit(lambda t: jax.tree_util.tree_map_with_path(cast, t))
         self._gather = {}
 
     def __call__(self, params):

@@ -10,7 +10,9 @@ merged on its devices one tensor at a time), a plain Hugging Face directory like
 fine-tune's. `export_peft` writes the adapters alone instead, as a PEFT LoRA adapter of the
 source checkpoint (what `peft.PeftModel.from_pretrained` and vLLM's `--lora-modules` load):
 
-    <out>/   adapter_config.json, adapter_model.safetensors, m2po_manifest.json
+    <out>/   adapter_config.json, adapter_model.safetensors, README.md (the base it
+             needs: under an NF4 base, bitsandbytes' NF4 of the source, also as
+             base_quantization_config.json), m2po_manifest.json
 
 The trainer writes one at the end of a run whose model came from a Hugging Face directory
 (`model.path`) and every `checkpoint.hf_every` steps, keeping `checkpoint.hf_keep`;
@@ -205,6 +207,50 @@ def peft_tensors(params, model_config: ModelConfig, fetch=None):
             yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b.reshape(r, -1).T)
 
 
+PEFT_README = "README.md"
+BASE_QUANTIZATION = "base_quantization_config.json"
+# The transformers `BitsAndBytesConfig` whose NF4 base dequantises to the run's
+# (`quant.py`: bitsandbytes' blocks of 64 along the torch weight, float32 absmax).
+NF4_BASE_QUANTIZATION = {
+    "load_in_4bit": True,
+    "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_use_double_quant": False,
+    "bnb_4bit_compute_dtype": "float32",
+}
+
+
+def _peft_readme(config: dict, base: str) -> str:
+    """README.md of a PEFT export: the base it needs and how to load it."""
+    source = config["base_model_name_or_path"]
+    if base == "nf4":
+        q = NF4_BASE_QUANTIZATION
+        return (
+            "# LoRA adapter (m2po-jax, QLoRA)\n\n"
+            f"Trained on the NF4-quantised weights of `{source}` (the projections "
+            f"{', '.join(config['target_modules'])}), not on its float weights: load the "
+            "base quantised as the run quantised it, or the logits differ.\n\n"
+            "```python\n"
+            "import torch, transformers, peft\n"
+            "q = transformers.BitsAndBytesConfig(load_in_4bit=True, "
+            'bnb_4bit_quant_type="nf4",\n'
+            "    bnb_4bit_use_double_quant=False, bnb_4bit_compute_dtype=torch.float32)\n"
+            f'base = transformers.AutoModelForCausalLM.from_pretrained("{source}", '
+            "quantization_config=q)\n"
+            'model = peft.PeftModel.from_pretrained(base, "<this directory>")\n'
+            "```\n\n"
+            f"`{BASE_QUANTIZATION}`: {json.dumps(q)}\n"
+        )
+    return (
+        "# LoRA adapter (m2po-jax)\n\n"
+        f"For the float weights of `{source}`:\n\n"
+        "```python\n"
+        "import transformers, peft\n"
+        f'base = transformers.AutoModelForCausalLM.from_pretrained("{source}")\n'
+        'model = peft.PeftModel.from_pretrained(base, "<this directory>")\n'
+        "```\n"
+    )
+
+
 def export_peft(
     params,
     model_config: ModelConfig,
@@ -215,9 +261,20 @@ def export_peft(
 ) -> epath.Path:
     """Writes the LoRA adapters of `params` at `out_dir` (which must not exist) as a PEFT
     adapter of the Hugging Face checkpoint `source_dir` (which must be the base they were
-    trained on); returns `out_dir`. Every process calls it; process 0 writes."""
+    trained on); returns `out_dir`. Every process calls it; process 0 writes.
+
+    A README.md says which base the adapters need: under an NF4 base (`lora_base`
+    "nf4") the source loaded with bitsandbytes' NF4 (`NF4_BASE_QUANTIZATION`, also
+    written as `base_quantization_config.json`), which dequantises to the run's base. An
+    int8 base is refused: bitsandbytes' `load_in_8bit` quantises the activations too, so
+    no PEFT base gives the run's logits (the merged export does)."""
     if not model_config.lora_rank:
         raise ValueError("model_config: lora_rank is 0; a PEFT export needs LoRA adapters")
+    if model_config.lora_base == "int8":
+        raise ValueError(
+            "model_config: lora_base='int8' has no PEFT base that gives the run's logits; "
+            "export the merged model (export_params)"
+        )
     config = peft_config(model_config, source_dir)
 
     def write(tmp, primary):
@@ -229,6 +286,11 @@ def export_peft(
         save_file(tensors, os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, PEFT_CONFIG), "w") as fh:
             json.dump(config, fh, indent=2, sort_keys=True)
+        with open(os.path.join(tmp, PEFT_README), "w") as fh:
+            fh.write(_peft_readme(config, model_config.lora_base))
+        if model_config.lora_base == "nf4":
+            with open(os.path.join(tmp, BASE_QUANTIZATION), "w") as fh:
+                json.dump(NF4_BASE_QUANTIZATION, fh, indent=2, sort_keys=True)
 
     return _export(out_dir, write)
 

@@ -362,17 +362,17 @@ def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, A
         rewards_B=_rows(placement, jnp.float32, rows),
         version_B=_rows(placement, jnp.int32, rows),
     )
-    with_ref = cfg.actor.kl_ctl > 0
+    ref = setup_lib.reference_params(cfg, model_config, state.params)  # as the trainer's
     step = setup_lib.build_train_step(cfg, model_config, tx, schedule, placement, state_shape)
     program = compile_program(
         "train_step",
         f"{rows} rows x {seq_len} tokens, the proximal pass"
-        f"{', the reference pass' if with_ref else ''} inside",
+        f"{', the reference pass' if cfg.actor.kl_ctl > 0 else ''} inside",
         step,
         state,
         batch,
         _key(placement),
-        state.params if with_ref else None,
+        ref,
     )
     return program, state
 
@@ -439,10 +439,11 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         from m2po_jax.trainer import sft
 
         sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
-        # What the warm-up trains: every param, or under LoRA the base (`sft.warmup_split`).
-        warm_shape = sft.warmup_split(params_shape)[0]
+        # What the warm-up trains: every param, or under LoRA the base, or under a quantised
+        # base the adapters (`sft.warmup_split`).
+        warm_shape = sft.warmup_split(params_shape, model_config)[0]
         opt_shape = jax.eval_shape(sft_tx.init, warm_shape)
-        warm_shardings = sft.warmup_split(placement.train_params)[0]
+        warm_shardings = sft.warmup_split(placement.train_params, model_config)[0]
         opt = _abstract(
             opt_shape, sharding.opt_state_shardings(opt_shape, warm_shardings, placement.mesh)
         )

@@ -234,7 +234,7 @@ class Trainer:
         if self.checkpointer.meta(step).get("warmup_unfinished"):
             return self._resume_warmup(step)
         # (Under LoRA the reference is the model with its adapters off: none is saved.)
-        need_ref = self.cfg.actor.kl_ctl > 0 and not self.model_config.lora_rank
+        need_ref = setup_lib.needs_reference(self.cfg, self.model_config)
         restored = self.checkpointer.restore(
             step,
             state_like=self.state,
@@ -257,10 +257,12 @@ class Trainer:
         """The frozen base's `checkpoint.base_identity` when checkpoints hold the LoRA
         adapters alone: a LoRA run whose base is `model.path`'s weights as loaded (no
         warm-up trained it, no `initial_params` replaced it), which a resume loads again.
-        None otherwise: the whole params are saved."""
+        A warm-up under a quantised base trains the adapters alone (`sft.warmup_split`),
+        so such a run keeps its base. None otherwise: the whole params are saved."""
         if not (self.model_config.lora_rank and self.cfg.model.path):
             return None
-        if self.warm_started or self.sft_steps:
+        base_trained = self.sft_steps and self.model_config.lora_base == "float"
+        if self.warm_started or base_trained:
             return None
         if self._base_identity is None:
             self._base_identity = ckpt_lib.base_identity(self.cfg.model.path, self.state.params)
@@ -381,9 +383,10 @@ class Trainer:
         True if a stop ended it during the warm-up."""
         if self.supervised_warmup():
             return True
-        if self.cfg.actor.kl_ctl > 0 and not self.setup.model_config.lora_rank:
-            # (Under LoRA the step's reference is the model with its adapters off.)
-            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+        # The step's KL reference (`setup.reference_params`: None under LoRA, where the
+        # step takes the model with its adapters off).
+        ref = setup_lib.reference_params(self.cfg, self.model_config, self.state.params)
+        self.ref_params = None if ref is None else jax.tree.map(jnp.copy, ref)
         if self.cfg.rollout.mode == "async":
             return False  # the worker fills its buffer as soon as it starts
         for i in range(self.cfg.rollout.max_head_offpolicyness):

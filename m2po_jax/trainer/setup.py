@@ -393,6 +393,20 @@ def check_memory(
     return plan
 
 
+def needs_reference(cfg: Config, model_config: model_config_lib.ModelConfig) -> bool:
+    """Whether the train step takes a KL reference policy (`ref_params`): a KL penalty
+    (`actor.kl_ctl` > 0) without LoRA. Under LoRA the reference is the model with its
+    adapters off, made inside the step from the params (no copy: `ref_params` is None)."""
+    return cfg.actor.kl_ctl > 0 and not model_config.lora_rank
+
+
+def reference_params(cfg: Config, model_config: model_config_lib.ModelConfig, params):
+    """The step's `ref_params` argument for `params` (the policy RL starts from): `params`
+    where `needs_reference`, else None. The trainer, the compile-only dry run and the
+    memory check all pass this, so they run one step."""
+    return params if needs_reference(cfg, model_config) else None
+
+
 def build_train_step(
     cfg: Config,
     model_config: model_config_lib.ModelConfig,
@@ -422,7 +436,7 @@ def build_train_step(
         schedule,
         # Under LoRA the reference policy is the model with its adapters off: no copy.
         jit_kwargs=placement.train_step_shardings(
-            state, with_ref=a.kl_ctl > 0 and not model_config.lora_rank
+            state, with_ref=needs_reference(cfg, model_config)
         ),
         layout=placement.layout,
         groups=prompt_groups(cfg) if share_prompts else None,
@@ -514,7 +528,7 @@ def compiled_step_memory(
         version_B=shape(jnp.int32, rows),
     )
     rng = jax.eval_shape(lambda: jax.random.key(0))
-    ref = params if cfg.actor.kl_ctl > 0 else None
+    ref = reference_params(cfg, model_config, params)
     step = build_train_step(
         cfg, model_config, tx, schedule, placement, state, share_prompts=share_prompts
     )

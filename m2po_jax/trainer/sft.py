@@ -2,6 +2,8 @@
 
 It makes an untrained policy sometimes right, so that RL has rewards to work with
 (`cfg.sft`); the RL run then starts from the warmed-up params with a fresh optimizer.
+Under LoRA it trains the base on a float base, the adapters on a quantised one
+(`warmup_split`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from absl import logging
 
 from m2po_jax.learner import logprobs
 from m2po_jax.models import lora
+from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.parallel import sharding
 from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.trainer.setup import RunSetup
@@ -37,8 +40,8 @@ def make_sft_step(model_config, tx, mesh=None):
     """Jitted supervised step: (params, opt_state, tokens, valid, target) -> (params, opt_state, loss).
 
     `mesh`: the run's train mesh, the devices the step is compiled for (`sharding.on_mesh`).
-    Under LoRA the warm-up trains the base (`warmup_split`); the adapters, which it leaves,
-    stay outside the jitted step (neither donated nor passed through it).
+    Under LoRA the warm-up trains the base, or under a quantised base the adapters
+    (`warmup_split`); what it leaves is passed to the jitted step, not donated.
     """
 
     def step(trainable, opt_state, frozen, tokens_BxT, valid_BxT, target_mask_BxT):
@@ -53,14 +56,14 @@ def make_sft_step(model_config, tx, mesh=None):
     jitted = jax.jit(sharding.on_mesh(step, mesh), donate_argnums=(0, 1))
 
     def sft_step(params, opt_state, tokens_BxT, valid_BxT, target_mask_BxT):
-        trainable, frozen = warmup_split(params)
+        trainable, frozen = warmup_split(params, model_config)
         trainable, opt_state, loss = jitted(
             trainable, opt_state, frozen, tokens_BxT, valid_BxT, target_mask_BxT
         )
         return lora.merge(trainable, frozen), opt_state, loss
 
     def lower(params, opt_state, *batch):  # the compile-only check lowers the jitted step
-        trainable, frozen = warmup_split(params)
+        trainable, frozen = warmup_split(params, model_config)
         return jitted.lower(trainable, opt_state, frozen, *batch)
 
     sft_step.lower = lower
@@ -137,21 +140,29 @@ def init_opt_state(run: RunSetup, params) -> Any:
     (moments like the params, the step count replicated over the mesh: a scalar left on one
     device is not addressable by the other processes of a multi-process run)."""
     init = optimizer(run).init
-    trainable = warmup_split(params)[0]
+    trainable = warmup_split(params, run.model_config)[0]
     shape = jax.eval_shape(init, trainable)
     placement = run.placement
     layout = sharding.opt_state_shardings(
-        shape, warmup_split(placement.train_params)[0], placement.mesh
+        shape, warmup_split(placement.train_params, run.model_config)[0], placement.mesh
     )
     return jax.jit(init, out_shardings=layout)(trainable)
 
 
-def warmup_split(params):
-    """(what the warm-up trains, what it leaves): everything, or under LoRA the base with
-    the adapters left at zero. The warm-up makes the base model that RL then adapts (as a
-    pretrained checkpoint would be): the KL reference is that base, adapters off."""
+def warmup_split(params, model_config: ModelConfig):
+    """(what the warm-up trains, what it leaves): everything without LoRA; under LoRA on a
+    float base the base, with the adapters left at zero: the warm-up makes the base model
+    that RL then adapts (as a pretrained checkpoint would be), and the KL reference is that
+    base, adapters off. Under a quantised base (`lora_base` int8 / nf4: integer codes, no
+    gradient) the adapters, the base frozen as it was quantised: RL continues from the
+    warmed-up adapters, and the KL reference (adapters off) is the base before the
+    warm-up."""
     adapters, base = lora.split(params)
-    return (adapters, None) if base is None else (base, adapters)
+    if base is None:
+        return adapters, None
+    if model_config.lora_base != "float":
+        return adapters, base
+    return base, adapters
 
 
 def supervised_warmup(

@@ -153,6 +153,13 @@ def test_a_changed_base_is_refused_in_one_line(base, run, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("m2po-export: ") and "\n" not in err
         assert "its LoRA adapters were trained on the base" in err
+        # ... and so does the PEFT export: its adapters would go onto another base.
+        argv = [str(workdir), "--out", str(tmp_path / "p"), "--format", "peft"]
+        assert export_main.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("m2po-export: ") and "\n" not in err
+        assert "its LoRA adapters were trained on the base" in err
+        assert not (tmp_path / "p").exists()
     finally:
         save_file(original, file, metadata={"format": "pt"})
 
@@ -195,3 +202,50 @@ def test_a_lora_checkpoint_of_the_whole_params_exports_too(base, tmp_path, monke
         with torch.no_grad():
             got = model.eval()(torch.tensor(ids, dtype=torch.long)).logits.numpy()
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=fmt)
+
+
+@pytest.mark.parametrize("quantised", ["nf4", "int8"])
+def test_a_qlora_warmup_trains_the_adapters_and_rl_continues_from_them(base, tmp_path, quantised):
+    """Under a quantised base the warm-up trains the adapters (the codes get no gradient):
+    the base stays bit-identical, the warm-up loss drops, the first RL step starts from
+    the warmed-up adapters, and the checkpoint and the PEFT export keep them."""
+    from m2po_jax.trainer import sft
+
+    changes = {
+        "model.lora.base": quantised,
+        "sft.max_steps": 3,
+        "sft.batch_size": 4,
+        "sft.eval_every": 3,
+        "sft.lr": 3e-2,
+        "total_steps": 1,
+    }
+    workdir = tmp_path / "run"
+    trainer = trainer_lib.Trainer(_cfg(base, **changes), workdir)
+    initial = _split(trainer.state.params)
+    assert not any(np.abs(x).max() for p, x in initial[0].items() if p[-1].endswith("_lora_b"))
+    batch = trainer.placement.to_global(sft.sft_batch(trainer.setup, 0, 4))
+    loss = jax.jit(sft.sft_loss, static_argnums=1)
+    before = float(loss(trainer.state.params, trainer.model_config, *batch))
+    first = {}
+    step = trainer.train_step
+
+    def watched(state, *args):
+        if not first:  # the params as the warm-up left them, before the first RL update
+            first["params"] = jax.tree.map(np.asarray, state.params)
+        return step(state, *args)
+
+    trainer.train_step = watched
+    trainer.run()
+    warm = _split(first["params"])
+    _assert_equal(warm[1], initial[1])  # codes, scales and float leaves bit-identical
+    assert any(not np.array_equal(warm[0][p], initial[0][p]) for p in initial[0])
+    assert any(np.abs(x).max() > 0 for p, x in warm[0].items() if p[-1].endswith("_lora_b"))
+    after = float(loss(first["params"], trainer.model_config, *batch))
+    assert after < before - 0.05, (before, after)
+    # The checkpoint holds the adapters RL trained from the warm-up's, on model.path's base.
+    meta = ckpt_lib.Checkpointer(workdir, keep=2).meta(1)
+    assert meta["sft_steps"] == 3 and meta["base"]["path"] == str(base)
+    restored = trainer_lib.Trainer(_cfg(base, **changes), workdir)
+    assert restored.try_resume()
+    _assert_equal(_split(restored.state.params)[0], _split(trainer.state.params)[0])
+    _assert_equal(_split(restored.state.params)[1], initial[1])

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from m2po_jax import config as config_lib
 from m2po_jax.cli import export as export_main
 from m2po_jax.configs import default
-from m2po_jax.models import hf, lora
+from m2po_jax.models import hf, lora, quant
 from m2po_jax.models import model as model_lib
 from m2po_jax.run import export as export_lib
 from m2po_jax.run import run_record
@@ -140,6 +140,78 @@ def test_the_merged_and_the_peft_exports_give_the_lora_models_logits(
     theirs = {k: v.numpy() for k, v in model.merge_and_unload().state_dict().items()}
     for name, x in ours.items():
         np.testing.assert_allclose(theirs[name], x, atol=1e-6, rtol=0, err_msg=name)
+
+
+def unpack_high_first(packed: np.ndarray, n: int) -> np.ndarray:
+    """4-bit codes, element 2i in a byte's high nibble, 2i + 1 in its low nibble."""
+    b = np.asarray(packed).reshape(-1)
+    return np.stack([b >> 4, b & 0xF], axis=-1).reshape(-1)[:n]
+
+
+def _with_quantised_adapters(source, base, seed=5):
+    """`_with_adapters` on every target with the base quantised to `base` as the trainer
+    quantises `model.path`'s (`quant.quantize_base`)."""
+    params, config = _with_adapters(source, 4, 8.0, ALL, seed)
+    config = dataclasses.replace(config, lora_base=base)
+    adapters, float_base = lora.split(params)
+    return lora.merge(adapters, quant.quantize_base(float_base, config)), config
+
+
+def test_a_qlora_nf4_peft_export_on_a_bitsandbytes_nf4_base_gives_the_models_logits(
+    source, tmp_path
+):
+    params, config = _with_quantised_adapters(source, "nf4")
+    ids = _ids()
+    want = _ours(params, config, ids)
+    float_params, float_config = _with_adapters(source, 4, 8.0, ALL, seed=5)
+    assert np.abs(want - _ours(float_params, float_config, ids)).max() > 1e-3  # quantised
+    # The merged export is the dequantised base + (alpha / r) B A: transformers' logits.
+    merged = export_lib.export_params(params, config, str(source), tmp_path / "hf", dtype="float32")
+    np.testing.assert_allclose(_torch_logits(_load_hf(merged), ids), want, atol=TOL, rtol=0)
+    weights = load_file(os.path.join(merged, hf.SINGLE_FILE))
+    layer = traverse_util.flatten_dict(params)
+    at = ("layers_1", "attn")
+    w = quant.dequantize("nf4", layer[(*at, "o_kernel")], layer[(*at, "o_kernel_scale")],
+                         (4, 8, 32), 2)  # fmt: skip
+    a, b = np.asarray(layer[(*at, "o_lora_a")]), np.asarray(layer[(*at, "o_lora_b")])
+    kernel = np.asarray(w) + 2.0 * np.tensordot(a, b, axes=([2], [0]))  # alpha / r = 2
+    np.testing.assert_allclose(
+        weights["model.layers.1.self_attn.o_proj.weight"], kernel.reshape(32, 32).T, atol=1e-6
+    )
+    # The PEFT export names its base: the source under bitsandbytes' NF4.
+    adapter = export_lib.export_peft(
+        params, config, str(source), tmp_path / "peft", dtype="float32"
+    )
+    export_lib.verify_export(adapter)
+    wanted = json.loads((adapter / export_lib.BASE_QUANTIZATION).read_text())
+    assert wanted == {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_compute_dtype": "float32",
+    }
+    assert 'bnb_4bit_quant_type="nf4"' in (adapter / export_lib.PEFT_README).read_text()
+    # The int8 base has no PEFT counterpart: refused in one line.
+    int8_params, int8_config = _with_quantised_adapters(source, "int8")
+    with pytest.raises(ValueError, match=r"^model_config: lora_base='int8' has no PEFT base"):
+        export_lib.export_peft(int8_params, int8_config, str(source), tmp_path / "int8")
+    # With bitsandbytes: the source's target weights as its NF4 base holds them (its own
+    # quantize_4bit codes, absmax and code table; a 4-bit Linear dequantises, then
+    # multiplies in the compute dtype) plus our adapter give our logits. (bitsandbytes
+    # 0.50's CPU dequantize_4bit and 4-bit matmul mishandle rows shorter than a block,
+    # in_features < 64 as here, so the lookup is done here.)
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    base_model = _load_hf(source)
+    with torch.no_grad():
+        for name, p in base_model.named_parameters():
+            if name.endswith("proj.weight"):
+                codes, state = bnb.quantize_4bit(p.data, blocksize=64, quant_type="nf4")
+                index = unpack_high_first(codes.numpy(), p.numel())
+                absmax = np.repeat(state.absmax.numpy(), 64)[: p.numel()]
+                deq = state.code.numpy()[index] * absmax
+                p.copy_(torch.from_numpy(deq.reshape(p.shape)))
+    model = peft.PeftModel.from_pretrained(base_model, str(adapter)).eval()
+    np.testing.assert_allclose(_torch_logits(model, ids), want, atol=TOL, rtol=0)
 
 
 def test_a_model_without_lora_exports_as_before_and_refuses_peft(source, tmp_path):

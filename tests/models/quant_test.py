@@ -67,10 +67,20 @@ def ref_int8(w: np.ndarray, n_in: int):
     return q, scale.astype(np.float32), q.astype(np.float32) * scale
 
 
-def ref_nf4(w: np.ndarray):
-    """(codes of the flattened weight, block absmax, dequantised): the nearest NF4 value
-    to each element over its 64-element block's absmax (the last block zero-padded)."""
-    flat = np.asarray(w, np.float32).reshape(-1)
+def hf_weight(w: np.ndarray, n_in: int) -> np.ndarray:
+    """The torch Linear weight [out, in] of kernel `w` [in..., out...] (`hf_format`'s
+    flattening: kernel.reshape(in, out).T)."""
+    i = math.prod(w.shape[:n_in])
+    return np.ascontiguousarray(np.asarray(w).reshape(i, -1).T)
+
+
+def ref_nf4(w: np.ndarray, n_in: int):
+    """(codes, block absmax, dequantised kernel) as bitsandbytes' `quantize_4bit(weight,
+    blocksize=64, quant_type="nf4")` of the torch weight [out, in]: that weight flattened
+    row-major in blocks of 64 (the last zero-padded), each element the nearest NF4 value
+    over its block's absmax; the dequantised weight is reshaped back to the kernel."""
+    weight = hf_weight(w, n_in)
+    flat = weight.reshape(-1)
     n = flat.size
     blocks = -(-n // 64)
     padded = np.zeros(blocks * 64, np.float32)
@@ -79,8 +89,8 @@ def ref_nf4(w: np.ndarray):
     absmax = np.abs(padded).max(axis=1)
     x = padded / np.where(absmax > 0, absmax, 1)[:, None]
     codes = np.argmin(np.abs(x[..., None] - NF4), axis=-1)  # first of equals: the lower
-    deq = (NF4[codes] * absmax[:, None]).reshape(-1)[:n].reshape(w.shape)
-    return codes.reshape(-1)[:n], absmax, deq
+    deq_weight = (NF4[codes] * absmax[:, None]).reshape(-1)[:n].reshape(weight.shape)
+    return codes.reshape(-1)[:n], absmax, deq_weight.T.reshape(w.shape)
 
 
 def unpack_high_first(packed: np.ndarray, n: int) -> np.ndarray:
@@ -119,37 +129,68 @@ def test_int8_matches_numpy_and_errs_by_at_most_half_a_step(shape, n_in):
     assert np.all(got.reshape(-1, shape[-1])[:, 0] == 0) if n_in < len(shape) else True
 
 
-# (shape, packed shape, scale shape): kept in the kernel's layout where whole blocks fit;
-# (7, 9) and (5, 30) fall back to flat, zero-padded layouts.
+# (shape, n_in, packed shape, scale shape): stored transposed, [out..., in...] (the torch
+# weight's order), in that layout where whole blocks fit; (9, 7) and (30, 5) fall back to
+# flat, zero-padded layouts.
 NF4_CASES = [
-    ((64, 4, 16), (64, 4, 8), (64, 1)),
-    ((4, 16, 128), (4, 16, 64), (4, 16, 2)),
-    ((32, 4, 8), (32, 4, 4), (16,)),
-    ((5, 30), (5, 15), (3,)),
-    ((7, 9), (32,), (1,)),
+    ((64, 4, 16), 1, (4, 16, 32), (4, 16, 1)),
+    ((4, 16, 128), 2, (128, 4, 8), (128, 1)),
+    ((4, 8, 4), 2, (4, 4, 4), (2,)),
+    ((30, 5), 1, (5, 15), (3,)),
+    ((9, 7), 1, (32,), (1,)),
 ]
 
 
-@pytest.mark.parametrize("shape, packed_shape, scale_shape", NF4_CASES)
-def test_nf4_matches_numpy_nearest_code_times_block_absmax(shape, packed_shape, scale_shape):
+@pytest.mark.parametrize("shape, n_in, packed_shape, scale_shape", NF4_CASES)
+def test_nf4_matches_numpy_bitsandbytes_layout(shape, n_in, packed_shape, scale_shape):
     w = _weights(shape, seed=math.prod(shape), zero_channel=shape[-1] > 8)
     if shape == (64, 4, 16):
-        w[1] = 0.0  # an all-zero block: scale 0, dequantised 0
-    packed, scale = quant.quantize_nf4(jnp.asarray(w))
+        w[:, 1] = 0.0  # all-zero blocks (torch weight rows): scale 0, dequantised 0
+    packed, scale = quant.quantize_nf4(jnp.asarray(w), n_in)
     assert packed.dtype == jnp.uint8 and packed.shape == packed_shape
     assert scale.dtype == jnp.float32 and scale.shape == scale_shape
-    layout = quant.leaf_layout("nf4", shape, 1, ("a",) * len(shape))
+    layout = quant.leaf_layout("nf4", shape, n_in, ("a",) * len(shape))
     assert (layout["kernel"][0], layout["kernel_scale"][0]) == (packed_shape, scale_shape)
-    codes, absmax, want = ref_nf4(w)
+    codes, absmax, want = ref_nf4(w, n_in)
+    if shape == (64, 4, 16):
+        assert np.sum(absmax == 0) == 19  # head 1's 16 rows, the zero channel of 3 more
     np.testing.assert_array_equal(np.asarray(scale).reshape(-1), absmax)
     np.testing.assert_array_equal(unpack_high_first(packed, w.size), codes)
-    got = np.asarray(quant.dequantize_nf4(packed, scale, shape))
+    got = np.asarray(quant.dequantize_nf4(packed, scale, shape, n_in))
     assert got.shape == shape
     # Every dequantised value is exactly code * block scale of the nearest code.
     np.testing.assert_array_equal(got, want)
     # ... so at most half the widest gap between codes (0.152, at -1) of the block absmax away.
-    blocks = np.repeat(absmax, 64)[: w.size].reshape(shape)
-    assert np.all(np.abs(got - w) <= blocks * np.max(np.diff(NF4)) / 2 * (1 + 1e-6))
+    per_weight = np.repeat(absmax, 64)[: w.size].reshape(hf_weight(w, n_in).shape)
+    bound = per_weight.T.reshape(shape) * np.max(np.diff(NF4)) / 2 * (1 + 1e-6)
+    assert np.all(np.abs(got - w) <= bound)
+
+
+def test_nf4_blocks_run_along_the_torch_weight_not_the_kernel():
+    """A kernel [in=64, out=2] whose two output channels differ 100-fold: bitsandbytes'
+    blocks are the torch weight's rows (one output channel each), so each channel keeps
+    its own absmax; blocks along the kernel's rows would mix them."""
+    w = np.random.default_rng(3).normal(0, 1, (64, 2)).astype(np.float32)
+    w[:, 1] *= 0.01
+    packed, scale = quant.quantize_nf4(jnp.asarray(w), 1)
+    np.testing.assert_array_equal(np.asarray(scale).reshape(-1), np.abs(w).max(axis=0))
+    got = np.asarray(quant.dequantize_nf4(packed, scale, w.shape, 1))
+    assert np.max(np.abs(got[:, 1] - w[:, 1])) <= 0.08 * np.abs(w[:, 1]).max()
+
+
+def test_nf4_equals_bitsandbytes_quantize_4bit_of_the_torch_weight():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    for shape, n_in in [((64, 4, 16), 1), ((4, 16, 64), 2), ((30, 5), 1)]:
+        w = _weights(shape, seed=7)
+        weight = torch.from_numpy(hf_weight(w, n_in))
+        q, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+        deq = bnb.dequantize_4bit(q, state).numpy()
+        packed, scale = quant.quantize_nf4(jnp.asarray(w), n_in)
+        np.testing.assert_array_equal(np.asarray(packed).reshape(-1), q.numpy().reshape(-1))
+        np.testing.assert_array_equal(np.asarray(scale).reshape(-1), state.absmax.numpy())
+        got = np.asarray(quant.dequantize_nf4(packed, scale, shape, n_in))
+        np.testing.assert_allclose(hf_weight(got, n_in), deq, rtol=1e-6, atol=0)
 
 
 def test_nf4_packs_two_codes_per_byte_the_even_element_in_the_high_nibble():
@@ -158,12 +199,12 @@ def test_nf4_packs_two_codes_per_byte_the_even_element_in_the_high_nibble():
     )
     assert idx.size == 64
     w = (NF4[idx] * 2.5).astype(np.float32)  # absmax 2.5: every value exactly on a code
-    packed, scale = quant.quantize_nf4(jnp.asarray(w.reshape(2, 32)))
+    packed, scale = quant.quantize_nf4(jnp.asarray(w.reshape(2, 32)), 0)  # no transpose
     assert np.asarray(scale).tolist() == [2.5] and packed.shape == (2, 16)
     b = np.asarray(packed).reshape(-1)
     assert b[:3].tolist() == [0xF0, 0x78, 0x3C]  # (15, 0), (7, 8), (3, 12)
     np.testing.assert_array_equal(b, (idx[0::2] << 4) | idx[1::2])
-    got = quant.dequantize_nf4(packed, scale, (2, 32))
+    got = quant.dequantize_nf4(packed, scale, (2, 32), 0)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), w)
 
 
@@ -194,7 +235,7 @@ def test_the_quantised_model_runs_its_dequantised_base(float_base, base):
     assert shapes == {p: (x.shape, x.dtype) for p, x in flat.items()}
     axes = _flat(model_lib.logical_axes(cfg))
     assert tuple(axes[("layers_0", "attn", "o_kernel_scale")]) == (
-        ("embed",) if base == "int8" else ("q_heads", "head_dim", None)
+        ("embed",) if base == "int8" else ("embed", None)
     )
     # The logits are the float model's with the numpy-dequantised kernels (B = 0).
     deq = dict(plain)
@@ -203,7 +244,7 @@ def test_the_quantised_model_runs_its_dequantised_base(float_base, base):
         if target in ("q", "o", "down") and path[-1].endswith("_kernel"):
             w = np.asarray(plain[path])
             n_in = 2 if target == "o" else 1
-            deq[path] = jnp.asarray(ref_int8(w, n_in)[2] if base == "int8" else ref_nf4(w)[2])
+            deq[path] = jnp.asarray(ref_int8(w, n_in)[2] if base == "int8" else ref_nf4(w, n_in)[2])
     logits = _apply(params, cfg, TOKENS)
     np.testing.assert_allclose(
         logits, _apply(traverse_util.unflatten_dict(deq), CONFIG, TOKENS), atol=1e-5
@@ -235,7 +276,7 @@ def test_merging_dequantises_into_float_kernels_of_the_param_dtype(base):
     assert not any(str(p[-1]).endswith("_kernel_scale") for p in out)
     path = ("layers_1", "attn", "o_kernel")
     a, b = (np.asarray(flat[(*path[:-1], f"o_lora_{x}")]) for x in "ab")
-    w = quant.dequantize(base, flat[path], flat[(*path[:-1], "o_kernel_scale")], (4, 16, 64))
+    w = quant.dequantize(base, flat[path], flat[(*path[:-1], "o_kernel_scale")], (4, 16, 64), 2)
     want = np.asarray(w) + 2.0 * np.tensordot(a, b, axes=([2], [0]))
     assert out[path].dtype == jnp.bfloat16 and out[path].shape == (4, 16, 64)
     np.testing.assert_allclose(np.asarray(out[path], np.float32), want, rtol=1e-2, atol=1e-3)
@@ -253,9 +294,11 @@ def test_param_shardings_cover_the_quantised_leaves_and_a_sharded_init_matches()
         shard = _flat(sharding.param_shardings(cfg, mesh, sharding.TRAIN_RULES))
         q = ("layers_0", "attn")
         # int8: codes like the kernel, scales like its outputs; nf4: packed bytes like the
-        # kernel (last dim halved), block scales like its leading dims.
-        assert shard[(*q, "q_kernel")].spec == P("fsdp", "tensor", None)
-        want = P("tensor", None) if base == "int8" else P("fsdp", None)
+        # transposed kernel [out..., in...] (last dim halved), block scales like its
+        # leading dims.
+        want = P("fsdp", "tensor", None) if base == "int8" else P("tensor", None, "fsdp")
+        assert shard[(*q, "q_kernel")].spec == want
+        want = P("tensor", None) if base == "int8" else P("tensor", None, None)
         assert shard[(*q, "q_kernel_scale")].spec == want
         if base == "int8":
             continue  # one sharded init (nf4's, the reshaped layout) keeps the test quick
@@ -266,6 +309,30 @@ def test_param_shardings_cover_the_quantised_leaves_and_a_sharded_init_matches()
         for path, x in _flat(params).items():
             assert x.sharding.is_equivalent_to(shard[path], x.ndim), path
             np.testing.assert_array_equal(x, plain[path], err_msg=str(path))
+
+
+def test_publishing_in_bfloat16_keeps_the_codes_and_the_float32_scales():
+    """rollout.publish_dtype=bfloat16 casts float weights only: the sampler dequantises
+    the learner's kernels exactly (rounded scales would shift every behaviour log-prob)."""
+    from m2po_jax.parallel import placement as placement_lib
+
+    cfg = qlora("nf4", targets=("q", "down"))
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, params)
+    published = _flat(placement_lib.WeightPublisher(shardings, "bfloat16")(params))
+    learner = _flat(params)
+    for path, x in learner.items():
+        if quant.is_quantized_leaf(path, x.dtype):
+            assert published[path].dtype == x.dtype, path
+            np.testing.assert_array_equal(published[path], x, err_msg=str(path))
+        else:
+            assert published[path].dtype == jnp.bfloat16, path
+    at = ("layers_0", "mlp")
+    kernel = lambda f: quant.dequantize(  # noqa: E731
+        "nf4", f[(*at, "down_kernel")], f[(*at, "down_kernel_scale")], (128, 64), 1
+    )
+    np.testing.assert_array_equal(kernel(published), kernel(learner))
 
 
 # ----------------------------------------------------------------------------- training

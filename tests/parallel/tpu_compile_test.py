@@ -167,3 +167,34 @@ def test_dry_run_for_gpus_without_them():
     assert train.name == "train_step" and train.kernels > 0
     assert "__cudnn$fmha" in train.compiled.as_text()
     assert report.fits is True and report.roofline["cost_analysis"] is False
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_the_dry_runs_train_step_call_is_the_trainers_with_a_kl_penalty(
+    monkeypatch, tmp_path, lora_rank
+):
+    """With `actor.kl_ctl` > 0 the dry run passes the train step the KL reference the
+    trainer passes it: None under LoRA (the step takes the adapters off), the starting
+    params otherwise. (No TPU needed: the call, not its compile, is compared.)"""
+    from m2po_jax import trainer as trainer_lib
+
+    c = arith.get_config("tiny")
+    changes = {"actor.kl_ctl": 0.1, "model.lora.rank": lora_rank, "sft.max_steps": 0}
+    changes["mesh.data"] = 1
+    config_lib.apply_dotted(c, {**changes, "logging.tensorboard": False})
+    cfg = config_lib.from_configdict(c)
+    model_config = _model(cfg)
+    placement = placement_lib.Placement(
+        sharding.make_mesh({"data": 1}, jax.devices()[:1]), model_config
+    )
+    calls = []
+    monkeypatch.setattr(compile_only, "compile_program", lambda *args: calls.append(args))
+    compile_only.train_step_program(cfg, model_config, placement)
+    dry_ref = calls[0][-1]
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
+    monkeypatch.setattr(trainer, "_rollout", lambda *a, **k: (None,))  # no queue to fill
+    monkeypatch.setattr(trainer.queue, "push", lambda batch: None)
+    trainer._begin()  # sets the reference the trainer's steps are passed
+    shape = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    assert shape(dry_ref) == shape(trainer.ref_params)
+    assert (dry_ref is None) == bool(lora_rank)
