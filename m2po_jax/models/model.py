@@ -33,6 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from m2po_jax.models import attention, quant
+from m2po_jax.models import paged as paged_lib
 from m2po_jax.models.model_config import (
     REMAT_POLICIES,
     ModelConfig,
@@ -247,6 +248,12 @@ class Attention(nn.Module):
         key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
         new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
+        if isinstance(cache_kv, paged_lib.PagedLayer):  # pages: written, then attended
+            out, new_kv = cache_kv.write_and_attend(
+                q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+            )
+            o_axes = (("q_heads", "head_dim"), ("embed",))
+            return projection(self, "o", out, (h, d, e), *o_axes, c), new_kv
         if cache_kv is not None:
             key = _cache_write(cache_kv[0], key, cache_index)
             value = _cache_write(cache_kv[1], value, cache_index)
@@ -378,6 +385,7 @@ class CausalLM(nn.Module):
         prefix: Prefix | None = None,
         return_kv: bool = False,
         columns: Columns | None = None,
+        paged: tuple[paged_lib.PagedPool, paged_lib.PagedView] | None = None,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -396,8 +404,9 @@ class CausalLM(nn.Module):
         )
         x = jnp.take(embedding, tokens_BxT, axis=0).astype(dt)
 
-        if cache is not None and prefix is not None:
-            raise ValueError("CausalLM: give a cache or a prefix, not both")
+        if sum(x is not None for x in (cache, prefix, paged)) > 1:
+            raise ValueError("CausalLM: give at most one of a cache, a prefix and pages")
+
         if prefix is not None:
             cache_index = prefix.k.shape[3]
             key_valid_BxS = jnp.concatenate([prefix.expand(prefix.valid_GxP, b), valid_BxT], 1)
@@ -416,8 +425,10 @@ class CausalLM(nn.Module):
             key_valid_BxS = cache.valid_BxS.at[jnp.arange(b), cache_index].set(
                 valid_BxT[:, 0], mode="drop"
             )
-        cached = cache is not None or prefix is not None
+        cached = cache is not None or prefix is not None or paged is not None
         impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cached)
+        if paged is not None:  # the pages' view is the mask (`paged.attend`)
+            key_valid_BxS = valid_BxT
         # Computed once here and shared by every layer. With a column per row, the cache
         # holds nothing after it (the caller clears a row's columns when it reuses the
         # row), so the key columns' validity is the whole mask.
@@ -441,7 +452,7 @@ class CausalLM(nn.Module):
                 DecoderLayer, policy=REMAT_POLICIES[c.remat_policy], static_argnums=()
             )
         new_k, new_v = [], []
-        if c.scan_layers and cache is None and not self.is_initializing():
+        if c.scan_layers and cache is None and paged is None and not self.is_initializing():
             x, kv = _scan_layers(
                 c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv
             )
@@ -450,6 +461,9 @@ class CausalLM(nn.Module):
         else:
             for i in range(c.num_layers):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+                if paged is not None:
+                    pool, view = paged
+                    cache_kv = paged_lib.PagedLayer(pool.k[i], pool.v[i], view, valid_BxT)
                 if prefix is not None:
                     cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
                 layer = layer_cls(c, impl, widths, name=f"layers_{i}")
@@ -466,10 +480,12 @@ class CausalLM(nn.Module):
         new_cache = None
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
+        if paged is not None:
+            new_cache = paged_lib.PagedPool(k=tuple(new_k), v=tuple(new_v))
         if return_kv:  # [L, B, K, T, D] each: a `Prefix` for rows that continue these
             return x, (new_k, new_v)
         if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)
-            return x if cache is None else (x, new_cache)
+            return x if new_cache is None else (x, new_cache)
         if c.tie_word_embeddings:
             logits = dense(x, embedding.astype(dt).T)
         else:
@@ -483,7 +499,7 @@ class CausalLM(nn.Module):
             )
             logits = dense(x, head.astype(dt))
         logits = logits.astype(jnp.float32)
-        return logits if cache is None else (logits, new_cache)
+        return logits if new_cache is None else (logits, new_cache)
 
 
 def host_value(x: Any) -> np.ndarray | None:
@@ -552,11 +568,13 @@ def apply(
     prefix: Prefix | None = None,
     return_kv: bool = False,
     columns: Columns | None = None,
+    paged: tuple[paged_lib.PagedPool, paged_lib.PagedView] | None = None,
 ):
     """`CausalLM(config).apply` on bare params.
 
     `prefix`: the rows continue prefixes whose keys and values are given (`Prefix`; no
-    cache then). `return_kv` (with `hidden_only`, no cache): also this call's keys and
+    cache then). `paged`: (pool, view) of a paged cache (`paged.py`): returns the new
+    pool where a cache call returns the new cache. `return_kv` (with `hidden_only`, no cache): also this call's keys and
     values, ([L, B, K, T, D], [L, B, K, T, D]), i.e. (hidden, (k, v)).
     """
     if return_kv and (not hidden_only or cache is not None):
@@ -573,6 +591,7 @@ def apply(
         prefix=prefix,
         return_kv=return_kv,
         columns=columns,
+        paged=paged,
     )
 
 

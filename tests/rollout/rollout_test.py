@@ -115,6 +115,7 @@ def _stand_in(tmp_path, queue):
         checkpointer=ckpt_lib.Checkpointer(tmp_path, keep=2),
         async_rollouts=None,
         lora_base=lambda: None,  # no LoRA: checkpoints hold the whole params
+        model_config=types.SimpleNamespace(lora_rank=0),
     )
 
 

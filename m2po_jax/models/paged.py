@@ -1,0 +1,270 @@
+"""A paged KV cache: keys and values in a pool of fixed-size pages, read through page tables.
+
+    pool = init_pool(config, pages=512, page_size=16)
+    view = PagedView(...)                       # which pages each row reads and writes
+    logits, pool = model.apply(params, config, tokens, positions, valid, paged=(pool, view))
+
+Layout. Each layer keeps `k`, `v` of shape [NP, PG, K, D] (pages, tokens per page, kv
+heads, head dim); page id NP (one past the end) is "no page": writes to it are dropped,
+reads of it are masked. A row's context is two parts, attended separately and merged
+with their log-sum-exp (the softmax over the union):
+
+- its *prompt*: the prompt instance it continues (`inst_B`), whose tokens sit in that
+  instance's pages from position 0 (`prompt_table_IxM`, `prompt_len_I`). A GRPO group's
+  rows all continue one instance: its pages are stored once and referenced by all of
+  them, never copied.
+- its *own* tokens (completion, appended turns): `own_table_BxM`, `own_len_B` of them in
+  the cache before this call; the call's T tokens are written at own positions
+  own_len_B .. own_len_B + T - 1 (pages the caller has allocated) and attend to their own
+  earlier tokens causally.
+
+Decode steps (T = 1) attend to the prompt *by instance*: the queries of an instance's
+rows (`members_IxN`, at most N per instance) are gathered, and each instance's prompt
+keys are read once and multiplied with all of its rows' queries in one batched matmul;
+the sequences' own pages are read per row. Multi-token calls (a preempted sequence's
+recompute, a multi-turn append) read the prompt per row.
+
+Reads are bucketed: each part reads the first `widths[i]` pages of its table, the
+smallest bucket holding every live row's pages (one `lax.switch` branch per width), so a
+step reads the live pages, not the table's width.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+@flax.struct.dataclass
+class PagedPool:
+    """Per layer [NP, PG, K, D] keys and values."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+@flax.struct.dataclass
+class PagedLayer:
+    """One layer's pages and the call's view, as a decoder layer takes its cache."""
+
+    k: jax.Array
+    v: jax.Array
+    view: PagedView
+    valid_BxT: jax.Array
+
+    def write_and_attend(self, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD):
+        """(attention output [B, T, H, D], (new k pages, new v pages))."""
+        view = self.view
+        k = write(self.k, k_BxTxKxD, view.own_table_BxM, view.own_len_B, self.valid_BxT)
+        v = write(self.v, v_BxTxKxD, view.own_table_BxM, view.own_len_B, self.valid_BxT)
+        return attend(q_BxTxHxD, k, v, view), (k, v)
+
+
+@flax.struct.dataclass
+class PagedView:
+    """What the rows of one call read and write (see the module doc).
+
+    own_table_BxM: int32 page ids of each row's own tokens (NP: none).
+    own_len_B: int32 own tokens already in the cache (the call's go after them).
+    inst_B: int32 prompt instance of each row (I: none, e.g. a padding row).
+    prompt_table_IxM: int32 page ids of each instance's prompt.
+    prompt_len_I: int32 tokens of each instance's prompt.
+    members_IxN: int32 rows continuing each instance (B: none); decode steps only
+      (`grouped`), with `rank_B` each row's index in its instance's members.
+    own_pages / prompt_pages: traced, how many table columns the live rows use.
+    own_widths / prompt_widths: static buckets of table columns read (ascending; the last
+      is the table's width).
+    """
+
+    own_table_BxM: jax.Array
+    own_len_B: jax.Array
+    inst_B: jax.Array
+    prompt_table_IxM: jax.Array
+    prompt_len_I: jax.Array
+    members_IxN: jax.Array | None
+    rank_B: jax.Array | None
+    own_pages: jax.Array
+    prompt_pages: jax.Array
+    own_widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
+    prompt_widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+    @property
+    def grouped(self) -> bool:
+        return self.members_IxN is not None
+
+
+def init_pool(config, pages: int, page_size: int, dtype=None) -> PagedPool:
+    """An empty pool of `pages` pages of `page_size` tokens per layer."""
+    from m2po_jax.models.model_config import as_dtype
+
+    dtype = as_dtype(config.dtype if dtype is None else dtype)
+    shape = (pages, page_size, config.num_kv_heads, config.dim_per_head)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return PagedPool(k=zeros, v=zeros)
+
+
+def pool_bytes(config, pages: int, page_size: int, dtype=None) -> int:
+    """Bytes of a pool (keys and values of every layer)."""
+    from m2po_jax.models.model_config import as_dtype
+
+    itemsize = jnp.dtype(as_dtype(config.dtype if dtype is None else dtype)).itemsize
+    per_page = page_size * config.num_kv_heads * config.dim_per_head * itemsize
+    return 2 * config.num_layers * pages * per_page
+
+
+def buckets(pages: int) -> tuple[int, ...]:
+    """Table columns read per step: 1, 2, 4, ... then the table's width."""
+    out, w = [], 1
+    while w < pages:
+        out.append(w)
+        w *= 2
+    return (*out, pages)
+
+
+def pick(widths: tuple[int, ...], needed) -> jax.Array:
+    """Index of the smallest width >= `needed` (the last one at most)."""
+    index = jnp.searchsorted(jnp.asarray(widths), jnp.maximum(needed, 1))
+    return jnp.minimum(index, len(widths) - 1)
+
+
+def members(inst_B: jax.Array, instances: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """(members_IxN, rank_B): the rows of each instance in ascending order (B: none), at
+    most `n` per instance, and each row's index among its instance's rows."""
+    rows = inst_B.shape[0]
+    onehot_IxB = inst_B[None, :] == jnp.arange(instances)[:, None]
+    members_IxN = jax.vmap(lambda r: jnp.nonzero(r, size=n, fill_value=rows)[0])(onehot_IxB)
+    rank_IxB = jnp.cumsum(onehot_IxB, axis=1, dtype=jnp.int32) - 1
+    inst = jnp.minimum(inst_B, instances - 1)
+    return members_IxN.astype(jnp.int32), rank_IxB[inst, jnp.arange(rows)]
+
+
+def write(pages_NxPxKxD: jax.Array, new_BxTxKxD: jax.Array, table_BxM, start_B, valid_BxT):
+    """The pages with token t of row b written at own position start_B[b] + t (rows'
+    padding tokens, and positions whose page is NP, are dropped)."""
+    n, pg = pages_NxPxKxD.shape[:2]
+    b, t = new_BxTxKxD.shape[:2]
+    pos_BxT = start_B[:, None] + jnp.arange(t)[None, :]
+    col = jnp.minimum(pos_BxT // pg, table_BxM.shape[1] - 1)
+    page_BxT = jnp.take_along_axis(table_BxM, col, axis=1)
+    page_BxT = jnp.where(valid_BxT & (pos_BxT // pg < table_BxM.shape[1]), page_BxT, n)
+    return pages_NxPxKxD.at[page_BxT, pos_BxT % pg].set(
+        new_BxTxKxD.astype(pages_NxPxKxD.dtype), mode="drop"
+    )
+
+
+def _gather(pages_NxPxKxD: jax.Array, table_XxW: jax.Array, dtype) -> jax.Array:
+    """[X, W * PG, K, D] in `dtype`: the listed pages, concatenated (page NP reads zeros)."""
+    x, w = table_XxW.shape
+    got = jnp.take(pages_NxPxKxD, table_XxW, axis=0, mode="fill", fill_value=0)
+    return got.reshape(x, w * pages_NxPxKxD.shape[1], *pages_NxPxKxD.shape[2:]).astype(dtype)
+
+
+def _partial(q_XxKxGxTxD, k_XxSxKxD, v_XxSxKxD, allowed_XxTxS):
+    """Softmax partials over one part of the keys: (max [X,K,G,T], sum [X,K,G,T], weighted
+    values [X,K,G,T,D]) in float32; rows with nothing allowed give sum 0."""
+    d = q_XxKxGxTxD.shape[-1]
+    scores = jnp.einsum(
+        "xkgtd,xskd->xkgts", q_XxKxGxTxD, k_XxSxKxD, preferred_element_type=jnp.float32
+    ) / math.sqrt(d)
+    scores = jnp.where(allowed_XxTxS[:, None, None], scores, _MASKED)
+    m = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - m[..., None])
+    p = jnp.where(allowed_XxTxS[:, None, None], p, 0.0)
+    o = jnp.einsum("xkgts,xskd->xkgtd", p.astype(v_XxSxKxD.dtype), v_XxSxKxD,
+                   preferred_element_type=jnp.float32)  # fmt: skip
+    return m, jnp.sum(p, axis=-1), o
+
+
+def _switch(widths, index, fn, operands):
+    if len(widths) == 1:
+        return fn(widths[0], operands)
+    return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], operands)
+
+
+def _own_part(q, k_pages, v_pages, view: PagedView, t: int):
+    """The rows' own tokens (causal): partials [B, K, G, T, ...]."""
+    pg = k_pages.shape[1]
+
+    def one(width, operands):
+        q, k_pages, v_pages, table, own_len = operands
+        k = _gather(k_pages, table[:, :width], q.dtype)
+        v = _gather(v_pages, table[:, :width], q.dtype)
+        s = jnp.arange(width * pg)
+        allowed = s[None, None, :] <= (own_len[:, None] + jnp.arange(t)[None, :])[..., None]
+        return _partial(q, k, v, allowed)
+
+    operands = (q, k_pages, v_pages, view.own_table_BxM, view.own_len_B)
+    return _switch(view.own_widths, pick(view.own_widths, view.own_pages), one, operands)
+
+
+def _prompt_part(q, k_pages, v_pages, view: PagedView):
+    """The rows' prompts: by instance for decode steps, per row otherwise."""
+    pg = k_pages.shape[1]
+    instances = view.prompt_table_IxM.shape[0]
+
+    def one(width, operands):
+        q, k_pages, v_pages, table_IxM, len_I, inst_B = operands
+        if view.grouped:
+            # [I, N, K, G, 1, D] -> [I, K, G, N, D]: an instance's rows as its queries.
+            qg = jnp.take(q, view.members_IxN, axis=0, mode="fill", fill_value=0)
+            qg = qg[:, :, :, :, 0].transpose(0, 2, 3, 1, 4)
+            k = _gather(k_pages, table_IxM[:, :width], q.dtype)
+            v = _gather(v_pages, table_IxM[:, :width], q.dtype)
+            s = jnp.arange(width * pg)
+            n = qg.shape[3]
+            allowed = jnp.broadcast_to(
+                s[None, None, :] < len_I[:, None, None], (instances, n, s.size)
+            )
+            m, total, o = _partial(qg, k, v, allowed)  # [I, K, G, N, ...]
+            inst = jnp.minimum(inst_B, instances - 1)
+            real = (inst_B < instances)[:, None, None, None]
+            at = lambda x: x[inst, :, :, view.rank_B][:, :, :, None]  # [B, K, G, 1, ...]
+            return (
+                jnp.where(real, at(m), _MASKED),
+                jnp.where(real, at(total), 0.0),
+                jnp.where(real[..., None], at(o), 0.0),
+            )
+        inst = jnp.minimum(inst_B, instances - 1)
+        table = jnp.where((inst_B < instances)[:, None], table_IxM[inst], k_pages.shape[0])
+        k = _gather(k_pages, table[:, :width], q.dtype)
+        v = _gather(v_pages, table[:, :width], q.dtype)
+        s = jnp.arange(width * pg)
+        length = jnp.where(inst_B < instances, len_I[inst], 0)
+        allowed = jnp.broadcast_to(
+            s[None, None, :] < length[:, None, None], (q.shape[0], q.shape[3], s.size)
+        )
+        return _partial(q, k, v, allowed)
+
+    operands = (q, k_pages, v_pages, view.prompt_table_IxM, view.prompt_len_I, view.inst_B)
+    return _switch(view.prompt_widths, pick(view.prompt_widths, view.prompt_pages), one, operands)
+
+
+def attend(q_BxTxHxD, k_pages, v_pages, view: PagedView) -> jax.Array:
+    """softmax over [the row's prompt, its own tokens so far (causal)] of q k^T / sqrt(D),
+    times v; H = K * G query heads share K kv heads (head h uses kv head h // G).
+    The call's keys and values must already be written (`write`). Returns [B, T, H, D]
+    in q's dtype."""
+    b, t, h, d = q_BxTxHxD.shape
+    kh = k_pages.shape[2]
+    q = q_BxTxHxD.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    m1, l1, o1 = _prompt_part(q, k_pages, v_pages, view)
+    m2, l2, o2 = _own_part(q, k_pages, v_pages, view, t)
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    total = l1 * a1 + l2 * a2
+    out = (o1 * a1[..., None] + o2 * a2[..., None]) / jnp.maximum(total, 1e-30)[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)

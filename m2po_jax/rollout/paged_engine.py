@@ -1,0 +1,674 @@
+"""The paged engine: continuous batching over a paged KV cache, a group's prompt stored once.
+
+    engine = PagedEngine(model_config, sampling_config, slots=64, pages=2048, page_size=16)
+    generation = engine.generate(params, prompts_BxP, valid_BxP, rng, n_samples=8)
+
+Contract (as the continuous engine's, `rollout.engine`): rows b * n .. b * n + n - 1 answer
+prompt b; completions start at column P; row j's token t is drawn with
+`fold_in(fold_in(rng, j), t)` whatever slot it runs in, so greedy decoding gives the static
+sampler's completions and a sampled run is reproducible under its key.
+
+Memory follows live tokens. Keys and values sit in a pool of `pages` pages of `page_size`
+tokens per layer (`models.paged`). Every prompt is prefilled once into its own pages (its
+real tokens only, from position 0), which its `n_samples` sequences reference and never
+copy; a decode step reads an instance's prompt pages once for all of its live rows. A
+sequence takes a page of its own each time its tokens cross a page boundary and returns
+them all when it ends.
+
+Admission and preemption. A free slot takes the next queued sequence (its first token is
+drawn from its prompt's prefill). When a decode step needs more pages than are free, the
+youngest sequences are preempted (vLLM's rule): their pages return to the pool, their
+tokens so far stay in their rows, and they wait. Once a slot and enough pages are free,
+a preempted sequence is resumed first: its tokens so far are recomputed into new pages
+by one prefill, and it goes on from its next token under its own key, so it gives the
+tokens, log-probs and versions it would have given uninterrupted (up to the float
+rounding of a prefill against a decode step). `Generation.preemptions` counts them.
+The pool must hold every prompt and one whole completion (refused in one line if not).
+
+Weights in flight (`weights=`): polled between decode calls of `chunk_steps` steps; the
+sequences go on under the new weights and each token records the version that produced
+it. Prompts are not prefilled again: a sequence started after an update draws its first
+token from its prompt's prefill (recorded under the prefill's version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2po_jax.models import model as model_lib
+from m2po_jax.models import paged
+from m2po_jax.parallel import sharding
+from m2po_jax.rollout import sampling
+from m2po_jax.rollout.engine import Generation, RolloutEngine, WeightSource
+
+
+@flax.struct.dataclass
+class _State:
+    """The pool, the prompts' pages, the slots and the output rows (J sequences)."""
+
+    pool: paged.PagedPool
+    free_N: jax.Array  # int32: free page ids, the first `free_1[0]` of them
+    free_1: jax.Array  # int32 [1]: free pages
+    prompt_table_IxM: jax.Array
+    prompt_len_I: jax.Array
+    logits_IxV: jax.Array  # float32: each prompt's next-token logits (first tokens)
+    prefill_version: jax.Array  # int32 scalar
+    job_S: jax.Array  # int32: the slot's sequence (J: none)
+    step_S: jax.Array  # int32: tokens the sequence has (its last not in the cache yet)
+    last_token_S: jax.Array
+    live_S: jax.Array
+    own_table_SxM: jax.Array  # int32: the sequence's own pages (NP: none)
+    age_S: jax.Array  # int32: admission order (preemption takes the youngest)
+    admitted_1: jax.Array  # int32 [1]: admissions so far
+    next_job_1: jax.Array  # int32 [1]: the next queued sequence
+    waiting_J: jax.Array  # bool: preempted, to resume
+    unit_J: jax.Array
+    seq_id_J: jax.Array
+    tokens_JxN: jax.Array
+    logp_JxN: jax.Array
+    valid_JxN: jax.Array
+    sampled_JxN: jax.Array
+    version_JxN: jax.Array
+    stopped_J: jax.Array
+    done_J: jax.Array
+    decode_steps_1: jax.Array
+    live_steps_1: jax.Array
+    preemptions_1: jax.Array
+    peak_1: jax.Array  # int32 [1]: the most pages in use at once
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedGeneration(Generation):
+    """`Generation` with the pool's figures."""
+
+    preemptions: int = 0
+    pages: int = 0
+    peak_pages: int = 0  # the most pages in use at once (prompts included)
+
+
+class PagedEngine(RolloutEngine):
+    """Continuous batching over a paged KV cache (see the module doc).
+
+    Args:
+      model_config, sampling_config: as for `sampling.generate`.
+      slots: sequences decoded at once; 0 = one per row.
+      pages: pages in the pool; 0 = enough for every prompt and every slot's whole
+        completion (no preemption).
+      page_size: tokens per page.
+      insert_lanes: sequences that may start per decode step (0 = max(slots // 4, 1)).
+      chunk_steps: decode steps per call when `weights` is given.
+      mesh: a device mesh the programs are partitioned over (one program, XLA-partitioned);
+        None = one device.
+    """
+
+    name = "paged"
+
+    def __init__(
+        self,
+        model_config,
+        sampling_config,
+        *,
+        slots: int = 0,
+        pages: int = 0,
+        page_size: int = 16,
+        insert_lanes: int = 0,
+        chunk_steps: int = 32,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        super().__init__(model_config, sampling_config)
+        for name, value, low in (
+            ("slots", slots, 0),
+            ("pages", pages, 0),
+            ("page_size", page_size, 1),
+            ("insert_lanes", insert_lanes, 0),
+            ("chunk_steps", chunk_steps, 1),
+        ):
+            if isinstance(value, bool) or int(value) != value or int(value) < low:
+                raise ValueError(f"rollout.paged.{name}: must be an int >= {low}, got {value!r}")
+        self.slots, self.pages, self.page_size = int(slots), int(pages), int(page_size)
+        self.insert_lanes, self.chunk_steps = int(insert_lanes), int(chunk_steps)
+        self.mesh = mesh
+        self._programs: dict = {}
+
+    # ---- sizes ----------------------------------------------------------------------
+
+    def sizes(self, prompts: int, width: int, n_samples: int) -> dict[str, int]:
+        """slots, lanes, own pages per sequence, prompt pages per prompt, and pool pages."""
+        pg, new = self.page_size, self.sampling.max_new_tokens
+        rows = prompts * n_samples
+        slots = min(self.slots or rows, rows)
+        own = math.ceil(new / pg)
+        prompt = math.ceil(width / pg)
+        pages = self.pages or prompts * prompt + slots * own
+        lanes = min(self.insert_lanes or max(slots // 4, 1), slots)
+        return dict(
+            slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg, jobs=rows
+        )
+
+    def _compiled(self, prompts, width, n_samples) -> tuple[dict, dict]:
+        size = self.sizes(prompts, width, n_samples)
+        key = (prompts, width, n_samples)
+        if key not in self._programs:
+            self._programs[key] = _programs(
+                self.model_config, self.sampling, n_samples, size, self.mesh
+            )
+        return self._programs[key], size
+
+    # ---- generation -----------------------------------------------------------------
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        *,
+        n_samples=1,
+        version=0,
+        weights: WeightSource | None = None,
+    ) -> PagedGeneration:
+        sampling.check_inputs(
+            self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
+        )
+        prompts, width = np.shape(prompt_tokens_BxP)
+        programs, size = self._compiled(prompts, width, n_samples)
+        lengths = np.sum(jax.device_get(prompt_valid_BxP), axis=1)
+        prompt_pages = int(np.sum(-(-lengths // self.page_size)))
+        if size["pages"] < prompt_pages + size["own"]:
+            raise ValueError(
+                f"rollout.paged.pages={size['pages']}: the pool must hold every prompt "
+                f"({prompt_pages} pages of {self.page_size} tokens) and one whole completion "
+                f"({size['own']} pages): at least {prompt_pages + size['own']}"
+            )
+        keys_U = _typed(rng)[None]
+        jobs = prompts * n_samples
+        state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
+        state = programs["start"](
+            state, keys_U, jnp.zeros(jobs, jnp.int32), jnp.arange(jobs, dtype=jnp.int32)
+        )
+        steps = np.int32(self.chunk_steps if weights is not None else 2**30)
+        updates = 0
+        while True:
+            state = programs["run"](params, state, keys_U, jnp.int32(version), steps)
+            waiting_J, valid_JxN, free, job_S, finished = jax.device_get(
+                (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, _finished(state))
+            )
+            if bool(finished):
+                break
+            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), int((job_S == jobs).sum()), size)
+            if job_L.size:
+                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
+                lanes = _lanes(job_L, jobs)
+                resume = programs["resume"](_width(tokens), lanes.size)
+                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+                continue
+            newer = None if weights is None else weights()
+            if newer is not None and int(newer[1]) != int(version):
+                params, version = newer
+                updates += 1
+        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
+        version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
+        return PagedGeneration(
+            out=out,
+            version_BxN=np.asarray(version_BxN, np.int32),
+            decode_steps=int(decode[0]),
+            slot_steps=int(decode[0]) * size["slots"],
+            live_steps=int(live_steps[0]),
+            weight_updates=updates,
+            preemptions=int(preempted[0]),
+            pages=size["pages"],
+            peak_pages=int(peak[0]),
+        )
+
+
+def _resumable(waiting_J, valid_JxN, free: int, free_slots: int, size) -> np.ndarray:
+    """The preempted sequences to resume now, oldest job first, while slots and pages
+    allow (`_resume_need`)."""
+    out = []
+    for job in np.flatnonzero(waiting_J):
+        if len(out) == min(free_slots, size["lanes"]):
+            break
+        need = math.ceil(int(valid_JxN[job].sum()) / size["page_size"])
+        if need > free:
+            break
+        out.append(job)
+        free -= need
+    return np.asarray(out, np.int32)
+
+
+def _width(tokens: int) -> int:
+    """The resume program's token width for `tokens` tokens: a power of two from 8."""
+    return max(8, 1 << max(tokens - 1, 0).bit_length())
+
+
+def _lanes(jobs_L: np.ndarray, none: int) -> np.ndarray:
+    """Lanes padded with `none` to a power of two (few compiled shapes)."""
+    size = 1 << max(len(jobs_L) - 1, 0).bit_length()
+    out = np.full(size, none, np.int32)
+    out[: len(jobs_L)] = jobs_L
+    return out
+
+
+def _typed(rng):
+    if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(rng)
+    return rng
+
+
+def _finished(state: _State) -> jax.Array:
+    return jnp.all(state.done_J)
+
+
+# ------------------------------------------------------------------------- the pool
+
+
+def _pop(state: _State, need_L) -> tuple[_State, jax.Array]:
+    """A free page for each lane that needs one (NP for the others)."""
+    n = state.free_N.shape[0]
+    top = state.free_1[0]
+    index_L = top - jnp.cumsum(need_L.astype(jnp.int32))
+    page_L = jnp.where(need_L, state.free_N[jnp.clip(index_L, 0, n - 1)], n)
+    free_1 = state.free_1 - jnp.sum(need_L, dtype=jnp.int32)
+    return state.replace(free_1=free_1, peak_1=jnp.maximum(state.peak_1, n - free_1)), page_L
+
+
+def _push(state: _State, pages_X) -> _State:
+    """Returns pages to the pool (NP entries are skipped)."""
+    n = state.free_N.shape[0]
+    pages_X = pages_X.reshape(-1)
+    keep = pages_X < n
+    at = state.free_1[0] + jnp.cumsum(keep.astype(jnp.int32)) - 1
+    free_N = state.free_N.at[jnp.where(keep, at, n)].set(pages_X, mode="drop")
+    return state.replace(free_N=free_N, free_1=state.free_1 + jnp.sum(keep, dtype=jnp.int32))
+
+
+# ------------------------------------------------------------------------- programs
+
+
+def _view(state: _State, rows_table, own_len, inst, *, grouped: bool, n: int) -> paged.PagedView:
+    pool_pages = state.free_N.shape[0]
+    members_IxN = rank_B = None
+    if grouped:
+        members_IxN, rank_B = paged.members(inst, state.prompt_table_IxM.shape[0], n)
+    own_pages = jnp.max(jnp.sum(rows_table < pool_pages, axis=1))  # free rows hold none
+    return paged.PagedView(
+        own_table_BxM=rows_table,
+        own_len_B=own_len,
+        inst_B=inst,
+        prompt_table_IxM=state.prompt_table_IxM,
+        prompt_len_I=state.prompt_len_I,
+        members_IxN=members_IxN,
+        rank_B=rank_B,
+        own_pages=own_pages,
+        prompt_pages=jnp.max(jnp.sum(state.prompt_table_IxM < pool_pages, axis=1)),
+        own_widths=paged.buckets(rows_table.shape[1]),
+        prompt_widths=paged.buckets(state.prompt_table_IxM.shape[1]),
+    )
+
+
+def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_config, size):
+    """An empty state with every prompt's real tokens written into its pages, and their
+    next-token logits."""
+    tokens_QxP, valid_QxP = tokens_QxP.astype(jnp.int32), valid_QxP.astype(bool)
+    prompts, width = tokens_QxP.shape
+    n_pages, per = size["pages"], size["prompt"]
+    pool = paged.init_pool(model_config, n_pages, size["page_size"])
+    len_Q = jnp.sum(valid_QxP, axis=1, dtype=jnp.int32)
+    # Left-padded -> from column 0 (the pages hold real tokens only).
+    col_QxP = jnp.minimum(jnp.arange(width)[None] + (width - len_Q)[:, None], width - 1)
+    tokens = jnp.take_along_axis(tokens_QxP, col_QxP, axis=1)
+    valid = jnp.arange(width)[None] < len_Q[:, None]
+    # The prompts' pages are the pool's first ones, prompt after prompt; the rest are free.
+    used_QxM = jnp.arange(per)[None] < (-(-len_Q // size["page_size"]))[:, None]
+    ids = jnp.cumsum(used_QxM.reshape(-1), dtype=jnp.int32).reshape(prompts, per) - 1
+    table_QxM = jnp.where(used_QxM, ids, n_pages)
+    state = _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config)
+    none_Q = jnp.full((prompts,), prompts, jnp.int32)
+    view = _view(state, table_QxM, jnp.zeros(prompts, jnp.int32), none_Q, grouped=False, n=1)
+    positions = jnp.broadcast_to(jnp.arange(width), (prompts, width))
+    hidden, pool = model_lib.apply(
+        params, model_config, tokens, positions, valid, hidden_only=True, paged=(pool, view)
+    )
+    last_QxE = hidden[jnp.arange(prompts), jnp.maximum(len_Q - 1, 0)]
+    logits = model_lib.dense(last_QxE, model_lib.head_weight(params, model_config))
+    used = jnp.sum(used_QxM, dtype=jnp.int32)
+    free_N = (jnp.arange(n_pages, dtype=jnp.int32) + used) % n_pages  # the free ones first
+    return state.replace(
+        pool=pool,
+        logits_IxV=logits.astype(jnp.float32),
+        free_N=free_N,
+        free_1=jnp.full((1,), n_pages, jnp.int32) - used,
+        peak_1=jnp.full((1,), used, jnp.int32),
+    )
+
+
+def _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config) -> _State:
+    slots, jobs, new = size["slots"], size["jobs"], sampling_config.max_new_tokens
+    n_pages = pool.pages
+    zeros_S = jnp.zeros(slots, jnp.int32)
+    return _State(
+        pool=pool,
+        free_N=jnp.arange(n_pages, dtype=jnp.int32),
+        free_1=jnp.full((1,), n_pages, jnp.int32),
+        prompt_table_IxM=table_QxM.astype(jnp.int32),
+        prompt_len_I=len_Q,
+        logits_IxV=jnp.zeros((table_QxM.shape[0], model_config.vocab_size), jnp.float32),
+        prefill_version=jnp.asarray(version, jnp.int32),
+        job_S=zeros_S + jobs,
+        step_S=zeros_S,
+        last_token_S=zeros_S + sampling_config.pad_id,
+        live_S=jnp.zeros(slots, bool),
+        own_table_SxM=jnp.full((slots, size["own"]), n_pages, jnp.int32),
+        age_S=zeros_S,
+        admitted_1=jnp.zeros(1, jnp.int32),
+        next_job_1=jnp.zeros(1, jnp.int32),
+        waiting_J=jnp.zeros(jobs, bool),
+        unit_J=jnp.zeros(jobs, jnp.int32),
+        seq_id_J=jnp.arange(jobs, dtype=jnp.int32),
+        tokens_JxN=jnp.full((jobs, new), sampling_config.pad_id, jnp.int32),
+        logp_JxN=jnp.zeros((jobs, new), jnp.float32),
+        valid_JxN=jnp.zeros((jobs, new), bool),
+        sampled_JxN=jnp.zeros((jobs, new), bool),
+        version_JxN=jnp.zeros((jobs, new), jnp.int32) + version,
+        stopped_J=jnp.zeros(jobs, bool),
+        done_J=jnp.zeros(jobs, bool),
+        decode_steps_1=jnp.zeros(1, jnp.int32),
+        live_steps_1=jnp.zeros(1, jnp.int32),
+        preemptions_1=jnp.zeros(1, jnp.int32),
+        peak_1=jnp.zeros(1, jnp.int32),
+    )
+
+
+def _keys(keys_U, state: _State, job_L, step_L):
+    """fold_in(fold_in(its unit's key, its id), t): a sequence's token t, in any slot."""
+    job_L = jnp.minimum(job_L, state.done_J.shape[0] - 1)
+    fold = jax.vmap(jax.random.fold_in)
+    return fold(fold(keys_U[state.unit_J[job_L]], state.seq_id_J[job_L]), step_L)
+
+
+def _write_tokens(state: _State, job_L, step_L, token_L, logp_L, version, stop_L, ends_L):
+    at = (job_L, step_L)
+    return state.replace(
+        tokens_JxN=state.tokens_JxN.at[at].set(token_L, mode="drop"),
+        logp_JxN=state.logp_JxN.at[at].set(logp_L, mode="drop"),
+        valid_JxN=state.valid_JxN.at[at].set(True, mode="drop"),
+        sampled_JxN=state.sampled_JxN.at[at].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[at].set(version, mode="drop"),
+        stopped_J=state.stopped_J.at[job_L].max(stop_L, mode="drop"),
+        done_J=state.done_J.at[job_L].max(ends_L, mode="drop"),
+    )
+
+
+def _insert(state: _State, keys_U, lanes: int, n_samples: int, sampling_config) -> _State:
+    """Starts up to `lanes` queued sequences in free slots (none while a preempted one
+    waits: it goes first); their first token is drawn from their prompt's prefill."""
+    slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
+    free_S = (state.job_S == jobs) & ~jnp.any(state.waiting_J)
+    (slot_L,) = jnp.nonzero(free_S, size=lanes, fill_value=slots)
+    job_L = state.next_job_1[0] + jnp.arange(lanes, dtype=jnp.int32)
+    use_L = (slot_L < slots) & (job_L < jobs)
+    slot_L = jnp.where(use_L, slot_L, slots)
+    job_L = jnp.where(use_L, job_L, jobs)
+    prompt_L = jnp.minimum(job_L // n_samples, state.prompt_len_I.shape[0] - 1)
+    zero_L = jnp.zeros(lanes, jnp.int32)
+    token_L, logp_L = sampling.sample_token(
+        state.logits_IxV[prompt_L], _keys(keys_U, state, job_L, zero_L), sampling_config
+    )
+    stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
+    ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
+    state = _write_tokens(
+        state, job_L, zero_L, token_L, logp_L, state.prefill_version, use_L & stop_L, ends_L
+    )
+    age_L = state.admitted_1[0] + jnp.arange(lanes, dtype=jnp.int32)
+    go_L = use_L & ~ends_L
+    slot_go = jnp.where(go_L, slot_L, slots)
+    return state.replace(
+        job_S=state.job_S.at[slot_go].set(job_L, mode="drop"),
+        step_S=state.step_S.at[slot_go].set(1, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_go].set(token_L, mode="drop"),
+        live_S=state.live_S.at[slot_go].set(True, mode="drop"),
+        age_S=state.age_S.at[slot_go].set(age_L, mode="drop"),
+        admitted_1=state.admitted_1 + jnp.sum(use_L, dtype=jnp.int32),
+        next_job_1=state.next_job_1 + jnp.sum(use_L, dtype=jnp.int32),
+    )
+
+
+def _preempt(state: _State, need_S) -> tuple[_State, jax.Array]:
+    """When the step needs more pages than are free: the youngest live sequences give
+    theirs back and wait (as few as cover the need). Returns the slots still decoding."""
+    n_pages = state.free_N.shape[0]
+    jobs = state.done_J.shape[0]
+    live = state.live_S
+    held_S = jnp.sum(state.own_table_SxM < n_pages, axis=1, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(live, -state.age_S, jnp.iinfo(jnp.int32).max), stable=True)
+    total = jnp.sum(need_S, dtype=jnp.int32)
+    freed_k = jnp.cumsum(held_S[order]) + 0
+    needless_k = jnp.cumsum(need_S[order].astype(jnp.int32))
+    # k victims: the first k of `order`; enough when free + freed >= the others' need.
+    ok_k = state.free_1[0] + freed_k >= total - needless_k
+    enough = state.free_1[0] >= total
+    k = jnp.where(enough, 0, jnp.argmax(ok_k) + 1)
+    victim_S = jnp.zeros_like(live).at[order].set(jnp.arange(order.size) < k) & live
+    state = _push(state, jnp.where(victim_S[:, None], state.own_table_SxM, n_pages))
+    job_victims = jnp.where(victim_S, state.job_S, jobs)
+    return state.replace(
+        waiting_J=state.waiting_J.at[job_victims].set(True, mode="drop"),
+        own_table_SxM=jnp.where(victim_S[:, None], n_pages, state.own_table_SxM),
+        job_S=jnp.where(victim_S, jobs, state.job_S),
+        live_S=live & ~victim_S,
+        preemptions_1=state.preemptions_1 + jnp.sum(victim_S, dtype=jnp.int32),
+    ), live & ~victim_S
+
+
+def _decode(state: _State, params, keys_U, version, *, model_config, sampling_config, n):
+    """One token for every live slot: a page where its pending token starts one
+    (preempting the youngest when the pool is short), the step, the token written."""
+    jobs = state.done_J.shape[0]
+    pg = state.pool.page_size
+    n_pages = state.free_N.shape[0]
+    own_len_S = state.step_S - 1  # own tokens in the cache; the pending one goes next
+    need_S = state.live_S & (own_len_S % pg == 0)
+    state, live_S = _preempt(state, need_S)
+    need_S = need_S & live_S
+    state, page_S = _pop(state, need_S)
+    col_S = jnp.where(need_S, own_len_S // pg, state.own_table_SxM.shape[1])
+    slots = jnp.arange(state.job_S.shape[0])
+    own_table = state.own_table_SxM.at[slots, col_S].set(page_S, mode="drop")
+    state = state.replace(own_table_SxM=own_table)
+    prompts = state.prompt_len_I.shape[0]
+    inst_S = jnp.where(live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
+    view = _view(state, own_table, own_len_S, inst_S, grouped=True, n=n)
+    positions = (state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + own_len_S)[:, None]
+    logits, pool = model_lib.apply(
+        params,
+        model_config,
+        state.last_token_S[:, None],
+        positions,
+        live_S[:, None],
+        last_only=True,
+        paged=(state.pool, view),
+    )
+    job_S = jnp.where(live_S, state.job_S, jobs)
+    token_S, logp_S = sampling.sample_token(
+        logits[:, 0], _keys(keys_U, state, job_S, state.step_S), sampling_config
+    )
+    stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
+    ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
+    state = _write_tokens(state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S)
+    # Ended sequences give their pages back and free their slot.
+    state = _push(state.replace(pool=pool), jnp.where(ends_S[:, None], own_table, n_pages))
+    return state.replace(
+        own_table_SxM=jnp.where(ends_S[:, None], n_pages, own_table),
+        job_S=jnp.where(ends_S, jobs, state.job_S),
+        step_S=state.step_S + live_S,
+        last_token_S=jnp.where(live_S, token_S, state.last_token_S),
+        live_S=live_S & ~ends_S,
+        decode_steps_1=state.decode_steps_1 + 1,
+        live_steps_1=state.live_steps_1 + jnp.sum(live_S, dtype=jnp.int32),
+    )
+
+
+def _run(params, state, keys_U, version, max_steps, *, model_config, sampling_config, lanes, n):
+    """Insert, then decode, until every sequence is done, `max_steps` decode steps ran, or
+    a preempted sequence waits (the host resumes it) or nothing is live."""
+    first = state.decode_steps_1[0]
+    jobs = state.done_J.shape[0]
+
+    def cond(state):
+        queued = state.next_job_1[0] < jobs
+        waiting = jnp.any(state.waiting_J)
+        going = jnp.any(state.live_S) | (queued & ~waiting)
+        steps = state.decode_steps_1[0] - first < max_steps
+        return going & ~_finished(state) & steps & ~_resumable_now(state)
+
+    def body(state):
+        refill = jnp.any(state.job_S == jobs) & (state.next_job_1[0] < jobs)
+        state = jax.lax.cond(
+            refill,
+            lambda s: _insert(s, keys_U, lanes, n, sampling_config),
+            lambda s: s,
+            state,
+        )
+        return jax.lax.cond(
+            jnp.any(state.live_S),
+            lambda s: _decode(
+                s,
+                params,
+                keys_U,
+                version,
+                model_config=model_config,
+                sampling_config=sampling_config,
+                n=n,
+            ),  # fmt: skip
+            lambda s: s,
+            state,
+        )
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _resume_need(state: _State, job) -> jax.Array:
+    """Pages a preempted sequence takes to resume and decode its pending token: those of
+    all its tokens so far (at most a whole completion's: it always fits an empty pool)."""
+    tokens = jnp.sum(state.valid_JxN[job], dtype=jnp.int32)
+    return -(-tokens // state.pool.page_size)
+
+
+def _resumable_now(state: _State) -> jax.Array:
+    """The oldest preempted sequence can resume: a free slot and its pages."""
+    jobs = state.done_J.shape[0]
+    first = jnp.argmax(state.waiting_J)
+    return (
+        jnp.any(state.waiting_J)
+        & jnp.any(state.job_S == jobs)
+        & (state.free_1[0] >= _resume_need(state, first))
+    )
+
+
+def _resume(params, state: _State, job_L, version, *, model_config, sampling_config, n, width):
+    """Resumes preempted sequences `job_L` (J: unused lane) in free slots: their tokens so
+    far but the last are recomputed into new pages by one prefill; the last is pending,
+    as a decode step left it."""
+    del version
+    slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
+    n_pages = state.free_N.shape[0]
+    pg = state.pool.page_size
+    lanes = job_L.shape[0]
+    (slot_L,) = jnp.nonzero(state.job_S == jobs, size=lanes, fill_value=slots)
+    use_L = (job_L < jobs) & (slot_L < slots)
+    j_L = jnp.minimum(job_L, jobs - 1)
+    step_L = jnp.sum(state.valid_JxN[j_L], axis=1, dtype=jnp.int32)
+    own_L = jnp.where(use_L, step_L - 1, 0)  # tokens to recompute
+    pages_L = -(-own_L // pg)
+    m = state.own_table_SxM.shape[1]
+    need_LxM = use_L[:, None] & (jnp.arange(m)[None] < pages_L[:, None])
+    state, flat = _pop(state, need_LxM.reshape(-1))
+    table_LxM = flat.reshape(lanes, m)
+    tokens_LxW = jnp.take(state.tokens_JxN[j_L], jnp.arange(width), axis=1, mode="fill",
+                          fill_value=sampling_config.pad_id)  # fmt: skip
+    valid_LxW = (jnp.arange(width)[None] < own_L[:, None]) & use_L[:, None]
+    prompts = state.prompt_len_I.shape[0]
+    inst_L = jnp.where(use_L, jnp.minimum(j_L // n, prompts - 1), prompts)
+    view = _view(state, table_LxM, jnp.zeros(lanes, jnp.int32), inst_L, grouped=False, n=n)
+    positions = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)][:, None] + jnp.arange(width)
+    _, pool = model_lib.apply(
+        params, model_config, tokens_LxW, positions, valid_LxW, hidden_only=True,
+        paged=(state.pool, view),
+    )  # fmt: skip
+    slot_go = jnp.where(use_L, slot_L, slots)
+    job_go = jnp.where(use_L, job_L, jobs)
+    age_L = state.admitted_1[0] + jnp.arange(lanes, dtype=jnp.int32)
+    last_L = state.tokens_JxN[j_L, jnp.maximum(step_L - 1, 0)]
+    del n_pages
+    return state.replace(
+        pool=pool,
+        job_S=state.job_S.at[slot_go].set(job_L, mode="drop"),
+        step_S=state.step_S.at[slot_go].set(step_L, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_go].set(last_L, mode="drop"),
+        live_S=state.live_S.at[slot_go].set(True, mode="drop"),
+        own_table_SxM=state.own_table_SxM.at[slot_go].set(table_LxM, mode="drop"),
+        age_S=state.age_S.at[slot_go].set(age_L, mode="drop"),
+        admitted_1=state.admitted_1 + jnp.sum(use_L, dtype=jnp.int32),
+        waiting_J=state.waiting_J.at[job_go].set(False, mode="drop"),
+    )
+
+
+def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
+    """The `SampleOutput` of the finished sequences (rows in prompt order)."""
+    repeat = functools.partial(jnp.repeat, repeats=n_samples, axis=0)
+    tokens_BxP, valid_BxP = repeat(tokens_QxP.astype(jnp.int32)), repeat(valid_QxP.astype(bool))
+    rows, width = tokens_BxP.shape
+    completion_len_B = jnp.sum(state.valid_JxN, axis=-1, dtype=jnp.int32)
+    out = sampling.SampleOutput(
+        tokens_BxT=jnp.concatenate([tokens_BxP, state.tokens_JxN], axis=1),
+        valid_BxT=jnp.concatenate([valid_BxP, state.valid_JxN], axis=1),
+        behav_logp_BxT=jnp.concatenate(
+            [jnp.zeros((rows, width), jnp.float32), state.logp_JxN], axis=1
+        ),
+        completion_mask_BxT=jnp.concatenate([jnp.zeros((rows, width), bool), state.sampled_JxN], 1),
+        prompt_len_B=jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32),
+        completion_len_B=completion_len_B,
+        stopped_B=state.stopped_J,
+        num_steps=jnp.max(completion_len_B),
+    )
+    counters = (state.decode_steps_1, state.live_steps_1, state.preemptions_1, state.peak_1)
+    return out, state.version_JxN, counters
+
+
+def _programs(model_config, sampling_config, n_samples, size, mesh) -> dict:
+    """The jitted phases (`mesh`: one program each, partitioned by XLA)."""
+    statics = dict(model_config=model_config, sampling_config=sampling_config)
+    on = (lambda fn: fn) if mesh is None else (lambda fn: sharding.on_mesh(fn, mesh))
+
+    def prefill(params, tokens, valid, version):
+        return _prefill(params, tokens, valid, version, **statics, size=size)
+
+    def start(state, keys_U, unit_J, seq_id_J):
+        state = state.replace(unit_J=unit_J.astype(jnp.int32), seq_id_J=seq_id_J.astype(jnp.int32))
+        return _insert(state, keys_U, size["slots"], n_samples, sampling_config)
+
+    resumes: dict = {}
+
+    def resume(width: int, lanes: int):
+        if (width, lanes) not in resumes:
+            fn = functools.partial(_resume, **statics, n=n_samples, width=width)
+            resumes[width, lanes] = jax.jit(on(fn), donate_argnums=(1,))
+        return resumes[width, lanes]
+
+    return {
+        "prefill": jax.jit(on(prefill)),
+        "start": jax.jit(on(start), donate_argnums=(0,)),
+        "run": jax.jit(
+            on(functools.partial(_run, **statics, lanes=size["lanes"], n=n_samples)),
+            donate_argnums=(1,),
+        ),
+        "resume": resume,
+        "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
+    }

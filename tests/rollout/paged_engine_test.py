@@ -1,0 +1,129 @@
+"""The paged engine against the static sampler (greedy), the continuous engine (sampled: the
+same keys give the same tokens), a teacher-forced forward, a pool so small that sequences
+are preempted and recomputed, a group's prompt stored once, and weights taken in flight."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from engine_test import PAD, TOKENS, VALID, WIDTH, _assert_same_rollouts
+from sampling_test import CONFIG, _random_params, _teacher_forced_logp
+
+from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import sampling
+from m2po_jax.rollout.paged_engine import PagedEngine
+
+N = 2
+PG = 4  # tokens per page: prompts of 1-8 tokens take 1-2 pages, completions up to 4
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _random_params(CONFIG, seed=0, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    return sampling.SamplingConfig(max_new_tokens=12, temperature=0.8, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def continuous(params, sampled):
+    return engine_lib.ContinuousEngine(CONFIG, sampled, slots=4).generate(
+        params, TOKENS, VALID, jax.random.key(3), n_samples=N
+    )
+
+
+def test_greedy_equals_the_static_sampler(params):
+    settings = sampling.SamplingConfig(
+        max_new_tokens=16, greedy=True, pad_id=PAD, stop_token_ids=(5, 17, 33)
+    )
+    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), settings, N)
+    got = PagedEngine(CONFIG, settings, slots=4, page_size=PG).generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N, version=7
+    )
+    _assert_same_rollouts(jax.device_get(got.out), jax.device_get(want))
+    np.testing.assert_array_equal(got.version_BxN, 7)
+    assert got.preemptions == 0 and got.live_steps == int(np.sum(want.completion_len_B - 1))
+
+
+@pytest.mark.parametrize("pages", [0, 20])
+def test_sampled_rows_are_the_continuous_engines_and_a_forward_s_preempted_or_not(
+    params, sampled, continuous, pages
+):
+    """The same keys give the continuous engine's tokens; the behaviour log-probs equal a
+    teacher-forced forward over the whole row. With 20 pages (the 12 prompts take 17,
+    a completion up to 3) sequences are preempted, recomputed, and give the
+    same rows."""
+    engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=pages)
+    got = engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
+    out = jax.device_get(got.out)
+    _assert_same_rollouts(out, jax.device_get(continuous.out))
+    expected = _teacher_forced_logp(params, out, 0.8)
+    mask = np.asarray(out.completion_mask_BxT)
+    np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-5)
+    if pages:
+        assert got.preemptions > 0 and got.peak_pages == pages
+    else:
+        assert got.preemptions == 0 and got.peak_pages <= got.pages
+
+
+def test_a_groups_prompt_pages_are_stored_once(params):
+    """16 prompts x 8 samples against 128 prompts x 1 of the same lengths (completions
+    run to the budget): the pages in use at once differ by exactly 112 prompts' pages."""
+    settings = sampling.SamplingConfig(max_new_tokens=6, temperature=1.0, pad_id=PAD)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(1, 90, size=n)) for n in rng.integers(5, 13, size=16)]
+    tokens, valid = sampling.pad_prompts(prompts, PAD)
+    engine = PagedEngine(CONFIG, settings, slots=128, page_size=PG)
+    grouped = engine.generate(params, tokens, valid, jax.random.key(0), n_samples=8)
+    alone = engine.generate(
+        params, np.repeat(tokens, 8, 0), np.repeat(valid, 8, 0), jax.random.key(0), n_samples=1
+    )
+    prompt_pages = sum(-(-len(p) // PG) for p in prompts)
+    assert alone.peak_pages - grouped.peak_pages == 7 * prompt_pages
+    assert grouped.peak_pages == prompt_pages + 128 * 2  # 5 cached tokens: 2 pages each
+
+
+def test_weights_taken_in_flight_are_recorded_per_token(params):
+    settings = sampling.SamplingConfig(max_new_tokens=16, greedy=True, pad_id=PAD)
+    other = _random_params(CONFIG, seed=1, std=0.1)
+    engine = PagedEngine(CONFIG, settings, slots=4, insert_lanes=4, chunk_steps=5, page_size=PG)
+    got = engine.generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N, weights=lambda: (other, 1)
+    )
+    old = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), settings, N)
+    assert got.weight_updates == 1
+    # The first 4 sequences ran their prefill token and 5 decode steps on the old weights.
+    np.testing.assert_array_equal(got.version_BxN[:4, :6], 0)
+    np.testing.assert_array_equal(got.version_BxN[:4, 6:], 1)
+    tokens = np.asarray(got.out.tokens_BxT)
+    np.testing.assert_array_equal(
+        tokens[:4, : WIDTH + 6], np.asarray(old.tokens_BxT)[:4, : WIDTH + 6]
+    )
+    # Later sequences draw their first token from the prompts' prefill (version 0), then 1.
+    np.testing.assert_array_equal(got.version_BxN[4:, 0], 0)
+    np.testing.assert_array_equal(got.version_BxN[4:, 1:], 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pages=16), r"rollout.paged.pages=16: the pool must hold every prompt \(17 pages "),
+        (dict(page_size=0), r"rollout.paged.page_size: must be an int >= 1, got 0"),
+        (dict(slots=-1), r"rollout.paged.slots: must be an int >= 0, got -1"),
+    ],
+)
+def test_bad_settings_are_named(params, sampled, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PagedEngine(CONFIG, sampled, **{"page_size": PG, **kwargs}).generate(
+            params, TOKENS, VALID, jax.random.key(0), n_samples=N
+        )
+
+
+def test_samples_differ_by_key(params, sampled):
+    engine = PagedEngine(CONFIG, dataclasses.replace(sampled), slots=8, page_size=PG)
+    a = engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
+    b = engine.generate(params, TOKENS, VALID, jax.random.key(4), n_samples=N)
+    assert not np.array_equal(np.asarray(a.out.tokens_BxT), np.asarray(b.out.tokens_BxT))
