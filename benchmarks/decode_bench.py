@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 import model_bench  # noqa: E402
 import rollout_bench  # noqa: E402
 
-from m2po_jax.rollout import engine as engine_lib  # noqa: E402
+from m2po_jax.rollout import engines as engine_lib  # noqa: E402
 from m2po_jax.rollout import sampling  # noqa: E402
 
 CONFIG = rollout_bench.CONFIG

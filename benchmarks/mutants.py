@@ -181,7 +181,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ multi-turn episodes
     Mutant(
         "episodes-appended-tokens-trained",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/turns.py",
         'valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),',
         'valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),\n'
         '        sampled_JxN=state.sampled_JxN.at[drop, at[1]].set(True, mode="drop"),',
@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "episodes-appended-version-is-the-policy",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/turns.py",
         'version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),',
         'version_JxN=state.version_JxN.at[drop, at[1]].set(version, mode="drop"),',
         (T("tests/rollout/engine_test.py", "turns"),),
@@ -198,7 +198,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "episodes-append-positions-shifted",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/turns.py",
         "positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]",
         "positions_LxT = (state.prompt_len_S[s_L] + step_L)[:, None] + t_T[None]",
         (T("tests/rollout/engine_test.py", "turns"),),
@@ -281,7 +281,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-bucket-by-nearest-slot",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/slots.py",
         "needed = jnp.max(jnp.where(live_S, column_S + 1, 1))",
         "needed = jnp.min(jnp.where(live_S, column_S + 1, total))",
         (T("tests/rollout/engine_test.py", "read_the_written"),),
@@ -289,7 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-refill-keeps-old-columns",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/slots.py",
         'valid_BxS=state.cache.valid_BxS.at[slot_L].set(row_valid_LxW, mode="drop"),',
         'valid_BxS=state.cache.valid_BxS.at[slot_L, :width].set(row_valid_LxW[:, :width], mode="drop"),',
         (T("tests/rollout/engine_test.py", "greedy"),),
@@ -297,7 +297,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-position-off-by-one",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/slots.py",
         "(state.prompt_len_S + state.step_S - 1)[:, None],",
         "(state.prompt_len_S + state.step_S)[:, None],",
         (T("tests/rollout/engine_test.py", "greedy"),),
@@ -305,7 +305,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-keys-by-slot",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/slots.py",
         "_sequence_keys(keys_U, state, job_S, state.step_S)",
         "_sequence_keys(keys_U, state, jnp.arange(job_S.shape[0]), state.step_S)",
         (T("tests/rollout/engine_test.py", "keys"),),
@@ -313,7 +313,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-inflight-keeps-old-version",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/continuous.py",
         "# in flight keep their cache and go on under the new weights.\n"
         '                    prefixes = programs["prefill"](\n'
         "                        params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version)",
@@ -325,7 +325,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-stream-yields-a-batch-early",
-        "m2po_jax/rollout/engine.py",
+        "m2po_jax/rollout/engines/continuous.py",
         "while ready < count and done[:, ready].all():",
         "while ready < count and done[:, ready].any():",
         (T("tests/rollout/engine_test.py", "stream"),),
@@ -680,9 +680,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-insert-lanes-never-reach-the-engine",
-        "m2po_jax/trainer/setup.py",
-        "        insert_lanes=r.insert_lanes,",
-        "        insert_lanes=0,",
+        "m2po_jax/rollout/engines/continuous.py",
+        "            insert_lanes=rollout.insert_lanes,",
+        "            insert_lanes=0,",
         (T("tests/trainer/settings_reach_test.py", "engine"),),
         "rollout.insert_lanes is validated, then the engine starts its default number per step",
     ),
@@ -745,15 +745,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "setup-reads-the-engine-unresolved",
         "m2po_jax/trainer/setup.py",
-        '    if config_lib.rollout_engine(cfg) == "static":',
-        '    if r.engine != "continuous":',
+        "    engine = engines.engine_class(config_lib.rollout_engine(cfg))",
+        '    engine = engines.engine_class("continuous" if cfg.rollout.engine == "continuous" else "static")',
         (T("tests/trainer/trainer_test.py", "auto_engine"),),
         "the run builds no engine for rollout.engine=auto with a long budget",
     ),
     Mutant(
         "continuous-engine-metric-constant",
         "m2po_jax/trainer/loop.py",
-        '            record["rollout/continuous_engine"] = float(self.setup.engine is not None)',
+        '            record["rollout/continuous_engine"] = float(self.setup.engine.name == "continuous")',
         '            record["rollout/continuous_engine"] = 0.0',
         (T("tests/trainer/trainer_test.py", "continuous_engine_trains"),),
         "the metrics say the static sampler made rollouts the continuous engine made",

@@ -8,7 +8,7 @@ Same model, prompts, sampling settings and slot count on both sides: the static 
 `--slots` rows, each batch until its longest completion ends; the continuous engine
 (`rollout.engine=continuous`) runs every sequence through `--slots` decode slots and
 refills a slot as soon as its sequence stops. Both are the trainer's code path
-(`m2po_jax.rollout.engine`), temperature 1.
+(`m2po_jax.rollout.engines`), temperature 1.
 
 The model is e2e_bench's random 3.2M-parameter Llama (vocab 512, hidden 256, 4 layers,
 4 / 2 heads, MLP 704, float32) made context-free as e2e_bench does: the layers' output
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from m2po_jax.models import model as model_lib  # noqa: E402
 from m2po_jax.models import model_config as model_config_lib  # noqa: E402
-from m2po_jax.rollout import engine as engine_lib  # noqa: E402
+from m2po_jax.rollout import engines as engine_lib  # noqa: E402
 from m2po_jax.rollout import sampling  # noqa: E402
 
 EOS_ID = 3

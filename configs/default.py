@@ -133,7 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     # static: each batch decodes until its longest completion ends (`sampling.generate`) |
     # continuous: a fixed number of decode slots, a slot refilled with the next queued
-    # sequence as soon as its own stops (m2po_jax/rollout/engine.py); same greedy answers |
+    # sequence as soon as its own stops (m2po_jax/rollout/engines/); same greedy answers |
     # auto: continuous from gconfig.max_new_tokens >= 128 on (long completions end at
     # spread-out lengths), static below (the run's "rollout/continuous_engine" says which)
     c.rollout.engine = "auto"

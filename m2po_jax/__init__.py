@@ -99,6 +99,8 @@ MOVED = {
     "trainer.main": "cli.train",
     "trainer.export_main": "cli.export",
     "trainer.study": "cli.study",
+    # 0.3: one module per rollout engine
+    "rollout.engine": "rollout.engines",
 }
 # Old paths that stay public without a warning.
 PUBLIC = {"hf": "models.hf"}

@@ -212,7 +212,7 @@ def test_every_old_module_path_is_the_new_module_with_a_warning():
 
     import m2po_jax
 
-    assert len(m2po_jax.MOVED) == 61
+    assert len(m2po_jax.MOVED) == 62
     for old, new in sorted(m2po_jax.MOVED.items()):
         sys.modules.pop(f"m2po_jax.{old}", None)
         with pytest.warns(DeprecationWarning, match=f"m2po_jax.{old} moved to m2po_jax.{new}"):

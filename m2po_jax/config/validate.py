@@ -30,6 +30,7 @@ from m2po_jax.common.config_schema import (
 from m2po_jax.common.errors import ConfigError
 from m2po_jax.learner import batching, optim
 from m2po_jax.models.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
+from m2po_jax.rollout import engines
 
 # logits / temperature: below this the float32 log-probs and their gradients (scaled by
 # 1 / temperature) overflow or lose all precision; greedy=True is the argmax limit.
@@ -382,7 +383,7 @@ def validate(cfg: Config) -> Config:
 
 
 ROLLOUT_MODES = ("sync", "async")
-ROLLOUT_ENGINES = ("auto", "static", "continuous")  # m2po_jax/rollout/engine.py
+ROLLOUT_ENGINES = ("auto", *engines.ENGINES)  # m2po_jax/rollout/engines/
 # rollout.engine=auto takes the continuous engine from this completion budget on: measured
 # on this project's CPU (docs/benchmarks.md), 32 new tokens that never stop ran 16% slower
 # through the engine than the static sampler, and 256 new tokens with long-tailed lengths
@@ -429,7 +430,7 @@ def _check_agent(cfg: Config, engine: str) -> None:
             f"agent.step_timeout_s={ag.step_timeout_s} must be above agent.tool_timeout_s="
             f"{ag.tool_timeout_s} (a step runs its turn's tool calls)"
         )
-    if engine != "continuous":
+    if not engines.ENGINES[engine].multi_turn:
         raise ConfigError(
             f"agent.env={ag.env!r}: multi-turn episodes run on the continuous engine; set "
             f"rollout.engine=continuous or auto (got {cfg.rollout.engine!r})"

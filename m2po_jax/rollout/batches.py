@@ -21,6 +21,7 @@ from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import rewards as rewards_lib
 from m2po_jax.rollout import sampling
+from m2po_jax.rollout.engines import RolloutEngine, StaticEngine
 
 # Host-side rollouts are `RolloutBatch` records of numpy arrays; checkpoints store their
 # fields by these names.
@@ -95,7 +96,7 @@ class SampledRollout:
     texts: list[str]
     examples: Sequence
     n_samples: int
-    generation: object = None  # the engine's `Generation` (its decode counters), if any
+    generation: object = None  # the engine's `Generation` (its decode counters)
     episodes: episodes_lib.EpisodeStats | None = None  # multi-turn rollouts' outcomes
 
 
@@ -111,18 +112,21 @@ def sample_rollout(
     version: int,
     max_prompt_len: int,
     placement=None,
-    engine=None,
+    engine: RolloutEngine | None = None,
     weights=None,
     agent: episodes_lib.Agent | None = None,
 ) -> SampledRollout:
     """The device half of `generate_rollout`: samples and decodes, scores nothing.
 
-    `engine`: a `rollout.engine.RolloutEngine` (None: `sampling.generate`); `weights`:
-    newer weights it may take in flight (`RolloutEngine.generate`). `agent`: multi-turn
+    `engine`: a `rollout.engines.RolloutEngine` (None: a `StaticEngine`, i.e.
+    `sampling.generate`, of `model_config` and `sampling_config`); `weights`: newer weights
+    it may take in flight (`RolloutEngine.generate`). `agent`: multi-turn
     episodes (`rollout.episodes`; the continuous engine, this process's devices): the
     texts are the final assistant turns, the loss mask covers the sampled tokens only, and
     none of an episode out of the loss (`EpisodeStats.masked_B`).
     """
+    if engine is None:
+        engine = StaticEngine(model_config, sampling_config)
     if agent is not None:
         if placement is not None and jax.process_count() > 1 and placement.mesh is not None:
             if not all(d.process_index == jax.process_index() for d in placement.mesh.devices.flat):
@@ -155,27 +159,20 @@ def sample_rollout(
         share = placement.local_rows(len(examples))
         local = encode_prompts([e.prompt for e in examples[share]], tokenizer, max_prompt_len)
         prompts_BxP, valid_BxP = placement.from_local(local, len(examples))
-    rows = len(examples) * n_samples
-    generation = None
-    if engine is None:
-        out = sampling.generate(
-            params, model_config, prompts_BxP, valid_BxP, rng, sampling_config, n_samples=n_samples
-        )
-        version_BxN = np.full((rows, sampling_config.max_new_tokens), version, np.int32)
-    else:
-        generation = engine.generate(
-            params,
-            prompts_BxP,
-            valid_BxP,
-            rng,
-            n_samples=n_samples,
-            version=version,
-            weights=weights,
-        )
-        out, version_BxN = generation.out, generation.version_BxN
+    generation = engine.generate(
+        params, prompts_BxP, valid_BxP, rng, n_samples=n_samples, version=version, weights=weights
+    )
+    out = generation.out
     host = jax.device_get(out) if placement is None else placement.to_host(out)
     return _sampled(
-        host, version_BxN, examples, tokenizer, sampling_config, n_samples, version, generation
+        host,
+        generation.version_BxN,
+        examples,
+        tokenizer,
+        sampling_config,
+        n_samples,
+        version,
+        generation,
     )
 
 

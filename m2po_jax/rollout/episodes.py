@@ -414,8 +414,10 @@ def run_episodes(
     (see the module doc): (the engine's `Generation` on the host, the final assistant
     turns' texts, the `EpisodeStats`). `rollout.batches.sample_rollout(agent=...)` makes
     the rollout batch of them."""
-    if engine is None or not hasattr(engine, "episodes"):
-        raise ValueError("agent: multi-turn episodes need rollout.engine='continuous'")
+    if not getattr(engine, "multi_turn", True):  # (an engine of the interface says so)
+        raise ValueError(
+            f"agent: multi-turn episodes need rollout.engine='continuous' (got {engine.name!r})"
+        )
     episodes, prompt_ids = _open(agent, examples, n_samples)
     truncated, filtered = _check_prompt_lengths(
         agent, episodes, examples, prompt_ids, n_samples, max_prompt_len

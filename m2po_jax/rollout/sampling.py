@@ -30,6 +30,7 @@ import numpy as np
 
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import sharding
 
 
 @flax.struct.dataclass
@@ -386,6 +387,20 @@ def generate(
         sampling=sampling,
         n_samples=int(n_samples),
     )
+
+
+def generate_program(
+    model_config: model_config_lib.ModelConfig,
+    sampling: SamplingConfig,
+    n_samples: int,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """`generate`'s jitted program, traced with `mesh` in context (`sharding.on_mesh`), for
+    compiling ahead of a run: called as (params, prompt_tokens_BxP, prompt_valid_BxP, rng)."""
+    fn = functools.partial(
+        _generate.__wrapped__, model_config=model_config, sampling=sampling, n_samples=n_samples
+    )
+    return jax.jit(sharding.on_mesh(fn, mesh))
 
 
 def check_inputs(model_config, sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples) -> None:

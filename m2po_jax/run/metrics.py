@@ -340,7 +340,7 @@ def token_staleness(version_BxT: Any, mask_BxT: Any, current_version: int) -> di
 
 
 def engine_stats(generation: Any) -> dict[str, float]:
-    """A rollout engine's decode counters (`rollout.engine.Generation`; {} for none):
+    """A rollout engine's decode counters (`rollout.engines.Generation`; {} for none):
     "rollout/decode_steps" and "rollout/decode_idle_fraction", the share of decode work
     (rows or slots x steps) spent on finished or empty rows."""
     if generation is None:

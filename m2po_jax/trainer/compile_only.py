@@ -6,8 +6,8 @@ builds, for the devices of `--topology` (libtpu's deviceless compile: a CPU host
 for a TPU slice it does not have, as MaxText's `train_compile.py` does) or for this host's
 devices when no topology is named, and for the run's own mesh: the train step (the widest
 completion bucket, the proximal and reference passes inside it), the supervised warm-up
-step, the weight reshard from the train layout to the sampling layout, the sampler (the
-static one or the continuous engine's three phases), the greedy evaluation, one decode
+step, the weight reshard from the train layout to the sampling layout, the rollout
+engine's programs (`RolloutEngine.programs`), the greedy evaluation, one decode
 step, and in an async run the rollout and train devices split as the trainer splits them.
 Nothing is allocated: every argument is a `jax.ShapeDtypeStruct` with its sharding.
 
@@ -23,7 +23,6 @@ reach at best, and the bytes one decode step reads against the weights plus KV c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -34,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.learner import batching, optim
@@ -44,7 +42,7 @@ from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import chips as chips_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
-from m2po_jax.rollout import sampling
+from m2po_jax.rollout import engines, sampling
 
 _GIB = 2**30
 
@@ -481,22 +479,20 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     prompts = cfg.rollout.batch_size
     if rollout_placement is not None:
         prompts //= max(1, len({d.process_index for d in devices}))
-    if config_lib.rollout_engine(cfg) == "static":
-        sampler = _compile_generate(
-            "sampler", sampler_placement, sample_params, model_config, decoding, prompts,
-            cfg.gconfig.n_samples, prompt_len,
-        )  # fmt: skip
-        sampler.what = f"static sampler, {prompts} prompts x {cfg.gconfig.n_samples} samples"
-        add(sampler)
-    else:
-        for program in _compile_engine(
-            cfg, sampler_placement, sample_params, model_config, decoding, prompts, prompt_len
-        ):
-            add(program)
-    evaluation = _compile_generate(
-        "evaluate", placement, _abstract(params_shape, placement.sample_params), model_config,
-        dataclasses.replace(decoding, greedy=True), cfg.eval.batch_size, 1, prompt_len,
+    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement)
+    max_append = cfg.agent.max_append_tokens if cfg.agent.env else 0
+    for program in _compile_engine(
+        engine, sample_params, prompts, cfg.gconfig.n_samples, prompt_len, max_append=max_append
+    ):
+        add(program)
+    # The greedy evaluation, as the static sampler runs it on the training devices.
+    greedy = dataclasses.replace(decoding, greedy=True)
+    evaluator = engines.StaticEngine(model_config, greedy, mesh=placement.mesh)
+    (evaluation,) = _compile_engine(
+        evaluator, _abstract(params_shape, placement.sample_params), cfg.eval.batch_size, 1,
+        prompt_len,
     )  # fmt: skip
+    evaluation.name = "evaluate"
     evaluation.what = f"greedy evaluation, {cfg.eval.batch_size} prompts"
     add(evaluation)
     decode = add(_compile_decode(sampler_placement, sample_params, model_config, rows, seq_len))
@@ -539,78 +535,21 @@ def _split(devices: list, rollout_per_process: int) -> tuple[list, list]:
     return local[len(local) - n :], train
 
 
-def _compile_generate(name, placement, params, model_config, decoding, prompts, n, width):
-    jitted = jax.jit(
-        sharding.on_mesh(
-            functools.partial(
-                sampling._generate.__wrapped__,
-                model_config=model_config,
-                sampling=decoding,
-                n_samples=n,
-            ),
-            placement.mesh,
-        )
-    )
-    return compile_program(
-        name,
-        "",
-        jitted,
-        params,
-        _rows(placement, jnp.int32, prompts, width),
-        _rows(placement, jnp.bool_, prompts, width),
-        _key(placement),
-    )
-
-
-def _compile_engine(cfg, placement, params, model_config, decoding, prompts, width):
-    """The continuous engine's prefill, start and run phases, each from the last's outputs."""
-    from m2po_jax.trainer import setup as setup_lib
-
-    engine = setup_lib.build_engine(cfg, model_config, decoding, placement)
-    n = cfg.gconfig.n_samples
-    extra = cfg.agent.max_append_tokens if cfg.agent.env else 0
-    if extra:  # multi-turn episodes: one program over every slot (`engine.episodes`)
-        slots = engine.slots * engine.shards or prompts * n
-        lanes = min(engine.insert_lanes or max(slots // 4, 1), slots)
-    else:
-        slots, lanes = engine.sizes(prompts * n)
-    phases = engine._compiled(n, slots, lanes, extra)
-    tokens = _rows(placement, jnp.int32, prompts, width)
-    valid = _rows(placement, jnp.bool_, prompts, width)
-    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=placement.replicated)
-    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
-    keys = jax.ShapeDtypeStruct((1,), key_dtype, sharding=placement.replicated)
-    ids = _rows(placement, jnp.int32, prompts * n)
-
-    prefill = compile_program(
-        "engine_prefill", f"{prompts} prompts, one prefill each", phases["prefill"],
-        params, tokens, valid, version,
-    )  # fmt: skip
-    if prefill.error:
-        return [prefill]
-    prefixes = _outputs(prefill.compiled)
-    start = compile_program(
-        "engine_start", f"{slots} slots per engine, {lanes} insert lanes", phases["start"],
-        prefixes, keys, ids, ids,
-    )  # fmt: skip
-    if start.error:
-        return [prefill, start]
-    slots_state = _outputs(start.compiled)
-    steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=placement.replicated)
-    run = compile_program(
-        "engine_run", "decode loop with refills", phases["run"],
-        params, slots_state, prefixes, keys, steps,
-    )  # fmt: skip
-    if not extra or run.error:
-        return [prefill, start, run]
-    # The widest append: every slot takes an environment's answer of max_append tokens.
-    lane = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=placement.replicated)
-    append = compile_program(
-        "engine_append", f"{slots} held slots take {extra}-token answers", phases["append"],
-        params, slots_state, keys, lane(jnp.int32, slots), lane(jnp.int32, slots, extra),
-        lane(jnp.int32, slots), version,
-    )  # fmt: skip
-    return [prefill, start, run, append]
+def _compile_engine(engine, params, prompts: int, n_samples: int, prompt_len: int, *,
+                    max_append: int = 0) -> list[Program]:  # fmt: skip
+    """`engine.programs`, each compiled from the abstract outputs of those it takes them
+    from, in order; stops at a program the compiler refuses."""
+    compiled: dict[str, Any] = {}
+    done = []
+    for program in engine.programs(
+        params, prompts, n_samples, prompt_len=prompt_len, max_append=max_append
+    ):
+        args = [compiled[a.program] if isinstance(a, engines.OutputOf) else a for a in program.args]
+        done.append(compile_program(program.name, program.what, program.jitted, *args))
+        if done[-1].error:
+            break
+        compiled[program.name] = _outputs(done[-1].compiled)
+    return done
 
 
 def _outputs(compiled):

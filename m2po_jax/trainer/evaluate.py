@@ -23,10 +23,8 @@ def decoding(run: RunSetup):
 
 
 def _engine(run: RunSetup, settings):
-    """The continuous engine for evaluation (`rollout.engine=continuous`), over the training
-    devices with the evaluation's decoding; None for the static sampler."""
-    if run.engine is None:
-        return None
+    """The run's rollout engine (`rollout.engine`) for evaluation, over the training devices
+    with the evaluation's decoding."""
     key = (id(run.placement), settings)
     if key not in _ENGINES:
         _ENGINES.clear()  # one run's at a time

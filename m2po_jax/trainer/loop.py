@@ -447,7 +447,7 @@ class Trainer:
             if self.setup.rewards is not None:
                 record["reward/timeouts"] = self.setup.rewards.take_timeouts()
             # which sampler made the rollouts (rollout.engine=auto decides by the budget)
-            record["rollout/continuous_engine"] = float(self.setup.engine is not None)
+            record["rollout/continuous_engine"] = float(self.setup.engine.name == "continuous")
             stop = self.stop.agreed() and step + 1 < cfg.total_steps
             if pending is not None:
                 self._finish(writer, progress, *pending, current=(step, record, device_metrics))

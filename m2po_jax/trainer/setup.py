@@ -29,10 +29,9 @@ from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
-from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import engines, sampling
 from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import rewards as rewards_lib
-from m2po_jax.rollout import sampling
 from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.tasks import Task, make_task, parse_eval_sets, task_class
 from m2po_jax.trainer import memory_check
@@ -52,9 +51,9 @@ class RunSetup:
     memory_plan: memory.MemoryPlan
     # rollout.mode="async": this process's rollout devices (a mesh of them alone), else None
     rollout_placement: placement_lib.Placement | None = None
-    # rollout.engine="continuous": the engine of the training rollouts (on the rollout
-    # devices in an async run), else None (`sampling.generate`)
-    engine: engine_lib.ContinuousEngine | None = None
+    # the rollout engine of `rollout.engine` ("auto" resolved): the training rollouts' (on
+    # the rollout devices in an async run)
+    engine: engines.RolloutEngine | None = None  # set by `build`
     # scores the rollouts (and evaluations with eval.reward="train"): the task's reward,
     # rollout.reward_workers at once, rollout.reward_timeout_s each
     rewards: rewards_lib.RewardScorer | None = None
@@ -153,22 +152,11 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
     )
 
 
-def build_engine(
-    cfg: Config, model_config, decoding, placement
-) -> engine_lib.ContinuousEngine | None:
-    """The continuous-batching engine of `rollout.engine=continuous` over `placement`'s
-    batch shards (None for the static sampler)."""
-    r = cfg.rollout
-    if config_lib.rollout_engine(cfg) == "static":
-        return None
-    return engine_lib.ContinuousEngine(
-        model_config,
-        decoding,
-        slots=r.engine_slots,
-        insert_lanes=r.insert_lanes,
-        chunk_steps=r.chunk_steps,
-        mesh=placement.mesh,
-    )
+def build_engine(cfg: Config, model_config, decoding, placement) -> engines.RolloutEngine:
+    """The rollout engine of `rollout.engine` ("auto" resolved by the budget) with
+    `decoding`, over `placement`'s batch shards."""
+    engine = engines.engine_class(config_lib.rollout_engine(cfg))
+    return engine.from_config(cfg.rollout, model_config, decoding, placement.mesh)
 
 
 def build_prompts(cfg: Config, tokenizer) -> prompts_lib.PromptEncoder:

@@ -1,4 +1,4 @@
-"""Tests for m2po_jax.rollout.engine: the continuous-batching engine against the static
+"""Tests for m2po_jax.rollout.engines: the continuous-batching engine against the static
 sampler (`sampling.generate`), a recomputed forward, in-flight weight updates, shards."""
 
 import dataclasses
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from sampling_test import CONFIG, _random_params, _teacher_forced_logp
 
+from m2po_jax.models import model as model_lib
 from m2po_jax.parallel import sharding
-from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import engines as engine_lib
 from m2po_jax.rollout import sampling
 
 N = 2  # samples per prompt
@@ -199,9 +200,9 @@ def test_decode_steps_read_the_written_columns_only_and_agree_with_a_full_forwar
         expected = _teacher_forced_logp(params, out, 0.9)
         np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
     taken = []
-    attend = engine_lib.model_lib.attention.grouped_attention
+    attend = model_lib.attention.grouped_attention
     monkeypatch.setattr(
-        engine_lib.model_lib.attention,
+        model_lib.attention,
         "grouped_attention",
         lambda q, k, *rest: taken.append(k.shape[2]) or attend(q, k, *rest),
     )
@@ -278,3 +279,59 @@ def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attend
     # A sequence's draws depend on its id, not on its slot.
     other = engine_lib.ContinuousEngine(CONFIG, settings, slots=8, insert_lanes=1)
     np.testing.assert_array_equal(_episodes(params, other)[0].out.tokens_BxT, out.tokens_BxT)
+
+
+def test_the_registry_holds_every_engine_and_the_config_reads_it():
+    from m2po_jax.config.validate import ROLLOUT_ENGINES
+
+    assert engine_lib.ENGINES == {
+        "static": engine_lib.StaticEngine,
+        "continuous": engine_lib.ContinuousEngine,
+    }
+    assert ROLLOUT_ENGINES == ("auto", *engine_lib.ENGINES)
+    with pytest.raises(ValueError, match=r"^rollout.engine='paged': unknown; known: "):
+        engine_lib.engine_class("paged")
+    with pytest.raises(ValueError, match="not a RolloutEngine"):
+        engine_lib.register("other")(dict)
+
+
+def test_the_static_engine_is_the_sampler_streams_per_unit_and_runs_no_episodes(params, greedy):
+    static = engine_lib.StaticEngine(CONFIG, greedy)
+    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(3), greedy, N)
+    got = static.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N, version=5)
+    _assert_same_rollouts(got.out, want)
+    assert got.version_BxN.shape == (24, 16) and (got.version_BxN == 5).all()
+    units = [(TOKENS, VALID, jax.random.key(3)), (TOKENS[:4], VALID[:4], jax.random.key(4))]
+    first, second = static.stream(params, units, n_samples=N)
+    _assert_same_rollouts(first.out, want)
+    assert second.out.tokens_BxT.shape[0] == 8
+    with pytest.raises(ValueError, match=r"^rollout.engine='static' runs no multi-turn episodes"):
+        static.episodes(params, TOKENS, VALID, jax.random.key(3), lambda turns: [])
+
+
+@pytest.mark.parametrize("max_append", [0, 8])
+def test_programs_compile_from_their_abstract_arguments(params, greedy, max_append):
+    """What --compile_only compiles: each program from its abstract arguments and the
+    outputs of those before it."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    continuous = engine_lib.ContinuousEngine(CONFIG, greedy, slots=4, insert_lanes=2)
+    want = ["engine_prefill", "engine_start", "engine_run"] + ["engine_append"] * bool(max_append)
+    cases = [(continuous, want)]
+    if not max_append:
+        cases.append((engine_lib.StaticEngine(CONFIG, greedy), ["sampler"]))
+    for engine, names in cases:
+        outputs = {}
+        programs = engine.programs(abstract, 12, N, prompt_len=WIDTH, max_append=max_append)
+        assert [p.name for p in programs] == names
+        for program in programs:
+            args = [
+                outputs[a.program] if isinstance(a, engine_lib.OutputOf) else a
+                for a in program.args
+            ]
+            outputs[program.name] = program.jitted.lower(*args).compile().out_info
+    if max_append:
+        assert programs[1].what == "4 slots per engine, 2 insert lanes"
+    with pytest.raises(ValueError, match="runs no multi-turn episodes"):
+        engine_lib.StaticEngine(CONFIG, greedy).programs(
+            abstract, 12, N, prompt_len=8, max_append=8
+        )

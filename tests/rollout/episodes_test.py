@@ -13,7 +13,7 @@ from sampling_test import _random_params
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config
 from m2po_jax.rollout import batches as rollout_lib
-from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import engines as engine_lib
 from m2po_jax.rollout import episodes as episodes_lib
 from m2po_jax.rollout import sampling
 from m2po_jax.tasks import calculator, environments, tool_calls, tools

@@ -1,0 +1,204 @@
+"""Multi-turn appends: what the continuous engine runs when a turn ends (`episodes`).
+
+A slot whose turn ends (a stop token, or the completion budget) is held; the host answers
+each held `Turn` with tokens to append or None. `_append` writes the appended tokens into
+the sequence's row (valid, not sampled, version -1), runs them through the model into the
+slot's own cache row from its own column (`_prefill_rows`: the history is never
+recomputed), and draws the next turn's first token with the sequence's key for that
+index (`fold_in(fold_in(unit key, sequence id), t)`, as every engine token). `_release`
+ends the episodes answered None. Host lanes are padded to powers of two (`_lanes`,
+`_bucket`) so few shapes compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2po_jax.models import model as model_lib
+from m2po_jax.rollout import sampling
+from m2po_jax.rollout.engines.slots import _sequence_keys, _Slots, _write_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """A turn that ended in a held slot (`ContinuousEngine.episodes`).
+
+    Attributes:
+      row: the sequence's output row (prompt b's samples are rows b * n .. b * n + n - 1).
+      tokens: the turn's tokens, its stop token included when it has one.
+      cut: the turn ended at the completion budget, not at a stop token.
+      room: the most tokens an append may add (the budget left for them and one drawn
+        token, within `max_append`); 0 = none fit.
+    """
+
+    row: int
+    tokens: list[int]
+    cut: bool
+    room: int
+    start: int = 0  # the turn's first token's index in the row's completion
+
+
+def _lanes(slots: list[int], count: int) -> np.ndarray:
+    """Slot indices padded with `count` (unused) to a power of two (few compiled shapes)."""
+    size = min(1 << max(len(slots) - 1, 0).bit_length(), count)
+    lanes = np.full(max(size, len(slots)), count, np.int32)
+    lanes[: len(slots)] = slots
+    return lanes
+
+
+def _bucket(n: int, cap: int) -> int:
+    """The append width for `n` tokens: a power of two from 8, at most `cap`."""
+    return min(max(8, 1 << (n - 1).bit_length()), cap)
+
+
+def _append(
+    params,
+    state: _Slots,
+    keys_U,
+    slot_L,
+    delta_LxM,
+    len_L,
+    version,
+    *,
+    model_config,
+    sampling_config,
+    extra: int,
+):
+    """Appends host tokens to held slots' sequences and resumes them (multi-turn).
+
+    Lane l (slot `slot_L[l]`, out of range = unused) takes `delta_LxM[l, :len_L[l]]`
+    (a tool's answer and the next turn's header, rendered by the host): they are written
+    into its sequence's row as appended tokens (not sampled, version -1), run through the
+    model with the turn's pending last token into the slot's cache row (one prefill of
+    len + 1 tokens at the row's own column: the history is never recomputed), and the
+    next turn's first token is drawn from the last one's logits. The host guarantees
+    that step + len < max_new_tokens and len <= M <= `extra` (the cache's columns past
+    the completion's).
+    """
+    slots = state.job_S.shape[0]
+    jobs, new = state.tokens_JxN.shape
+    lanes, m = delta_LxM.shape
+    width = state.cache.valid_BxS.shape[1] - new - extra
+    use_L = slot_L < slots
+    s_L = jnp.minimum(slot_L, slots - 1)
+    job_L = jnp.where(use_L, state.job_S[s_L], jobs)
+    step_L = state.step_S[s_L]  # the sequence's tokens; its last is not in the cache yet
+    state = _write_appended(state, job_L, step_L, use_L, delta_LxM, len_L)
+    tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
+    t_T = jnp.arange(m + 1, dtype=jnp.int32)
+    positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]
+    hidden_LxTxE, cache = _prefill_rows(
+        params,
+        state.cache,
+        slot_L,
+        s_L,
+        tokens_LxT,
+        positions_LxT,
+        t_T[None] <= len_L[:, None],
+        width + step_L - 1,
+        model_config,
+    )
+    last_LxE = hidden_LxTxE[jnp.arange(lanes), len_L]
+    logits_LxV = model_lib.dense(last_LxE, model_lib.head_weight(params, model_config))
+    step_L = step_L + len_L  # the drawn token's index
+    token_L, logp_L = sampling.sample_token(
+        logits_LxV.astype(jnp.float32),
+        _sequence_keys(keys_U, state, job_L, step_L),
+        sampling_config,
+    )
+    stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
+    ends_L = stop_L | (step_L + 1 >= new)
+    state = _write_tokens(
+        state, job_L, step_L, token_L, logp_L, version, stop_L, ends_L, turns=True
+    )
+    return state.replace(
+        cache=cache,
+        step_S=state.step_S.at[slot_L].set(step_L + 1, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_L].set(token_L, mode="drop"),
+        live_S=state.live_S.at[slot_L].set(~ends_L, mode="drop"),
+        held_S=state.held_S.at[slot_L].set(ends_L, mode="drop"),
+    )
+
+
+def _write_appended(state: _Slots, job_L, step_L, use_L, delta_LxM, len_L) -> _Slots:
+    """Writes each lane's appended tokens into its sequence's row from column `step_L`:
+    valid, not sampled (no loss), version -1 (padding lanes and columns dropped)."""
+    jobs = state.tokens_JxN.shape[0]
+    t_M = jnp.arange(delta_LxM.shape[1], dtype=jnp.int32)
+    at = (job_L[:, None], step_L[:, None] + t_M[None])
+    real_LxM = use_L[:, None] & (t_M[None] < len_L[:, None])
+    drop = jnp.where(real_LxM, at[0], jobs)  # padding lanes and columns are dropped
+    return state.replace(
+        tokens_JxN=state.tokens_JxN.at[drop, at[1]].set(delta_LxM, mode="drop"),
+        valid_JxN=state.valid_JxN.at[drop, at[1]].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[drop, at[1]].set(-1, mode="drop"),
+    )
+
+
+def _prefill_rows(
+    params, cache, slot_L, s_L, tokens_LxT, positions_LxT, valid_LxT, column_L, model_config
+):
+    """Runs each lane's tokens through the model into its slot's own cache row, from the
+    row's column `column_L` (a batch-1 forward per lane, vmapped: the rows write at
+    different columns). Returns the lanes' hidden states [L, T, E] and the updated cache
+    (lanes with slot `slot_L` out of range leave it as it was)."""
+
+    def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
+        row = model_lib.KVCache(
+            k=tuple(k[None] for k in k_rows),
+            v=tuple(v[None] for v in v_rows),
+            valid_BxS=valid_row[None],
+        )
+        hidden_1xTxE, row = model_lib.apply(
+            params,
+            model_config,
+            tokens_T[None],
+            positions_T[None],
+            valid_T[None],
+            row,
+            column,
+            hidden_only=True,
+        )
+        return (
+            hidden_1xTxE[0],
+            tuple(k[0] for k in row.k),
+            tuple(v[0] for v in row.v),
+            row.valid_BxS[0],
+        )
+
+    rows = lambda x: x[s_L]
+    hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(
+        tuple(map(rows, cache.k)),
+        tuple(map(rows, cache.v)),
+        rows(cache.valid_BxS),
+        tokens_LxT,
+        positions_LxT,
+        valid_LxT,
+        column_L,
+    )
+    put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
+    return hidden_LxTxE, model_lib.KVCache(
+        k=tuple(map(put, cache.k, k_rows)),
+        v=tuple(map(put, cache.v, v_rows)),
+        valid_BxS=put(cache.valid_BxS, valid_rows),
+    )
+
+
+def _release(state: _Slots, slot_L, stopped_L):
+    """Ends the episodes in held slots `slot_L` (out of range = unused): their sequences
+    are done (`stopped_L`: ended as the episode should, not cut by a budget) and their
+    slots free for the next queued sequence."""
+    slots = state.job_S.shape[0]
+    jobs = state.done_J.shape[0]
+    use_L = slot_L < slots
+    job_L = jnp.where(use_L, state.job_S[jnp.minimum(slot_L, slots - 1)], jobs)
+    return state.replace(
+        held_S=state.held_S.at[slot_L].set(False, mode="drop"),
+        job_S=state.job_S.at[slot_L].set(jobs, mode="drop"),
+        stopped_J=state.stopped_J.at[job_L].set(stopped_L, mode="drop"),
+        done_J=state.done_J.at[job_L].set(True, mode="drop"),
+    )
