@@ -96,6 +96,8 @@ class RolloutSection:
     engine: str  # static | continuous
     engine_slots: int
     insert_lanes: int
+    kv_pages: int
+    page_size: int
     inflight_updates: bool
     chunk_steps: int
     stream_batches: int

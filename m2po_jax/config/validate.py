@@ -289,19 +289,22 @@ def validate(cfg: Config) -> Config:
     _check_choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
     _check_range("rollout.engine_slots", r.engine_slots, 0)
     _check_range("rollout.insert_lanes", r.insert_lanes, 0)
+    _check_range("rollout.kv_pages", r.kv_pages, 0)
+    _check_range("rollout.page_size", r.page_size, 1)
     _check_range("rollout.chunk_steps", r.chunk_steps, 1)
     _check_range("rollout.stream_batches", r.stream_batches, 1)
     engine = rollout_engine(cfg)
     got = f"got mode={r.mode}, engine={r.engine}" + (f" -> {engine}" if r.engine == "auto" else "")
-    if r.stream_batches > 1 and (r.mode, engine) != ("async", "continuous"):
+    in_flight = ("continuous", "paged")  # the engines that take weights between calls
+    if r.stream_batches > 1 and (r.mode != "async" or engine not in in_flight):
         raise ConfigError(
             f"rollout.stream_batches={r.stream_batches} needs rollout.mode=async and "
-            f"rollout.engine=continuous ({got})"
+            f"rollout.engine=continuous or paged ({got})"
         )
-    if r.inflight_updates and (r.mode, engine) != ("async", "continuous"):
+    if r.inflight_updates and (r.mode != "async" or engine not in in_flight):
         raise ConfigError(
             "rollout.inflight_updates=True needs rollout.mode=async and "
-            f"rollout.engine=continuous ({got})"
+            f"rollout.engine=continuous or paged ({got})"
         )
     _check_agent(cfg, engine)
     rows = r.batch_size * g.n_samples

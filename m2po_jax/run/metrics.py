@@ -342,7 +342,9 @@ def token_staleness(version_BxT: Any, mask_BxT: Any, current_version: int) -> di
 def engine_stats(generation: Any) -> dict[str, float]:
     """A rollout engine's decode counters (`rollout.engines.Generation`; {} for none):
     "rollout/decode_steps" and "rollout/decode_idle_fraction", the share of decode work
-    (rows or slots x steps) spent on finished or empty rows."""
+    (rows or slots x steps) spent on finished or empty rows; the paged engine's
+    "rollout/kv_pages_peak_fraction" (the most pages in use at once, of the pool) and
+    "rollout/preemptions" (sequences preempted and recomputed)."""
     if generation is None:
         return {}
     record = {
@@ -351,6 +353,9 @@ def engine_stats(generation: Any) -> dict[str, float]:
     }
     if generation.weight_updates:
         record["rollout/inflight_updates"] = generation.weight_updates
+    if hasattr(generation, "peak_pages"):  # the paged engine's pool
+        record["rollout/kv_pages_peak_fraction"] = generation.peak_pages / generation.pages
+        record["rollout/preemptions"] = generation.preemptions
     return record
 
 

@@ -287,10 +287,11 @@ def test_the_registry_holds_every_engine_and_the_config_reads_it():
     assert engine_lib.ENGINES == {
         "static": engine_lib.StaticEngine,
         "continuous": engine_lib.ContinuousEngine,
+        "paged": engine_lib.PagedEngine,
     }
     assert ROLLOUT_ENGINES == ("auto", *engine_lib.ENGINES)
-    with pytest.raises(ValueError, match=r"^rollout.engine='paged': unknown; known: "):
-        engine_lib.engine_class("paged")
+    with pytest.raises(ValueError, match=r"^rollout.engine='vllm': unknown; known: "):
+        engine_lib.engine_class("vllm")
     with pytest.raises(ValueError, match="not a RolloutEngine"):
         engine_lib.register("other")(dict)
 

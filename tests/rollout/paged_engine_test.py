@@ -10,9 +10,9 @@ import pytest
 from engine_test import PAD, TOKENS, VALID, WIDTH, _assert_same_rollouts
 from sampling_test import CONFIG, _random_params, _teacher_forced_logp
 
-from m2po_jax.rollout import engine as engine_lib
+from m2po_jax.rollout import engines as engine_lib
 from m2po_jax.rollout import sampling
-from m2po_jax.rollout.paged_engine import PagedEngine
+from m2po_jax.rollout.engines import PagedEngine
 
 N = 2
 PG = 4  # tokens per page: prompts of 1-8 tokens take 1-2 pages, completions up to 4

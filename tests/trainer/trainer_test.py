@@ -293,9 +293,12 @@ def text_reward(completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 5)
 
 
-def test_the_continuous_engine_trains_as_the_static_sampler_with_greedy_decoding(tmp_path):
+def test_the_continuous_and_paged_engines_train_as_the_static_sampler_with_greedy_decoding(
+    tmp_path,
+):
     """Greedy rollouts are the same whichever engine makes them, so a run with the
-    continuous engine (4 slots for 16 rows per batch) trains exactly as the static one:
+    continuous or the paged engine (4 slots for 16 rows per batch) trains exactly as the
+    static one:
     same losses, rewards and params (batch-centred rewards of the completions' text, so the
     greedy groups of equal completions still have advantages)."""
     changes = {
@@ -309,27 +312,40 @@ def test_the_continuous_engine_trains_as_the_static_sampler_with_greedy_decoding
     }
     static = trainer_lib.Trainer(tiny_config(**changes), tmp_path / "static")
     static.run()
-    continuous = trainer_lib.Trainer(
-        tiny_config(**changes, **{"rollout.engine": "continuous", "rollout.engine_slots": 4}),
-        tmp_path / "continuous",
-    )
-    assert continuous.setup.engine.sizes(16) == (4, 1)
-    continuous.run()
-    keys = ("loss", "reward/mean", "train/param_norm", "rollout/completion_len_mean")
-    want, got = read(tmp_path / "static"), read(tmp_path / "continuous")
-    assert len(got) == len(want) == 3
+    want = read(tmp_path / "static")
     assert max(abs(r["loss"]) for r in want) > 0  # the updates are not all zero
-    for a, b in zip(got, want, strict=True):
-        for key in keys:
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
-        assert a["staleness/token_mean"] == b["staleness/token_mean"]
-        for r in (a, b):  # both engines report their decode counters
-            assert 0 <= r["rollout/decode_idle_fraction"] <= 1 and r["rollout/decode_steps"] >= 0
-        assert (a["rollout/continuous_engine"], b["rollout/continuous_engine"]) == (1.0, 0.0)
-    for a, b in zip(
-        jax.tree.leaves(continuous.state.params), jax.tree.leaves(static.state.params), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # The paged engine with a pool short of one whole batch: sequences are preempted.
+    paged = {"rollout.kv_pages": 18, "rollout.page_size": 2, "eval.batch_size": 4}
+    for engine, extra in (("continuous", {}), ("paged", paged)):
+        other = trainer_lib.Trainer(
+            tiny_config(
+                **changes, **{"rollout.engine": engine, "rollout.engine_slots": 4}, **extra
+            ),
+            tmp_path / engine,
+        )
+        assert other.setup.engine.name == engine
+        other.run()
+        keys = ("loss", "reward/mean", "train/param_norm", "rollout/completion_len_mean")
+        got = read(tmp_path / engine)
+        assert len(got) == len(want) == 3
+        for a, b in zip(got, want, strict=True):
+            for key in keys:
+                np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+            assert a["staleness/token_mean"] == b["staleness/token_mean"]
+            for r in (a, b):  # every engine reports its decode counters
+                assert 0 <= r["rollout/decode_idle_fraction"] <= 1
+                assert r["rollout/decode_steps"] >= 0
+            want_flag = 1.0 if engine == "continuous" else 0.0
+            assert (a["rollout/continuous_engine"], b["rollout/continuous_engine"]) == (
+                want_flag,
+                0.0,
+            )
+        if engine == "paged":
+            assert sum(r["rollout/preemptions"] for r in got) > 0, got
+        for a, b in zip(
+            jax.tree.leaves(other.state.params), jax.tree.leaves(static.state.params), strict=True
+        ):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("budget, continuous", [(127, False), (128, True)])

@@ -1,6 +1,7 @@
 """Rollout engines behind one interface (`base.RolloutEngine`), one module per engine and
-a registry by `rollout.engine` name (`ENGINES`): `static` (`sampling.generate`) and
-`continuous` (continuous batching, multi-turn episodes).
+a registry by `rollout.engine` name (`ENGINES`): `static` (`sampling.generate`),
+`continuous` (continuous batching, multi-turn episodes) and `paged` (continuous batching
+over a paged KV cache, a group's prompt stored once).
 """
 
 from m2po_jax.rollout.engines.base import (
@@ -14,6 +15,7 @@ from m2po_jax.rollout.engines.base import (
     register,
 )
 from m2po_jax.rollout.engines.continuous import ContinuousEngine, row_axes
+from m2po_jax.rollout.engines.paged import PagedEngine, PagedGeneration
 from m2po_jax.rollout.engines.static import StaticEngine
 from m2po_jax.rollout.engines.turns import Turn
 
@@ -23,6 +25,8 @@ __all__ = [
     "EngineProgram",
     "Generation",
     "OutputOf",
+    "PagedEngine",
+    "PagedGeneration",
     "RolloutEngine",
     "StaticEngine",
     "Turn",

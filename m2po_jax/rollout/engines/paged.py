@@ -46,7 +46,14 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import paged
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import sampling
-from m2po_jax.rollout.engine import Generation, RolloutEngine, WeightSource
+from m2po_jax.rollout.engines.base import (
+    EngineProgram,
+    Generation,
+    OutputOf,
+    RolloutEngine,
+    WeightSource,
+    register,
+)
 
 
 @flax.struct.dataclass
@@ -93,6 +100,7 @@ class PagedGeneration(Generation):
     peak_pages: int = 0  # the most pages in use at once (prompts included)
 
 
+@register("paged")
 class PagedEngine(RolloutEngine):
     """Continuous batching over a paged KV cache (see the module doc).
 
@@ -108,8 +116,6 @@ class PagedEngine(RolloutEngine):
         None = one device.
     """
 
-    name = "paged"
-
     def __init__(
         self,
         model_config,
@@ -122,7 +128,7 @@ class PagedEngine(RolloutEngine):
         chunk_steps: int = 32,
         mesh: jax.sharding.Mesh | None = None,
     ):
-        super().__init__(model_config, sampling_config)
+        super().__init__(model_config, sampling_config, mesh=mesh)
         for name, value, low in (
             ("slots", slots, 0),
             ("pages", pages, 0),
@@ -134,8 +140,71 @@ class PagedEngine(RolloutEngine):
                 raise ValueError(f"rollout.paged.{name}: must be an int >= {low}, got {value!r}")
         self.slots, self.pages, self.page_size = int(slots), int(pages), int(page_size)
         self.insert_lanes, self.chunk_steps = int(insert_lanes), int(chunk_steps)
-        self.mesh = mesh
         self._programs: dict = {}
+
+    @classmethod
+    def from_config(cls, rollout, model_config, sampling_config, mesh) -> PagedEngine:
+        """`rollout.engine_slots`, `rollout.kv_pages`, `rollout.page_size`,
+        `rollout.insert_lanes` and `rollout.chunk_steps`."""
+        return cls(
+            model_config,
+            sampling_config,
+            slots=rollout.engine_slots,
+            pages=rollout.kv_pages,
+            page_size=rollout.page_size,
+            insert_lanes=rollout.insert_lanes,
+            chunk_steps=rollout.chunk_steps,
+            mesh=mesh,
+        )
+
+    def programs(self, params, prompts, n_samples, *, prompt_len, max_append=0):
+        """ "engine_prefill" (every prompt into its pages), "engine_start", "engine_run"
+        (the decode loop) and "engine_resume" (its widest: every lane recomputes a whole
+        completion), each from the last's outputs."""
+        if max_append:
+            raise self._no_episodes()
+        phases, size = self._compiled(prompts, prompt_len, n_samples)
+        jobs = prompts * n_samples
+        key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+        version, keys = self._replicated(jnp.int32), self._replicated(key_dtype, 1)
+        state = OutputOf("engine_start")
+        pages = f"{size['pages']} pages of {size['page_size']} tokens"
+        return [
+            EngineProgram(
+                "engine_prefill",
+                f"{prompts} prompts into a pool of {pages}",
+                phases["prefill"],
+                (
+                    params,
+                    self._replicated(jnp.int32, prompts, prompt_len),
+                    self._replicated(jnp.bool_, prompts, prompt_len),
+                    version,
+                ),
+            ),
+            EngineProgram(
+                "engine_start",
+                f"{size['slots']} slots, {size['lanes']} insert lanes",
+                phases["start"],
+                (
+                    OutputOf("engine_prefill"),
+                    keys,
+                    self._replicated(jnp.int32, jobs),
+                    self._replicated(jnp.int32, jobs),
+                ),
+            ),  # fmt: skip
+            EngineProgram(
+                "engine_run",
+                "decode loop with refills and preemption",
+                phases["run"],
+                (params, state, keys, version, self._replicated(jnp.int32)),
+            ),
+            EngineProgram(
+                "engine_resume",
+                f"{size['lanes']} preempted sequences recomputed",
+                phases["resume"](_width(self.sampling.max_new_tokens), size["lanes"]),
+                (params, state, self._replicated(jnp.int32, size["lanes"]), version),
+            ),
+        ]
 
     # ---- sizes ----------------------------------------------------------------------
 
