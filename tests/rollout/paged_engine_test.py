@@ -127,3 +127,22 @@ def test_samples_differ_by_key(params, sampled):
     a = engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
     b = engine.generate(params, TOKENS, VALID, jax.random.key(4), n_samples=N)
     assert not np.array_equal(np.asarray(a.out.tokens_BxT), np.asarray(b.out.tokens_BxT))
+
+
+def test_a_stream_yields_each_batch_with_the_tokens_it_gets_alone(params, sampled):
+    """Three batches through 4 slots and one pool (small enough to preempt): each is
+    yielded in order with the rows `generate` gives it alone under its key."""
+    engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=30, chunk_steps=3)
+    half = len(TOKENS) // 2
+    units = [
+        (TOKENS[:half], VALID[:half], jax.random.key(1)),
+        (TOKENS[half:], VALID[half:], jax.random.key(2)),
+        (TOKENS[:half][::-1], VALID[:half][::-1], jax.random.key(3)),
+    ]
+    alone = PagedEngine(CONFIG, sampled, slots=4, page_size=PG)
+    got = list(engine.stream(params, units, n_samples=N))
+    assert len(got) == 3 and sum(g.preemptions for g in got) > 0
+    for g, (tokens, valid, key) in zip(got, units, strict=True):
+        want = alone.generate(params, tokens, valid, key, n_samples=N)
+        _assert_same_rollouts(g.out, jax.device_get(want.out))
+        assert g.live_steps == want.live_steps

@@ -248,40 +248,15 @@ class PagedEngine(RolloutEngine):
         )
         prompts, width = np.shape(prompt_tokens_BxP)
         programs, size = self._compiled(prompts, width, n_samples)
-        lengths = np.sum(jax.device_get(prompt_valid_BxP), axis=1)
-        prompt_pages = int(np.sum(-(-lengths // self.page_size)))
-        if size["pages"] < prompt_pages + size["own"]:
-            raise ValueError(
-                f"rollout.paged.pages={size['pages']}: the pool must hold every prompt "
-                f"({prompt_pages} pages of {self.page_size} tokens) and one whole completion "
-                f"({size['own']} pages): at least {prompt_pages + size['own']}"
-            )
-        keys_U = _typed(rng)[None]
+        self._check_pool(prompt_valid_BxP, size)
         jobs = prompts * n_samples
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
         state = programs["start"](
-            state, keys_U, jnp.zeros(jobs, jnp.int32), jnp.arange(jobs, dtype=jnp.int32)
+            state, _typed(rng)[None], jnp.zeros(jobs, jnp.int32), jnp.arange(jobs, dtype=jnp.int32)
         )
-        steps = np.int32(self.chunk_steps if weights is not None else 2**30)
-        updates = 0
-        while True:
-            state = programs["run"](params, state, keys_U, jnp.int32(version), steps)
-            waiting_J, valid_JxN, free, job_S, finished = jax.device_get(
-                (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, _finished(state))
-            )
-            if bool(finished):
-                break
-            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), int((job_S == jobs).sum()), size)
-            if job_L.size:
-                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
-                lanes = _lanes(job_L, jobs)
-                resume = programs["resume"](_width(tokens), lanes.size)
-                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
-                continue
-            newer = None if weights is None else weights()
-            if newer is not None and int(newer[1]) != int(version):
-                params, version = newer
-                updates += 1
+        steps = self.chunk_steps if weights is not None else 2**30
+        loop = self._loop(programs, size, params, state, _typed(rng)[None], version, weights, steps)
+        *_, (state, _, updates) = loop  # the last call's state
         out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
         version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
         return PagedGeneration(
@@ -295,6 +270,122 @@ class PagedEngine(RolloutEngine):
             pages=size["pages"],
             peak_pages=int(peak[0]),
         )
+
+    def stream(self, params, units, *, n_samples=1, version=0, weights=None):
+        """Several batches ("units": (prompt_tokens_QxP, prompt_valid_QxP, rng), all of one
+        shape) through the same slots and pool, each yielded as soon as its last sequence
+        ends, in order: the slots and pages a unit's short completions free take the next
+        unit's sequences. Each unit is keyed by its own rng as `generate` keys a batch (the
+        same params give it the tokens `generate` gives it alone). Every unit's prompts
+        are prefilled at the start, so the pool must hold all of them."""
+        tokens_U, valid_U, keys = zip(*units, strict=True)
+        for tokens, valid in zip(tokens_U, valid_U, strict=True):
+            sampling.check_inputs(self.model_config, self.sampling, tokens, valid, n_samples)
+        count, (prompts, width) = len(units), np.shape(tokens_U[0])
+        programs, size = self._compiled(count * prompts, width, n_samples)
+        valid_QxP = np.concatenate([np.asarray(jax.device_get(v), bool) for v in valid_U])
+        tokens_QxP = np.concatenate([np.asarray(jax.device_get(t), np.int32) for t in tokens_U])
+        self._check_pool(valid_QxP, size)
+        per = prompts * n_samples  # a unit's sequences
+        unit_J = np.repeat(np.arange(count, dtype=np.int32), per)
+        seq_id_J = np.tile(np.arange(per, dtype=np.int32), count)
+        keys_U = jnp.stack([_typed(k) for k in keys])
+        state = programs["prefill"](params, tokens_QxP, valid_QxP, jnp.int32(version))
+        state = programs["start"](state, keys_U, jnp.asarray(unit_J), jnp.asarray(seq_id_J))
+        emitted, counted = 0, np.zeros(3, np.int64)  # decode steps, live steps, preemptions
+        loop = self._loop(programs, size, params, state, keys_U, version, weights, self.chunk_steps)
+        for now_state, done_J, updates in loop:
+            done_U = done_J.reshape(count, per).all(axis=1)
+            ready = emitted
+            while ready < count and done_U[ready]:
+                ready += 1
+            if ready == emitted:
+                continue
+            st = now_state
+            fields = jax.device_get(
+                (st.tokens_JxN, st.logp_JxN, st.valid_JxN, st.sampled_JxN, st.version_JxN,
+                 st.stopped_J, st.decode_steps_1, st.live_steps_1, st.preemptions_1, st.peak_1)
+            )  # fmt: skip
+            now = np.asarray([fields[6][0], fields[7][0], fields[8][0]], np.int64)
+            for u in range(emitted, ready):
+                rows = slice(u * per, (u + 1) * per)
+                yield _unit_generation(
+                    tokens_U[u], valid_U[u], [np.asarray(f)[rows] for f in fields[:6]],
+                    n_samples, spent=now - counted, slots=size["slots"], updates=updates,
+                    pages=size["pages"], peak=int(fields[9][0]),
+                )  # fmt: skip
+                counted = now
+            emitted = ready
+            if emitted == count:
+                return
+
+    def _check_pool(self, valid_QxP, size) -> None:
+        lengths = np.sum(np.asarray(jax.device_get(valid_QxP), bool), axis=1)
+        prompt_pages = int(np.sum(-(-lengths // self.page_size)))
+        if size["pages"] < prompt_pages + size["own"]:
+            raise ValueError(
+                f"rollout.paged.pages={size['pages']}: the pool must hold every prompt "
+                f"({prompt_pages} pages of {self.page_size} tokens) and one whole completion "
+                f"({size['own']} pages): at least {prompt_pages + size['own']}"
+            )
+
+    def _loop(self, programs, size, params, state, keys_U, version, weights, steps):
+        """Decode calls of `steps` steps until every sequence is done; between calls,
+        preempted sequences resume where they can and newer weights are taken. Yields
+        (state, done_J on the host, weight updates so far) after each decode call; the
+        consumer reads the state before asking for the next."""
+        jobs, updates = size["jobs"], 0
+        while True:
+            state = programs["run"](params, state, keys_U, jnp.int32(version), np.int32(steps))
+            waiting_J, valid_JxN, free, job_S, done_J = jax.device_get(
+                (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, state.done_J)
+            )
+            yield state, done_J, updates
+            if done_J.all():
+                return
+            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), int((job_S == jobs).sum()), size)
+            if job_L.size:
+                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
+                lanes = _lanes(job_L, jobs)
+                resume = programs["resume"](_width(tokens), lanes.size)
+                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+                continue
+            newer = None if weights is None else weights()
+            if newer is not None and int(newer[1]) != int(version):
+                params, version = newer
+                updates += 1
+
+
+def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, spent, slots, updates, pages, peak):
+    """A streamed unit's `PagedGeneration` from its host rows (tokens, log-probs, valid,
+    sampled, versions [R, N], stopped [R])."""
+    tokens_JxN, logp_JxN, valid_JxN, sampled_JxN, version_JxN, stopped_J = rows
+    tokens_BxP = np.repeat(np.asarray(jax.device_get(tokens_QxP), np.int32), n_samples, axis=0)
+    valid_BxP = np.repeat(np.asarray(jax.device_get(valid_QxP), bool), n_samples, axis=0)
+    no_BxP = np.zeros(valid_BxP.shape, bool)
+    completion_len_B = valid_JxN.sum(axis=1).astype(np.int32)
+    out = sampling.SampleOutput(
+        tokens_BxT=np.concatenate([tokens_BxP, tokens_JxN.astype(np.int32)], axis=1),
+        valid_BxT=np.concatenate([valid_BxP, valid_JxN], axis=1),
+        behav_logp_BxT=np.concatenate([no_BxP.astype(np.float32), logp_JxN], axis=1),
+        completion_mask_BxT=np.concatenate([no_BxP, sampled_JxN], axis=1),
+        prompt_len_B=valid_BxP.sum(axis=1).astype(np.int32),
+        completion_len_B=completion_len_B,
+        stopped_B=stopped_J.astype(bool),
+        num_steps=np.int32(completion_len_B.max()),
+    )
+    decode, live, preempted = (int(x) for x in spent)
+    return PagedGeneration(
+        out=out,
+        version_BxN=version_JxN.astype(np.int32),
+        decode_steps=decode,
+        slot_steps=decode * slots,
+        live_steps=int(np.sum(completion_len_B - 1)),
+        weight_updates=updates,
+        preemptions=preempted,
+        pages=pages,
+        peak_pages=peak,
+    )
 
 
 def _resumable(waiting_J, valid_JxN, free: int, free_slots: int, size) -> np.ndarray:
