@@ -995,6 +995,66 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/models/quant_test.py", "memory_plan"),),
         "the QLoRA memory plan leaves out the quantised base's float32 scales",
     ),
+    # ---- paged engine (issue 49)
+    Mutant(
+        "paged-page-taken-one-token-late",
+        "m2po_jax/rollout/engines/paged.py",
+        "    need_S = state.live_S & (own_len_S % pg == 0)",
+        "    need_S = state.live_S & (own_len_S % pg == 1)",
+        (T("tests/rollout/paged_engine_test.py", "continuous_engines"),),
+        "a sequence takes its next page one token after it needs it: that token's keys are "
+        "written nowhere",
+    ),
+    Mutant(
+        "paged-preempts-the-oldest",
+        "m2po_jax/rollout/engines/paged.py",
+        "    order = jnp.argsort(jnp.where(live, -state.age_S, jnp.iinfo(jnp.int32).max), stable=True)",
+        "    order = jnp.argsort(jnp.where(live, state.age_S, jnp.iinfo(jnp.int32).max), stable=True)",
+        (T("tests/rollout/paged_engine_test.py", "youngest"),),
+        "a short pool preempts the oldest sequences (their work is the most to redo), not the "
+        "youngest",
+    ),
+    Mutant(
+        "paged-resume-pending-token-off-by-one",
+        "m2po_jax/rollout/engines/paged.py",
+        "    last_L = state.tokens_JxN[j_L, jnp.maximum(step_L - 1, 0)]",
+        "    last_L = state.tokens_JxN[j_L, jnp.maximum(step_L - 2, 0)]",
+        (T("tests/rollout/paged_engine_test.py", "continuous_engines"),),
+        "a resumed sequence goes on from its second-to-last token",
+    ),
+    Mutant(
+        "paged-ended-pages-not-returned",
+        "m2po_jax/rollout/engines/paged.py",
+        "    state = _push(state.replace(pool=pool), jnp.where(ends_S[:, None], own_table, n_pages))",
+        "    state = state.replace(pool=pool)",
+        (T("tests/rollout/paged_engine_test.py", "greedy_equals"),),
+        "an ended sequence's pages never return to the pool (memory leaks until preemption "
+        "thrashes)",
+    ),
+    Mutant(
+        "paged-prompt-left-padding-kept",
+        "m2po_jax/rollout/engines/paged.py",
+        "    col_QxP = jnp.minimum(jnp.arange(width)[None] + (width - len_Q)[:, None], width - 1)",
+        "    col_QxP = jnp.minimum(jnp.arange(width)[None], width - 1)",
+        (T("tests/rollout/paged_engine_test.py", "greedy_equals"),),
+        "the prompt's pages hold its left padding instead of its last tokens",
+    ),
+    Mutant(
+        "paged-merge-drops-the-prompt-rescale",
+        "m2po_jax/models/paged.py",
+        "    total = l1 * a1 + l2 * a2",
+        "    total = l1 + l2 * a2",
+        (T("tests/models/paged_test.py", "shared_prompt"),),
+        "the two softmax parts are merged without rescaling the prompt's sum to the common max",
+    ),
+    Mutant(
+        "paged-member-rank-off-by-one",
+        "m2po_jax/models/paged.py",
+        "    rank_IxB = jnp.cumsum(onehot_IxB, axis=1, dtype=jnp.int32) - 1",
+        "    rank_IxB = jnp.cumsum(onehot_IxB, axis=1, dtype=jnp.int32)",
+        (T("tests/models/paged_test.py", "shared_prompt"),),
+        "a decode step hands each row its neighbour's prompt attention",
+    ),
 )
 
 

@@ -146,3 +146,73 @@ def test_a_stream_yields_each_batch_with_the_tokens_it_gets_alone(params, sample
         want = alone.generate(params, tokens, valid, key, n_samples=N)
         _assert_same_rollouts(g.out, jax.device_get(want.out))
         assert g.live_steps == want.live_steps
+
+
+def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, continuous):
+    """The trainer's rollout placement: params sharded over fsdp x tensor, prompts over the
+    batch axes; one program partitioned by XLA gives the single device's rows."""
+    from m2po_jax.parallel import placement as placement_lib
+    from m2po_jax.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    placement = placement_lib.Placement(mesh, CONFIG)
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    tokens, valid = placement.to_global((TOKENS, VALID))
+    engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=20, mesh=mesh)
+    got = engine.generate(sharded_params, tokens, valid, jax.random.key(3), n_samples=N)
+    _assert_same_rollouts(placement.to_host(got.out), jax.device_get(continuous.out))
+    assert got.preemptions > 0
+
+
+def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need():
+    """vLLM's rule, on a hand-made state: 3 live slots admitted in order (ages 0, 1, 2)
+    holding 2, 1 and 1 pages, none free; slots 0 and 2 each need a page. Preempting the
+    youngest (slot 2) frees 1 page and drops its need: slot 0's need is covered, so slot 2
+    alone waits, its pages returned and its sequence (job 5) queued to resume."""
+    import jax.numpy as jnp
+
+    from m2po_jax.rollout.engines import paged as paged_engine
+
+    none = 10
+    state = paged_engine._State(
+        pool=None,
+        free_N=jnp.asarray([7, 8, 9, 0, 0, 0, 0, 0, 0, 0], jnp.int32),
+        free_1=jnp.zeros(1, jnp.int32),
+        prompt_table_IxM=None,
+        prompt_len_I=None,
+        logits_IxV=None,
+        prefill_version=None,
+        job_S=jnp.asarray([3, 4, 5], jnp.int32),
+        step_S=None,
+        last_token_S=None,
+        live_S=jnp.ones(3, bool),
+        own_table_SxM=jnp.asarray([[1, 2], [3, none], [4, none]], jnp.int32),
+        age_S=jnp.asarray([0, 1, 2], jnp.int32),
+        admitted_1=None,
+        next_job_1=None,
+        waiting_J=jnp.zeros(8, bool),
+        unit_J=None,
+        seq_id_J=None,
+        tokens_JxN=None,
+        logp_JxN=None,
+        valid_JxN=None,
+        sampled_JxN=None,
+        version_JxN=None,
+        stopped_J=None,
+        done_J=jnp.zeros(8, bool),
+        decode_steps_1=None,
+        live_steps_1=None,
+        preemptions_1=jnp.zeros(1, jnp.int32),
+        peak_1=None,
+    )
+    state, live_S = paged_engine._preempt(state, jnp.asarray([True, False, True]))
+    np.testing.assert_array_equal(live_S, [True, True, False])
+    np.testing.assert_array_equal(state.job_S, [3, 4, 8])
+    np.testing.assert_array_equal(state.own_table_SxM[2], [none, none])
+    np.testing.assert_array_equal(np.flatnonzero(state.waiting_J), [5])
+    assert int(state.free_1[0]) == 1 and int(state.free_N[0]) == 4
+    assert int(state.preemptions_1[0]) == 1
+    # Enough pages free: nobody is preempted.
+    state, live_S = paged_engine._preempt(state, jnp.asarray([True, False, False]))
+    np.testing.assert_array_equal(live_S, [True, True, False])
+    assert int(state.preemptions_1[0]) == 1

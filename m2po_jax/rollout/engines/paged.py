@@ -335,11 +335,27 @@ class PagedEngine(RolloutEngine):
         (state, done_J on the host, weight updates so far) after each decode call; the
         consumer reads the state before asking for the next."""
         jobs, updates = size["jobs"], 0
+        prompt_pages = int(jax.device_get(jnp.sum(state.prompt_table_IxM < size["pages"])))
+        progress = None
         while True:
             state = programs["run"](params, state, keys_U, jnp.int32(version), np.int32(steps))
-            waiting_J, valid_JxN, free, job_S, done_J = jax.device_get(
-                (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, state.done_J)
-            )
+            waiting_J, valid_JxN, free, job_S, done_J, decoded = jax.device_get(
+                (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, state.done_J,
+                 state.decode_steps_1)
+            )  # fmt: skip
+            now = (int(decoded[0]), int(done_J.sum()), int(valid_JxN.sum()))
+            if now == progress:  # a call that neither decoded nor resumed anything
+                raise RuntimeError(
+                    f"paged engine: stuck with {int(waiting_J.sum())} preempted sequences "
+                    f"waiting for pages and {int(free[0])} of {size['pages']} free (a "
+                    "bookkeeping bug: the pool always holds one whole completion)"
+                )
+            progress = now
+            if done_J.all() and int(free[0]) != size["pages"] - prompt_pages:
+                raise RuntimeError(
+                    f"paged engine: {size['pages'] - prompt_pages - int(free[0])} pages were "
+                    "not returned to the pool once every sequence ended (a bookkeeping bug)"
+                )
             yield state, done_J, updates
             if done_J.all():
                 return
@@ -349,6 +365,7 @@ class PagedEngine(RolloutEngine):
                 lanes = _lanes(job_L, jobs)
                 resume = programs["resume"](_width(tokens), lanes.size)
                 state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+                progress = None
                 continue
             newer = None if weights is None else weights()
             if newer is not None and int(newer[1]) != int(version):
