@@ -99,9 +99,10 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
         return real(self, sampled)
 
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "score", fails_at_batch_2)
-    # Through the continuous engine, polling for new weights after every decode step.
+    # Through the paged engine (the continuous one: the next test), polling for new weights
+    # after every decode step.
     engine = {
-        "rollout.engine": "continuous",
+        "rollout.engine": "paged",
         "rollout.engine_slots": 4,
         "rollout.inflight_updates": True,
         "rollout.chunk_steps": 1,
