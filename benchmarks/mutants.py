@@ -995,6 +995,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/models/quant_test.py", "memory_plan"),),
         "the QLoRA memory plan leaves out the quantised base's float32 scales",
     ),
+    Mutant(
+        "dry-run-evaluates-with-the-static-sampler",
+        "m2po_jax/trainer/compile_only.py",
+        "    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement)",
+        "    evaluator = engines.StaticEngine(model_config, settings, mesh=placement.mesh)",
+        (T("tests/parallel/tpu_compile_test.py", "every_program"),),
+        "--compile_only compiles the evaluation with the static sampler where the run "
+        "evaluates through its own engine",
+    ),
     # ---- paged engine (issue 49)
     Mutant(
         "paged-page-taken-one-token-late",

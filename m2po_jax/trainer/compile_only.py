@@ -384,6 +384,7 @@ def _key(placement):
 def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target, *,
             stop_ids=(0,), pad_id: int = 0, say=print) -> Report:  # fmt: skip
     """Compiles every program of `cfg`'s run for `tgt`'s devices; see the module doc."""
+    from m2po_jax.trainer import evaluate as evaluate_lib
     from m2po_jax.trainer import setup as setup_lib
 
     mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
@@ -485,19 +486,21 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         engine, sample_params, prompts, cfg.gconfig.n_samples, prompt_len, max_append=max_append
     ):
         add(program)
-    # The greedy evaluation, as the static sampler runs it on the training devices.
-    greedy = dataclasses.replace(decoding, greedy=True)
-    evaluator = engines.StaticEngine(model_config, greedy, mesh=placement.mesh)
-    (evaluation,) = _compile_engine(
-        evaluator, _abstract(params_shape, placement.sample_params), cfg.eval.batch_size, 1,
-        prompt_len,
+    # The evaluation as the run makes it (`evaluate.evaluate`): the run's engine on the
+    # training devices, the evaluation's decoding, eval.n_samples per prompt.
+    settings = evaluate_lib.eval_decoding(cfg, decoding)
+    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement)
+    evaluation = _compile_engine(
+        evaluator, _abstract(params_shape, placement.sample_params), cfg.eval.batch_size,
+        cfg.eval.n_samples, prompt_len, max_append=max_append,
     )  # fmt: skip
-    evaluation.name = "evaluate"
-    evaluation.what = f"greedy evaluation, {cfg.eval.batch_size} prompts"
-    add(evaluation)
+    for p in evaluation:
+        p.name = "evaluate" if len(evaluation) == 1 else f"evaluate_{p.name}"
+        p.what = f"evaluation ({p.what}), {cfg.eval.batch_size} prompts x {cfg.eval.n_samples}"
+        add(p)
     decode = add(_compile_decode(sampler_placement, sample_params, model_config, rows, seq_len))
     for p in programs[programs.index(publish) + 1 :]:
-        if p.name == "evaluate":
+        if p.name.startswith("evaluate"):
             p.resident_beside = state_bytes
         else:
             p.resident_beside = beside
@@ -727,8 +730,9 @@ def run(cfg: Config, topology: str = "", architecture: str = "", say=print) -> R
             else "no single setting makes it fit: more chips (mesh.fsdp), shorter sequences "
             "or fewer rows per step"
         )
-        sampling_side = {"reshard", "sampler", "evaluate", "decode_step"}
-        if (refused or peak).name in sampling_side or (refused or peak).name.startswith("engine"):
+        sampling_side = {"reshard", "sampler", "decode_step"}
+        name = (refused or peak).name
+        if name in sampling_side or name.startswith(("engine", "evaluate")):
             advice += (
                 "; the sampling layout keeps whole weights on every device but for "
                 "mesh.tensor: a larger mesh.tensor (with mesh.fsdp smaller by as much) "

@@ -16,10 +16,16 @@ _ENGINES: dict = {}  # (id of the run's placement, decoding) -> the evaluation's
 
 def decoding(run: RunSetup):
     """The evaluation's sampling settings: greedy at `eval.temperature` 0, else sampled."""
-    e = run.cfg.eval
+    return eval_decoding(run.cfg, run.sampling_config)
+
+
+def eval_decoding(cfg, sampling_config):
+    """`decoding` of a config and the run's sampling settings (the dry run compiles the
+    evaluation with these, as the run evaluates)."""
+    e = cfg.eval
     if e.temperature == 0:
-        return dataclasses.replace(run.sampling_config, greedy=True)
-    return dataclasses.replace(run.sampling_config, greedy=False, temperature=float(e.temperature))
+        return dataclasses.replace(sampling_config, greedy=True)
+    return dataclasses.replace(sampling_config, greedy=False, temperature=float(e.temperature))
 
 
 def _engine(run: RunSetup, settings):

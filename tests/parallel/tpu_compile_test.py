@@ -87,9 +87,13 @@ def test_dry_run_compiles_every_program_of_a_run(v5e_2x2):
         "engine_prefill",
         "engine_start",
         "engine_run",
-        "evaluate",
+        # the evaluation as the run evaluates: through its engine, at eval.n_samples
+        "evaluate_engine_prefill",
+        "evaluate_engine_start",
+        "evaluate_engine_run",
         "decode_step",
     ]
+    assert f"x {cfg.eval.n_samples}" in report.programs[-2].what
     by_name = {p.name: p for p in report.programs}
     assert by_name["train_step"].kernels > 0 and by_name["sft_step"].kernels > 0
     assert not any(p.error for p in report.programs)
