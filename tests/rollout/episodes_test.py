@@ -239,6 +239,25 @@ def test_an_environment_that_raises_ends_its_episode_only(params):
     assert "env_error" in sampled.episodes.status_B
 
 
+def test_on_the_paged_engine_a_failing_step_ends_its_episode_only(params):
+    """The non-blocking driver keeps the failure paths: episode 0's steps hang past
+    agent.step_timeout_s (env_timeout) and episode 1's raise (env_error) while the others
+    decode on and end as ever; the failed two are out of the loss."""
+    made = []
+
+    def factory():
+        env = [Hangs, Raises][len(made)]() if len(made) < 2 else Echo()
+        made.append(env)
+        return env
+
+    sampled, _ = _run(params, factory, new=32, paged=True, step_timeout_s=0.3)
+    status = sampled.episodes.status_B
+    assert status[:2] == ("env_timeout", "env_error")
+    assert set(status[2:]) <= {"done", "max_tokens"} and "done" in status[2:]
+    assert not sampled.batch.loss_mask_BxT[:2].any() and sampled.batch.loss_mask_BxT[2:].any()
+    assert sampled.episodes.decode_steps_while_waiting > 0
+
+
 # A format where every turn is a call of the test's tools: a turn starting with 7, 8 or 9
 # is malformed; the others call "slow", "broken" or "ok" by their length.
 def _always(text):
