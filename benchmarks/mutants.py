@@ -1034,8 +1034,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "paged-ended-pages-not-returned",
         "m2po_jax/rollout/engines/paged.py",
-        "    state = _push(state.replace(pool=pool), jnp.where(ends_S[:, None], own_table, n_pages))",
-        "    state = state.replace(pool=pool)",
+        "        state = _push(state, jnp.where(ends_S[:, None], own_table, n_pages))",
+        "        state = state",
         (T("tests/rollout/paged_engine_test.py", "greedy_equals"),),
         "an ended sequence's pages never return to the pool (memory leaks until preemption "
         "thrashes)",
@@ -1063,6 +1063,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "    rank_IxB = jnp.cumsum(onehot_IxB, axis=1, dtype=jnp.int32)",
         (T("tests/models/paged_test.py", "shared_prompt"),),
         "a decode step hands each row its neighbour's prompt attention",
+    ),
+    # ---- paged engine: turns (issue 49)
+    Mutant(
+        "paged-turns-appended-tokens-marked-sampled",
+        "m2po_jax/rollout/engines/paged.py",
+        '        version_JxN=state.version_JxN.at[row_LxM, col_LxM].set(-1, mode="drop"),\n',
+        '        version_JxN=state.version_JxN.at[row_LxM, col_LxM].set(-1, mode="drop"),\n'
+        '        sampled_JxN=state.sampled_JxN.at[row_LxM, col_LxM].set(True, mode="drop"),\n',
+        (T("tests/rollout/paged_engine_test.py", "continuous_engines_parked"),),
+        "the paged engine's appended (environment) tokens are in the loss mask",
+    ),
+    Mutant(
+        "paged-turns-held-sequence-pages-freed",
+        "m2po_jax/rollout/engines/paged.py",
+        "        state = state.replace(held_S=state.held_S | ends_S)\n",
+        "        state = state.replace(held_S=state.held_S | ends_S)\n"
+        "        state = _push(state, jnp.where(ends_S[:, None], own_table, n_pages))\n",
+        (T("tests/rollout/paged_engine_test.py", "continuous_engines_parked"),),
+        "a parked sequence's pages go back to the pool while it waits for its answer",
+    ),
+    Mutant(
+        "paged-turns-answers-wait-for-every-held-turn",
+        "m2po_jax/rollout/engines/paged.py",
+        "            ready = answers.poll(0.0 if busy else None)\n",
+        "            ready = answers.poll(None) if pending else []\n"
+        "            while len(ready) < len(pending):\n"
+        "                ready += answers.poll(None)\n",
+        (T("tests/rollout/paged_engine_test.py", "slow_answer"),),
+        "the paged engine applies answers only once every held turn is answered (blocking)",
     ),
 )
 

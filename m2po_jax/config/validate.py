@@ -397,7 +397,9 @@ AUTO_CONTINUOUS_MIN_NEW_TOKENS = 128
 def rollout_engine(cfg) -> str:
     """The engine a run uses ("static" or "continuous"): `rollout.engine`, "auto" resolved by the
     completion budget (`gconfig.max_new_tokens` >= AUTO_CONTINUOUS_MIN_NEW_TOKENS: continuous)
-    and by multi-turn episodes (`agent.env`: continuous)."""
+    and by multi-turn episodes (`agent.env`: continuous; `rollout.engine=paged` runs them
+    too, with turns that do not stop the other sequences, but it is not measured faster
+    on this project's CPU, so "auto" keeps the continuous engine)."""
     engine = cfg.rollout.engine
     if engine != "auto":
         return engine
@@ -434,9 +436,10 @@ def _check_agent(cfg: Config, engine: str) -> None:
             f"{ag.tool_timeout_s} (a step runs its turn's tool calls)"
         )
     if not engines.ENGINES[engine].multi_turn:
+        turns = [name for name, c in engines.ENGINES.items() if c.multi_turn]
         raise ConfigError(
-            f"agent.env={ag.env!r}: multi-turn episodes run on the continuous engine; set "
-            f"rollout.engine=continuous or auto (got {cfg.rollout.engine!r})"
+            f"agent.env={ag.env!r}: multi-turn episodes run on the {' or '.join(turns)} "
+            f"engine; set rollout.engine={', '.join(turns)} or auto (got {cfg.rollout.engine!r})"
         )
     if cfg.rollout.stream_batches > 1:
         raise ConfigError(

@@ -121,7 +121,7 @@ def sample_rollout(
     `engine`: a `rollout.engines.RolloutEngine` (None: a `StaticEngine`, i.e.
     `sampling.generate`, of `model_config` and `sampling_config`); `weights`: newer weights
     it may take in flight (`RolloutEngine.generate`). `agent`: multi-turn
-    episodes (`rollout.episodes`; the continuous engine, this process's devices): the
+    episodes (`rollout.episodes`; the continuous or paged engine, this process's devices): the
     texts are the final assistant turns, the loss mask covers the sampled tokens only, and
     none of an episode out of the loss (`EpisodeStats.masked_B`).
     """

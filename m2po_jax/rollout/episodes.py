@@ -6,13 +6,15 @@
                               engine=engine, agent=agent)
 
 Each episode opens with its environment's `reset(example)` messages, rendered once with
-the chat template (tools included) into the prompt. The continuous engine decodes until
-the assistant's turn ends (a stop token); the host decodes that turn's tokens, calls the
+the chat template (tools included) into the prompt. The engine decodes until the
+assistant's turn ends (a stop token); the host decodes that turn's tokens, calls the
 environment's `step(text)` (tools run there, in worker threads with a timeout; async
 environments on the agent's one event loop), renders
 only what the environment answered (the template's delta after an assistant turn: the
 tool messages and the next assistant header) and appends those tokens to the episode's
-live slot. The history is never rendered again, so the trained tokens are exactly the
+live slot. The steps are the engine's `TurnQueue` (`_Steps`): the paged engine decodes
+the other episodes while a step runs; the continuous engine waits for every held turn's.
+The history is never rendered again, so the trained tokens are exactly the
 sampled ones: a template that strips earlier `<think>` blocks (Qwen3) does not change
 them, and the reasoning stays in the trajectory as generated.
 
@@ -41,6 +43,8 @@ import functools
 import inspect
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -141,6 +145,7 @@ class EpisodeStats:
     prompts_filtered: int = 0  # problems not run: their prompt is too long ("filter")
     masked_failed: int = 0  # episodes out of the loss: env_error / env_timeout
     masked_truncated: int = 0  # episodes out of the loss: max_turns / max_tokens
+    decode_steps_while_waiting: int = 0  # engine decode steps run while steps were pending
 
     def rows(self, count: int) -> EpisodeStats:
         """The first `count` episodes' outcomes (an evaluation drops its padding rows)."""
@@ -161,7 +166,8 @@ class EpisodeStats:
     def metrics(self) -> dict[str, float]:
         """episode/turns_mean, episode/tool_calls_mean, episode/status/<status> (the share
         of episodes), tool errors and timeouts per episode, tool threads abandoned, tool
-        latency (ms), the share of episodes out of the loss (masked_failed,
+        latency (ms), decode steps the engine ran while environment steps were pending
+        (decode_steps_while_waiting), the share of episodes out of the loss (masked_failed,
         masked_truncated), prompts cut from the left (prompts_truncated) or not run
         (prompts_filtered)."""
         rows = max(len(self.status_B), 1)
@@ -173,6 +179,7 @@ class EpisodeStats:
             "episode/tool_timeouts_mean": float(np.mean(self.tool_timeouts_B)),
             "episode/tool_abandoned": abandoned,
             "episode/env_step_s": self.env_step_s,
+            "episode/decode_steps_while_waiting": self.decode_steps_while_waiting,
             "episode/masked_failed": self.masked_failed / rows,
             "episode/masked_truncated": self.masked_truncated / rows,
             "episode/prompts_truncated": self.prompts_truncated,
@@ -396,6 +403,86 @@ def _check_prompt_lengths(agent: Agent, episodes, examples, prompt_ids, n_sample
     return len(long), 0
 
 
+class _Steps:
+    """The episodes' environment steps as the engine's `TurnQueue`: `submit` starts each
+    held turn's step (on the agent's pool or event loop, a waiter thread per step) and
+    returns; `poll` turns the steps that ended into answers (`_step`, on the caller's
+    thread: the episodes' records are only touched there). Called as `on_turns(turns)`
+    (an engine that waits, the continuous one), it submits and waits for all of them.
+    `spent_s`: the time during which at least one step was running."""
+
+    def __init__(self, agent: Agent, episodes, prompts, stop_ids):
+        self.agent, self.episodes, self.prompts, self.stop_ids = agent, episodes, prompts, stop_ids
+        self.spent_s = 0.0
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running, self._since = 0, 0.0
+
+    def __call__(self, turns):
+        self.submit(turns)
+        answers: dict[int, list[int] | None] = {}
+        while len(answers) < len(turns):
+            answers.update((turn.row, answer) for turn, answer in self.poll(None))
+        return [answers[turn.row] for turn in turns]
+
+    def submit(self, turns) -> None:
+        for turn in turns:
+            episode = self.episodes[turn.row]
+            ids = turn.tokens
+            if ids and ids[-1] in self.stop_ids:
+                ids = ids[:-1]
+            text = self.prompts.decode(ids)
+            if episode.status == env_lib.PROMPT_TOO_LONG:
+                self._done.put((turn, None))
+            elif turn.cut:  # the budget ran out mid-turn: the text is the cut turn's
+                episode.turns += 1
+                episode.text = text
+                episode.status = env_lib.MAX_TOKENS
+                self._done.put((turn, None))
+            else:
+                with self._lock:
+                    if not self._running:
+                        self._since = time.perf_counter()
+                    self._running += 1
+                wait = _start(self.agent, episode.env.step, text)
+                threading.Thread(
+                    target=self._wait, args=(turn, text, wait), name="m2po-env-wait", daemon=True
+                ).start()
+
+    def _wait(self, turn, text, wait) -> None:
+        try:
+            outcome = (True, wait())
+        except BaseException as e:  # noqa: BLE001 (handed to `poll`, which `_step` judges)
+            outcome = (False, e)
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                self.spent_s += time.perf_counter() - self._since
+        self._done.put((turn, (text, outcome)))
+
+    def poll(self, timeout_s: float | None):
+        """(turn, answer) of the steps that ended; waits up to `timeout_s` (None: without
+        bound, 0: not at all) for the first."""
+        ready = []
+        try:
+            ready.append(self._done.get(timeout_s != 0, timeout_s))
+            while True:
+                ready.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return [(turn, None if step is None else self._answer(turn, *step)) for turn, step in ready]
+
+    def _answer(self, turn, text, outcome):
+        ok, value = outcome
+
+        def result():
+            if not ok:
+                raise value
+            return value
+
+        return _step(self.agent, self.episodes[turn.row], text, result, turn.room)
+
+
 def run_episodes(
     params,
     sampling_config: sampling.SamplingConfig,
@@ -416,7 +503,8 @@ def run_episodes(
     the rollout batch of them."""
     if not getattr(engine, "multi_turn", True):  # (an engine of the interface says so)
         raise ValueError(
-            f"agent: multi-turn episodes need rollout.engine='continuous' (got {engine.name!r})"
+            f"agent: multi-turn episodes need rollout.engine='continuous' or 'paged' (got "
+            f"{engine.name!r})"
         )
     episodes, prompt_ids = _open(agent, examples, n_samples)
     truncated, filtered = _check_prompt_lengths(
@@ -425,38 +513,13 @@ def run_episodes(
     tokens_BxP, valid_BxP = sampling.pad_prompts(
         [ids[-max_prompt_len:] for ids in prompt_ids], prompts.pad_id, width=max_prompt_len
     )
-    stop_ids = set(sampling_config.stop_token_ids)
-    spent = [0.0]
-
-    def on_turns(turns):
-        t0 = time.perf_counter()
-        waits = []
-        for turn in turns:
-            episode = episodes[turn.row]
-            ids = turn.tokens[:-1] if turn.tokens and turn.tokens[-1] in stop_ids else turn.tokens
-            text = prompts.decode(ids)
-            if episode.status == env_lib.PROMPT_TOO_LONG:
-                waits.append(None)
-            elif turn.cut:  # the budget ran out mid-turn: the text is the cut turn's
-                episode.turns += 1
-                episode.text = text
-                episode.status = env_lib.MAX_TOKENS
-                waits.append(None)
-            else:
-                waits.append((text, _start(agent, episode.env.step, text)))
-        answers = [
-            None if w is None else _step(agent, episodes[turn.row], w[0], w[1], turn.room)
-            for turn, w in zip(turns, waits, strict=True)
-        ]
-        spent[0] += time.perf_counter() - t0
-        return answers
-
+    steps = _Steps(agent, episodes, prompts, set(sampling_config.stop_token_ids))
     generation = engine.episodes(
         params,
         tokens_BxP,
         valid_BxP,
         rng,
-        on_turns,
+        steps,
         n_samples=n_samples,
         version=version,
         weights=weights,
@@ -484,13 +547,14 @@ def run_episodes(
             np.float32,
         ),
         tool_latency_s=tuple(t for e in episodes for t in e.tool_latency_s),
-        env_step_s=spent[0],
+        env_step_s=steps.spent_s,
         masked_B=np.asarray([agent.masked(e.status) for e in episodes], bool),
         tool_abandoned_B=np.asarray([e.tool_abandoned for e in episodes], np.int32),
         prompts_truncated=truncated,
         prompts_filtered=filtered,
         masked_failed=sum(agent.masked(e.status) and e.status in FAILED for e in episodes),
         masked_truncated=sum(agent.masked(e.status) and e.status in _CUT for e in episodes),
+        decode_steps_while_waiting=int(getattr(generation, "decode_steps_while_waiting", 0)),
     )
     _log_failures(episodes)
     return generation, [e.text for e in episodes], stats

@@ -527,7 +527,11 @@ CALC = {"agent.env": "tools", "agent.tools": "m2po_jax.tasks.calculator:calculat
 AGENT_ERRORS = [
     ({"agent.env": "nope"}, r"agent\.env='nope': expected '' \(single-turn\), 'tools' or"),
     ({"agent.env": "tools"}, r"agent\.env='tools' needs agent\.tools"),
-    ({**CALC, "rollout.engine": "static"}, r"multi-turn episodes run on the continuous engine"),
+    (
+        {**CALC, "rollout.engine": "static"},
+        r"multi-turn episodes run on the continuous or paged engine; set "
+        r"rollout.engine=continuous, paged or auto \(got 'static'\)",
+    ),
     (
         {**CALC, "gconfig.max_new_tokens": 8, "agent.max_append_tokens": 8},
         r"agent\.max_append_tokens=8 must be below gconfig\.max_new_tokens=8",
@@ -562,9 +566,12 @@ def test_agent_errors_are_one_line_config_errors(changes, message):
     with pytest.raises(config_lib.ConfigError, match=message) as err:
         build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **changes})
     assert "\n" not in str(err.value)
-    # auto resolves to the continuous engine for episodes
+    # auto resolves to the continuous engine for episodes; the paged engine runs them too
     ok = build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC})
     assert config_lib.rollout_engine(ok) == "continuous"
+    paged = build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC,
+                     "rollout.engine": "paged"})  # fmt: skip
+    assert config_lib.rollout_engine(paged) == "paged"
 
 
 def test_the_agent_is_built_with_its_settings_from_the_config():

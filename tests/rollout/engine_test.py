@@ -241,19 +241,17 @@ def _episodes(params, engine, key=0, appends=2):
     return got, seen
 
 
-def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attended(params):
-    settings = sampling.SamplingConfig(
-        max_new_tokens=40, temperature=0.8, pad_id=PAD, stop_token_ids=STOPS
-    )
-    engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4)
-    got, seen = _episodes(params, engine)
+def _assert_episode_rows(params, got, seen, new: int, atol: float):
+    """The rows of `_episodes`: the prompt, the sampled turns the host saw in place and
+    the appended ids exactly; the loss mask on sampled tokens only; versions 3 on them and
+    -1 on appended ones; the behaviour log-probs a teacher-forced forward's (`atol`)."""
     out = got.out
     tokens, valid = np.asarray(out.tokens_BxT)[:, WIDTH:], np.asarray(out.valid_BxT)[:, WIDTH:]
     sampled = np.asarray(out.completion_mask_BxT)[:, WIDTH:]
     assert sorted(seen) == list(range(2 * len(PROMPTS)))
     appended_any = 0
     for row, turns in seen.items():
-        mine = np.zeros(40, bool)
+        mine = np.zeros(new, bool)
         for start, turn_tokens, delta in turns:
             end = start + len(turn_tokens)
             # The host saw the turn's sampled tokens, in place in the row.
@@ -275,10 +273,19 @@ def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attend
     # (prompt, sampled turns and appended answers, as one sequence).
     mask = np.asarray(out.completion_mask_BxT)
     expected = _teacher_forced_logp(params, out, 0.8)
-    np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.behav_logp_BxT)[mask], expected[mask], atol=atol)
+
+
+def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attended(params):
+    settings = sampling.SamplingConfig(
+        max_new_tokens=40, temperature=0.8, pad_id=PAD, stop_token_ids=STOPS
+    )
+    engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4)
+    got, seen = _episodes(params, engine)
+    _assert_episode_rows(params, got, seen, 40, atol=1e-4)
     # A sequence's draws depend on its id, not on its slot.
     other = engine_lib.ContinuousEngine(CONFIG, settings, slots=8, insert_lanes=1)
-    np.testing.assert_array_equal(_episodes(params, other)[0].out.tokens_BxT, out.tokens_BxT)
+    np.testing.assert_array_equal(_episodes(params, other)[0].out.tokens_BxT, got.out.tokens_BxT)
 
 
 def test_the_registry_holds_every_engine_and_the_config_reads_it():
@@ -320,6 +327,9 @@ def test_programs_compile_from_their_abstract_arguments(params, greedy, max_appe
     cases = [(continuous, want)]
     if not max_append:
         cases.append((engine_lib.StaticEngine(CONFIG, greedy), ["sampler"]))
+    else:  # the paged engine's episodes: its resume and append programs too
+        paged = ["engine_prefill", "engine_start", "engine_run", "engine_resume", "engine_append"]
+        cases.insert(0, (engine_lib.PagedEngine(CONFIG, greedy, slots=4, page_size=4), paged))
     for engine, names in cases:
         outputs = {}
         programs = engine.programs(abstract, 12, N, prompt_len=WIDTH, max_append=max_append)

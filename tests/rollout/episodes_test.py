@@ -1,4 +1,5 @@
-"""Multi-turn episodes (m2po_jax/rollout/episodes.py) through the continuous engine: the
+"""Multi-turn episodes (m2po_jax/rollout/episodes.py) through the continuous engine (and the
+paged engine: the same rollout, decoding while an environment step is pending): the
 rows are the tokens attended over, masks and versions per token, budgets and statuses,
 tools that fail, and a chat template that strips <think> from earlier turns."""
 
@@ -63,7 +64,10 @@ def params():
     return _random_params(CONFIG, seed=0, std=0.3)
 
 
-def _run(params, factory, *, new=24, max_turns=8, temperature=1.0, key=0, append=8, **agent):
+def _run(
+    params, factory, *, new=24, max_turns=8, temperature=1.0, key=0, append=8, paged=False,
+    **agent,
+):  # fmt: skip
     settings = sampling.SamplingConfig(
         max_new_tokens=new,
         temperature=temperature,
@@ -71,6 +75,8 @@ def _run(params, factory, *, new=24, max_turns=8, temperature=1.0, key=0, append
         stop_token_ids=(TOKENIZER.eos_id,),
     )
     engine = engine_lib.ContinuousEngine(CONFIG, settings, slots=4)
+    if paged:  # a pool that preempts (the prompts take up to 12 pages, a sequence 6)
+        engine = engine_lib.PagedEngine(CONFIG, settings, slots=4, page_size=4, pages=24)
     made = episodes_lib.Agent(
         factory, TASK.chat_format(), max_turns=max_turns, max_append=append, **agent
     )
@@ -160,6 +166,50 @@ class Forever(Echo):
     turns = 100
 
 
+def _slow_first_step():
+    """An `Echo` factory whose first episode's first step takes 1 s."""
+    made = []
+
+    def factory():
+        env = Echo()
+        if not made:
+            step = env.step
+
+            def slow(text):
+                if not env.seen:
+                    time.sleep(1.0)
+                return step(text)
+
+            env.step = slow
+        made.append(env)
+        return env
+
+    return factory
+
+
+def test_the_paged_engine_gives_the_continuous_engines_rollout_and_decodes_while_waiting(
+    params,
+):
+    """`sample_rollout(agent=...)` (the trainer's path) on the paged engine, with a pool
+    that preempts: the continuous engine's rollout under the same key, statuses and
+    rewards included; one episode's first step takes 1 s, during which the paged engine
+    decodes the other episodes (`episode/decode_steps_while_waiting`) and the continuous
+    one waits."""
+    runs = [_run(params, _slow_first_step(), new=32, paged=paged)[0] for paged in (False, True)]
+    (want, got) = runs
+    for field in ("tokens_BxT", "valid_BxT", "loss_mask_BxT", "version_BxT", "stopped_B"):
+        np.testing.assert_array_equal(getattr(got.batch, field), getattr(want.batch, field), field)
+    # Float32 forwards in other orders (paged reads, recomputes), as the teacher-forced
+    # comparison above on these weights: 1e-4.
+    np.testing.assert_allclose(got.batch.behav_logp_BxT, want.batch.behav_logp_BxT, atol=1e-4)
+    assert got.texts == want.texts and got.episodes.status_B == want.episodes.status_B
+    np.testing.assert_array_equal(got.episodes.env_reward_B, want.episodes.env_reward_B)
+    assert got.generation.preemptions > 0
+    waited = [r.episodes.metrics()["episode/decode_steps_while_waiting"] for r in runs]
+    assert waited[0] == 0 < waited[1]
+    assert min(r.episodes.env_step_s for r in runs) >= 1.0
+
+
 def test_budgets_end_episodes_with_their_status(params):
     sampled, _ = _run(params, Forever, max_turns=2, new=40)
     stats = sampled.episodes
@@ -187,6 +237,25 @@ def test_an_environment_that_raises_ends_its_episode_only(params):
     sampled, _ = _run(params, Raises)
     assert set(sampled.episodes.status_B) <= {"env_error", "max_tokens"}
     assert "env_error" in sampled.episodes.status_B
+
+
+def test_on_the_paged_engine_a_failing_step_ends_its_episode_only(params):
+    """The non-blocking driver keeps the failure paths: episode 0's steps hang past
+    agent.step_timeout_s (env_timeout) and episode 1's raise (env_error) while the others
+    decode on and end as ever; the failed two are out of the loss."""
+    made = []
+
+    def factory():
+        env = [Hangs, Raises][len(made)]() if len(made) < 2 else Echo()
+        made.append(env)
+        return env
+
+    sampled, _ = _run(params, factory, new=32, paged=True, step_timeout_s=0.3)
+    status = sampled.episodes.status_B
+    assert status[:2] == ("env_timeout", "env_error")
+    assert set(status[2:]) <= {"done", "max_tokens"} and "done" in status[2:]
+    assert not sampled.batch.loss_mask_BxT[:2].any() and sampled.batch.loss_mask_BxT[2:].any()
+    assert sampled.episodes.decode_steps_while_waiting > 0
 
 
 # A format where every turn is a call of the test's tools: a turn starting with 7, 8 or 9

@@ -1,13 +1,26 @@
 """The paged engine against the static sampler (greedy), the continuous engine (sampled: the
 same keys give the same tokens), a teacher-forced forward, a pool so small that sequences
-are preempted and recomputed, a group's prompt stored once, and weights taken in flight."""
+are preempted and recomputed, a group's prompt stored once, weights taken in flight, and
+multi-turn episodes whose pending turns do not stop the other sequences."""
 
 import dataclasses
+import queue
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
-from engine_test import PAD, TOKENS, VALID, WIDTH, _assert_same_rollouts
+from engine_test import (
+    PAD,
+    STOPS,
+    TOKENS,
+    VALID,
+    WIDTH,
+    _assert_episode_rows,
+    _assert_same_rollouts,
+    _episodes,
+)
 from sampling_test import CONFIG, _random_params, _teacher_forced_logp
 
 from m2po_jax.rollout import engines as engine_lib
@@ -216,3 +229,103 @@ def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need()
     state, live_S = paged_engine._preempt(state, jnp.asarray([True, False, False]))
     np.testing.assert_array_equal(live_S, [True, True, False])
     assert int(state.preemptions_1[0]) == 1
+
+
+# ---------------------------------------------------------------- multi-turn episodes
+
+TURNS = sampling.SamplingConfig(
+    max_new_tokens=40, temperature=0.8, pad_id=PAD, stop_token_ids=STOPS
+)
+
+
+@pytest.fixture(scope="module")
+def continuous_episodes(params):
+    return _episodes(params, engine_lib.ContinuousEngine(CONFIG, TURNS, slots=4))[0]
+
+
+@pytest.mark.parametrize("pages", [0, 30])
+def test_episodes_are_the_continuous_engines_parked_and_preempted_or_not(
+    params, continuous_episodes, pages
+):
+    """The continuous engine's episode test on the paged engine: rows = prompt ++ sampled
+    turns ++ appended ids, the loss mask on sampled tokens, versions -1 on appended ones,
+    log-probs a teacher-forced forward's (1e-5), and the continuous engine's tokens under
+    the same key. With 30 pages (the prompts take 17, a sequence up to 10) sequences are
+    preempted while others are parked, and appends the pool cannot hold park theirs out
+    to be recomputed: the same rows."""
+    engine = PagedEngine(CONFIG, TURNS, slots=4, page_size=PG, pages=pages)
+    got, seen = _episodes(params, engine)
+    _assert_episode_rows(params, got, seen, 40, atol=1e-5)
+    want = continuous_episodes
+    for field in ("tokens_BxT", "valid_BxT", "completion_mask_BxT", "stopped_B"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got.out, field)), np.asarray(getattr(want.out, field)), field
+        )
+    np.testing.assert_array_equal(got.version_BxN, want.version_BxN)
+    assert (got.preemptions > 0) == bool(pages)
+    assert got.peak_pages <= (pages or got.pages)
+
+
+class _Answers:
+    """`_episodes`' answers as a `TurnQueue` answered on threads, each after `fast_s`
+    seconds (a tool's latency) but row 0's first, after `slow_s`. `blocking`: a plain
+    `on_turns` answering its turns at once on threads and waiting for all of them, as
+    the episode driver does for an engine that waits."""
+
+    def __init__(self, slow_s: float, fast_s: float = 0.02):
+        self.slow_s, self.fast_s = slow_s, fast_s
+        self.seen, self.done = {}, queue.SimpleQueue()
+
+    def answer(self, turn):
+        past = self.seen.setdefault(turn.row, [])
+        delta = [turn.row % 50 + 1, 91, 92 + len(past)]
+        go = len(past) < 2 and not turn.cut and turn.room >= len(delta)
+        past.append((turn.start, list(turn.tokens), delta if go else None))
+        time.sleep(self.slow_s if turn.row == 0 and len(past) == 1 else self.fast_s)
+        return delta if go else None
+
+    def submit(self, turns):
+        for turn in turns:
+            threading.Thread(target=lambda t=turn: self.done.put((t, self.answer(t)))).start()
+
+    def poll(self, timeout_s):
+        ready = []
+        try:
+            ready.append(self.done.get(timeout_s != 0, timeout_s))
+            while True:
+                ready.append(self.done.get_nowait())
+        except queue.Empty:
+            return ready
+
+    def blocking(self, turns):
+        self.submit(turns)
+        answers = {}
+        while len(answers) < len(turns):
+            answers.update((t.row, a) for t, a in self.poll(None))
+        return [answers[t.row] for t in turns]
+
+
+def test_a_slow_answer_holds_back_its_own_episode_only(params, continuous_episodes):
+    """Answers take 20 ms, row 0's first 1 s: through a `TurnQueue` the other sequences
+    decode and get their answers meanwhile (decode steps while waiting) and the run ends
+    well before the same engine waiting for every held turn's answer at once (the
+    continuous engine's way); the rows are the same either way."""
+    engine = PagedEngine(CONFIG, TURNS, slots=4, page_size=PG)
+
+    def run(on_turns):
+        start = time.perf_counter()
+        got = engine.episodes(
+            params, TOKENS, VALID, jax.random.key(0), on_turns, n_samples=N, version=3,
+            max_append=8,
+        )  # fmt: skip
+        return got, time.perf_counter() - start
+
+    run(_Answers(0.0, 0.0).blocking)  # compiles
+    blocking, blocked_s = run(_Answers(1.0).blocking)
+    free, free_s = run(_Answers(1.0))
+    _assert_same_rollouts(jax.device_get(free.out), jax.device_get(continuous_episodes.out))
+    _assert_same_rollouts(jax.device_get(blocking.out), jax.device_get(continuous_episodes.out))
+    assert blocking.decode_steps_while_waiting == 0 < free.decode_steps_while_waiting
+    print(f"blocking {blocked_s:.2f}s, non-blocking {free_s:.2f}s, "
+          f"{free.decode_steps_while_waiting} of {free.decode_steps} decode steps while waiting")  # fmt: skip
+    assert free_s < blocked_s - 0.5, (free_s, blocked_s)

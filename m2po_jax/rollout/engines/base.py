@@ -43,6 +43,8 @@ class Generation:
       slot_steps: rows (static) or slots (continuous) times decode steps: the work done.
       live_steps: of those, the steps that produced a token of an unfinished sequence.
       weight_updates: new weights taken in flight.
+      decode_steps_while_waiting: of `decode_steps`, those run while the host's answer to
+        a held turn was pending (`episodes` on an engine that does not wait for it).
     """
 
     out: sampling.SampleOutput
@@ -51,6 +53,7 @@ class Generation:
     slot_steps: int
     live_steps: int
     weight_updates: int = 0
+    decode_steps_while_waiting: int = 0
 
     @property
     def idle_fraction(self) -> float:
@@ -148,8 +151,8 @@ class RolloutEngine(abc.ABC):
             )
 
     def episodes(self, params, prompt_tokens_BxP, prompt_valid_BxP, rng, on_turns, **kwargs):
-        """Multi-turn episodes (`ContinuousEngine.episodes`); ValueError where the engine
-        has none."""
+        """Multi-turn episodes (`ContinuousEngine.episodes`, `PagedEngine.episodes`);
+        ValueError where the engine has none."""
         raise self._no_episodes()
 
     def _no_episodes(self) -> ValueError:

@@ -54,7 +54,15 @@ from m2po_jax.rollout.engines.slots import (
     _Prefixes,
     _run,
 )
-from m2po_jax.rollout.engines.turns import Turn, _append, _bucket, _lanes, _release
+from m2po_jax.rollout.engines.turns import (
+    Turn,
+    _append,
+    _bucket,
+    _lanes,
+    _release,
+    check_answer,
+    held_turns,
+)
 
 
 @register("continuous")
@@ -413,20 +421,9 @@ class ContinuousEngine(RolloutEngine):
         tokens_JxN = np.asarray(_host(state.tokens_JxN))
         stop_ids = set(self.sampling.stop_token_ids)
         new = self.sampling.max_new_tokens
-        turns = []
-        for slot in slot_H:
-            row, step = int(job_S[slot]), int(step_S[slot])
-            start = int(turn_start[row])
-            turns.append(
-                Turn(
-                    row=row,
-                    tokens=tokens_JxN[row, start:step].tolist(),
-                    cut=int(tokens_JxN[row, step - 1]) not in stop_ids,
-                    room=max(0, min(new - step - 1, extra)),
-                    start=start,
-                )
-            )
-        return turns
+        return held_turns(
+            tokens_JxN, job_S[slot_H], step_S[slot_H], turn_start, stop_ids, new, extra
+        )
 
     def _answer(self, programs, params, version, state, keys_U, slot_H, turns, answers, extra):
         """Ends the held slots answered None and appends the others' tokens (the next
@@ -436,13 +433,9 @@ class ContinuousEngine(RolloutEngine):
         slots = state.job_S.shape[0]
         ends, goes = [], []
         for slot, turn, delta in zip(slot_H, turns, answers, strict=True):
+            check_answer(turn, delta)
             if delta is None:
                 ends.append((slot, turn))
-            elif not 1 <= len(delta) <= turn.room:
-                raise ValueError(
-                    f"on_turns: row {turn.row} appends {len(delta)} tokens; its room is "
-                    f"1..{turn.room}"
-                )
             else:
                 goes.append((slot, list(delta)))
         if ends:

@@ -29,6 +29,16 @@ Weights in flight (`weights=`): polled between decode calls of `chunk_steps` ste
 sequences go on under the new weights and each token records the version that produced
 it. Prompts are not prefilled again: a sequence started after an update draws its first
 token from its prompt's prefill (recorded under the prefill's version).
+
+Multi-turn episodes (`episodes`, the continuous engine's contract and `Turn`s): a turn's
+end parks its sequence, which keeps its slot and its pages while the others decode on;
+held sequences are never preemption victims. The host hands each held turn to its
+`TurnQueue` and applies the answers ready between decode calls, so a slow environment
+holds back only its own episode: `_append` writes an answer into the sequence's row and
+its own pages (one multi-token paged forward from its cached tokens) and draws the next
+turn's first token; an append the pool cannot hold parks the sequence out instead (its
+pages and slot returned, its row kept) and a resume recomputes it like a preempted one.
+`_release` ends the episodes answered None.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import paged
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import sampling
+from m2po_jax.rollout.engines import turns as turns_lib
 from m2po_jax.rollout.engines.base import (
     EngineProgram,
     Generation,
@@ -71,6 +82,7 @@ class _State:
     step_S: jax.Array  # int32: tokens the sequence has (its last not in the cache yet)
     last_token_S: jax.Array
     live_S: jax.Array
+    held_S: jax.Array  # bool: the slot's sequence ended a turn and waits for the host (turns)
     own_table_SxM: jax.Array  # int32: the sequence's own pages (NP: none)
     age_S: jax.Array  # int32: admission order (preemption takes the youngest)
     admitted_1: jax.Array  # int32 [1]: admissions so far
@@ -111,10 +123,13 @@ class PagedEngine(RolloutEngine):
         completion (no preemption).
       page_size: tokens per page.
       insert_lanes: sequences that may start per decode step (0 = max(slots // 4, 1)).
-      chunk_steps: decode steps per call when `weights` is given.
+      chunk_steps: decode steps per call when `weights` is given, and in `episodes`
+        (between calls the host takes the turns' answers).
       mesh: a device mesh the programs are partitioned over (one program, XLA-partitioned);
         None = one device.
     """
+
+    multi_turn = True
 
     def __init__(
         self,
@@ -160,16 +175,17 @@ class PagedEngine(RolloutEngine):
     def programs(self, params, prompts, n_samples, *, prompt_len, max_append=0):
         """ "engine_prefill" (every prompt into its pages), "engine_start", "engine_run"
         (the decode loop) and "engine_resume" (its widest: every lane recomputes a whole
-        completion), each from the last's outputs."""
-        if max_append:
-            raise self._no_episodes()
-        phases, size = self._compiled(prompts, prompt_len, n_samples)
+        completion), each from the last's outputs; with `max_append` > 0 those of
+        `episodes` and "engine_append" (its widest: every slot takes `max_append`
+        tokens)."""
+        extra = int(max_append)
+        phases, size = self._compiled(prompts, prompt_len, n_samples, turns=extra > 0)
         jobs = prompts * n_samples
         key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
         version, keys = self._replicated(jnp.int32), self._replicated(key_dtype, 1)
         state = OutputOf("engine_start")
         pages = f"{size['pages']} pages of {size['page_size']} tokens"
-        return [
+        programs = [
             EngineProgram(
                 "engine_prefill",
                 f"{prompts} prompts into a pool of {pages}",
@@ -205,6 +221,26 @@ class PagedEngine(RolloutEngine):
                 (params, state, self._replicated(jnp.int32, size["lanes"]), version),
             ),
         ]
+        if extra:
+            lane, slots = self._replicated, size["slots"]
+            width = turns_lib._bucket(extra, extra)
+            programs.append(
+                EngineProgram(
+                    "engine_append",
+                    f"{slots} held sequences take {width}-token answers",
+                    phases["append"],
+                    (
+                        params,
+                        state,
+                        keys,
+                        lane(jnp.int32, slots),
+                        lane(jnp.int32, slots, width),
+                        lane(jnp.int32, slots),
+                        version,
+                    ),
+                )  # fmt: skip
+            )
+        return programs
 
     # ---- sizes ----------------------------------------------------------------------
 
@@ -221,12 +257,12 @@ class PagedEngine(RolloutEngine):
             slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg, jobs=rows
         )
 
-    def _compiled(self, prompts, width, n_samples) -> tuple[dict, dict]:
+    def _compiled(self, prompts, width, n_samples, turns=False) -> tuple[dict, dict]:
         size = self.sizes(prompts, width, n_samples)
-        key = (prompts, width, n_samples)
+        key = (prompts, width, n_samples, turns)
         if key not in self._programs:
             self._programs[key] = _programs(
-                self.model_config, self.sampling, n_samples, size, self.mesh
+                self.model_config, self.sampling, n_samples, size, self.mesh, turns
             )
         return self._programs[key], size
 
@@ -318,6 +354,145 @@ class PagedEngine(RolloutEngine):
             emitted = ready
             if emitted == count:
                 return
+
+    def episodes(
+        self,
+        params,
+        prompt_tokens_BxP,
+        prompt_valid_BxP,
+        rng,
+        on_turns,
+        *,
+        n_samples: int = 1,
+        version: int = 0,
+        weights: WeightSource | None = None,
+        max_append: int = 256,
+    ) -> PagedGeneration:
+        """Multi-turn episodes, as `ContinuousEngine.episodes` (the same `Turn`s, answers,
+        row layout and keys), where a held turn stops only its own sequence.
+
+        A sequence whose turn ends is parked: it keeps its slot and its pages (held
+        sequences are never preemption victims) while the others decode on. The engine
+        runs decode calls of up to `chunk_steps` steps, each ending early when a turn
+        ends; after each it hands the newly held turns to `on_turns` (a `TurnQueue`:
+        `submit` starts them and returns; a plain callable answers at once), collects the
+        answers ready (`poll(0)`), ends the episodes answered None and appends the others'
+        tokens into the sequences' own pages (`_append`: one multi-token paged forward
+        from their cached tokens; an append the pool cannot hold parks the sequence out
+        of its slot and pages, to be resumed by a recompute, counted in `preemptions`).
+        Only when nothing can decode does it wait for the next answer (`poll(None)`).
+        `decode_steps_while_waiting` counts the decode steps run while answers were
+        pending. `max_append`: the most tokens one append may add.
+        """
+        if int(max_append) < 1:
+            raise ValueError(f"max_append: must be >= 1, got {max_append}")
+        sampling.check_inputs(
+            self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
+        )
+        answers = turns_lib.turn_queue(on_turns)
+        prompts, width = np.shape(prompt_tokens_BxP)
+        programs, size = self._compiled(prompts, width, n_samples, turns=True)
+        self._check_pool(prompt_valid_BxP, size)
+        jobs, extra, slots = size["jobs"], int(max_append), size["slots"]
+        keys_U = _typed(rng)[None]
+        ids = jnp.arange(jobs, dtype=jnp.int32)
+        state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
+        state = programs["start"](state, keys_U, ids * 0, ids)
+        stop_ids = set(self.sampling.stop_token_ids)
+        turn_start = np.zeros(jobs, np.int64)  # where each sequence's current turn began
+        pending: set[int] = set()  # rows whose turn the host has not answered yet
+        steps_before, waited, updates = 0, 0, 0
+        while True:
+            state = programs["run"](
+                params, state, keys_U, jnp.int32(version), np.int32(self.chunk_steps)
+            )
+            held_S, job_S, step_S, live_S, waiting_J, valid_JxN, free, next_job, done_J, decoded = (
+                jax.device_get((state.held_S, state.job_S, state.step_S, state.live_S,
+                                state.waiting_J, state.valid_JxN, state.free_1,
+                                state.next_job_1, state.done_J, state.decode_steps_1))
+            )  # fmt: skip
+            if pending:
+                waited += int(decoded[0]) - steps_before
+            steps_before = int(decoded[0])
+            if done_J.all():
+                break
+            fresh = [s for s in np.flatnonzero(held_S) if int(job_S[s]) not in pending]
+            if fresh:
+                turns = turns_lib.held_turns(
+                    jax.device_get(state.tokens_JxN), job_S[fresh], step_S[fresh], turn_start,
+                    stop_ids, self.sampling.max_new_tokens, extra,
+                )  # fmt: skip
+                pending.update(t.row for t in turns)
+                answers.submit(turns)
+            free_slots = int((job_S == jobs).sum())
+            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), free_slots, size)
+            insertable = next_job[0] < jobs and free_slots and not waiting_J.any()
+            busy = bool(live_S.any() or job_L.size or insertable)
+            if not busy and not pending:
+                raise RuntimeError("rollout engine: no sequence can go on and no turn is pending")
+            ready = answers.poll(0.0 if busy else None)
+            if ready:
+                state = self._answer(programs, params, version, state, keys_U, job_S, held_S,
+                                     ready, extra)  # fmt: skip
+                for turn, delta in ready:
+                    pending.discard(turn.row)
+                    if delta is not None:  # the next turn starts after the appended tokens
+                        turn_start[turn.row] = turn.start + len(turn.tokens) + len(delta)
+            elif job_L.size:
+                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
+                lanes = _lanes(job_L, jobs)
+                resume = programs["resume"](_width(tokens), lanes.size)
+                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+            newer = None if weights is None else weights()
+            if newer is not None and int(newer[1]) != int(version):
+                params, version = newer
+                updates += 1
+        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
+        version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
+        return PagedGeneration(
+            out=out,
+            version_BxN=np.asarray(version_BxN, np.int32),
+            decode_steps=int(decode[0]),
+            slot_steps=int(decode[0]) * slots,
+            live_steps=int(live_steps[0]),
+            weight_updates=updates,
+            decode_steps_while_waiting=waited,
+            preemptions=int(preempted[0]),
+            pages=size["pages"],
+            peak_pages=int(peak[0]),
+        )
+
+    def _answer(self, programs, params, version, state, keys_U, job_S, held_S, ready, extra):
+        """Ends the episodes answered None and appends the others' tokens (`ready`: (turn,
+        answer) pairs of held sequences)."""
+        slots = job_S.shape[0]
+        slot_of = {int(job_S[s]): int(s) for s in np.flatnonzero(held_S)}
+        ends, goes = [], []
+        for turn, delta in ready:
+            turns_lib.check_answer(turn, delta)
+            if turn.row not in slot_of:
+                raise ValueError(f"on_turns: row {turn.row} has no held turn to answer")
+            if delta is None:
+                ends.append((slot_of[turn.row], turn))
+            else:
+                goes.append((slot_of[turn.row], list(delta)))
+        if ends:
+            slot_L = turns_lib._lanes([slot for slot, _ in ends], slots)
+            stopped_L = np.zeros(slot_L.size, bool)
+            stopped_L[: len(ends)] = [not turn.cut for _, turn in ends]
+            state = programs["release"](state, slot_L, stopped_L)
+        if goes:
+            slot_L = turns_lib._lanes([slot for slot, _ in goes], slots)
+            width = turns_lib._bucket(max(len(delta) for _, delta in goes), extra)
+            delta_LxM = np.full((slot_L.size, width), self.sampling.pad_id, np.int32)
+            len_L = np.zeros(slot_L.size, np.int32)
+            for i, (_, delta) in enumerate(goes):
+                delta_LxM[i, : len(delta)] = delta
+                len_L[i] = len(delta)
+            state = programs["append"](
+                params, state, keys_U, slot_L, delta_LxM, len_L, jnp.int32(version)
+            )
+        return state
 
     def _check_pool(self, valid_QxP, size) -> None:
         lengths = np.sum(np.asarray(jax.device_get(valid_QxP), bool), axis=1)
@@ -542,6 +717,7 @@ def _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config)
         step_S=zeros_S,
         last_token_S=zeros_S + sampling_config.pad_id,
         live_S=jnp.zeros(slots, bool),
+        held_S=jnp.zeros(slots, bool),
         own_table_SxM=jnp.full((slots, size["own"]), n_pages, jnp.int32),
         age_S=zeros_S,
         admitted_1=jnp.zeros(1, jnp.int32),
@@ -570,22 +746,33 @@ def _keys(keys_U, state: _State, job_L, step_L):
     return fold(fold(keys_U[state.unit_J[job_L]], state.seq_id_J[job_L]), step_L)
 
 
-def _write_tokens(state: _State, job_L, step_L, token_L, logp_L, version, stop_L, ends_L):
+def _write_tokens(
+    state: _State, job_L, step_L, token_L, logp_L, version, stop_L, ends_L, *, turns=False
+):
+    """Writes sampled tokens into their rows (job J: dropped). With `turns` an end is the
+    turn's, not the sequence's: the host ends the episode (`_release`)."""
     at = (job_L, step_L)
-    return state.replace(
+    state = state.replace(
         tokens_JxN=state.tokens_JxN.at[at].set(token_L, mode="drop"),
         logp_JxN=state.logp_JxN.at[at].set(logp_L, mode="drop"),
         valid_JxN=state.valid_JxN.at[at].set(True, mode="drop"),
         sampled_JxN=state.sampled_JxN.at[at].set(True, mode="drop"),
         version_JxN=state.version_JxN.at[at].set(version, mode="drop"),
+    )
+    if turns:
+        return state
+    return state.replace(
         stopped_J=state.stopped_J.at[job_L].max(stop_L, mode="drop"),
         done_J=state.done_J.at[job_L].max(ends_L, mode="drop"),
     )
 
 
-def _insert(state: _State, keys_U, lanes: int, n_samples: int, sampling_config) -> _State:
+def _insert(
+    state: _State, keys_U, lanes: int, n_samples: int, sampling_config, turns=False
+) -> _State:
     """Starts up to `lanes` queued sequences in free slots (none while a preempted one
-    waits: it goes first); their first token is drawn from their prompt's prefill."""
+    waits: it goes first); their first token is drawn from their prompt's prefill (with
+    `turns` a first token that ends the turn holds the slot for the host)."""
     slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
     free_S = (state.job_S == jobs) & ~jnp.any(state.waiting_J)
     (slot_L,) = jnp.nonzero(free_S, size=lanes, fill_value=slots)
@@ -601,16 +788,19 @@ def _insert(state: _State, keys_U, lanes: int, n_samples: int, sampling_config) 
     stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
     ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
     state = _write_tokens(
-        state, job_L, zero_L, token_L, logp_L, state.prefill_version, use_L & stop_L, ends_L
-    )
+        state, job_L, zero_L, token_L, logp_L, state.prefill_version, use_L & stop_L, ends_L,
+        turns=turns,
+    )  # fmt: skip
     age_L = state.admitted_1[0] + jnp.arange(lanes, dtype=jnp.int32)
-    go_L = use_L & ~ends_L
-    slot_go = jnp.where(go_L, slot_L, slots)
+    take_L = use_L if turns else use_L & ~ends_L
+    slot_go = jnp.where(take_L, slot_L, slots)
+    if turns:
+        state = state.replace(held_S=state.held_S.at[slot_go].set(ends_L, mode="drop"))
     return state.replace(
         job_S=state.job_S.at[slot_go].set(job_L, mode="drop"),
         step_S=state.step_S.at[slot_go].set(1, mode="drop"),
         last_token_S=state.last_token_S.at[slot_go].set(token_L, mode="drop"),
-        live_S=state.live_S.at[slot_go].set(True, mode="drop"),
+        live_S=state.live_S.at[slot_go].set(~ends_L, mode="drop"),
         age_S=state.age_S.at[slot_go].set(age_L, mode="drop"),
         admitted_1=state.admitted_1 + jnp.sum(use_L, dtype=jnp.int32),
         next_job_1=state.next_job_1 + jnp.sum(use_L, dtype=jnp.int32),
@@ -644,9 +834,12 @@ def _preempt(state: _State, need_S) -> tuple[_State, jax.Array]:
     ), live & ~victim_S
 
 
-def _decode(state: _State, params, keys_U, version, *, model_config, sampling_config, n):
+def _decode(
+    state: _State, params, keys_U, version, *, model_config, sampling_config, n, turns=False
+):
     """One token for every live slot: a page where its pending token starts one
-    (preempting the youngest when the pool is short), the step, the token written."""
+    (preempting the youngest when the pool is short), the step, the token written. With
+    `turns` a slot whose turn ends is held, its pages kept (parked) for the host."""
     jobs = state.done_J.shape[0]
     pg = state.pool.page_size
     n_pages = state.free_N.shape[0]
@@ -678,12 +871,19 @@ def _decode(state: _State, params, keys_U, version, *, model_config, sampling_co
     )
     stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
     ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
-    state = _write_tokens(state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S)
-    # Ended sequences give their pages back and free their slot.
-    state = _push(state.replace(pool=pool), jnp.where(ends_S[:, None], own_table, n_pages))
+    state = _write_tokens(
+        state, job_S, state.step_S, token_S, logp_S, version, stop_S, ends_S, turns=turns
+    )
+    state = state.replace(pool=pool)
+    if turns:  # a turn's end parks its sequence: slot and pages kept for the host's answer
+        state = state.replace(held_S=state.held_S | ends_S)
+    else:  # ended sequences give their pages back and free their slot
+        state = _push(state, jnp.where(ends_S[:, None], own_table, n_pages))
+        state = state.replace(
+            own_table_SxM=jnp.where(ends_S[:, None], n_pages, own_table),
+            job_S=jnp.where(ends_S, jobs, state.job_S),
+        )
     return state.replace(
-        own_table_SxM=jnp.where(ends_S[:, None], n_pages, own_table),
-        job_S=jnp.where(ends_S, jobs, state.job_S),
         step_S=state.step_S + live_S,
         last_token_S=jnp.where(live_S, token_S, state.last_token_S),
         live_S=live_S & ~ends_S,
@@ -692,24 +892,31 @@ def _decode(state: _State, params, keys_U, version, *, model_config, sampling_co
     )
 
 
-def _run(params, state, keys_U, version, max_steps, *, model_config, sampling_config, lanes, n):
+def _run(
+    params, state, keys_U, version, max_steps, *, model_config, sampling_config, lanes, n,
+    turns=False,
+):  # fmt: skip
     """Insert, then decode, until every sequence is done, `max_steps` decode steps ran, or
-    a preempted sequence waits (the host resumes it) or nothing is live."""
+    a preempted sequence waits (the host resumes it) or nothing is live (with `turns`:
+    or a turn ended in this call, for the host to take)."""
     first = state.decode_steps_1[0]
     jobs = state.done_J.shape[0]
+    held_before_S = state.held_S
 
     def cond(state):
         queued = state.next_job_1[0] < jobs
         waiting = jnp.any(state.waiting_J)
-        going = jnp.any(state.live_S) | (queued & ~waiting)
+        free_slot = jnp.any(state.job_S == jobs)
+        going = jnp.any(state.live_S) | (queued & ~waiting & free_slot)
         steps = state.decode_steps_1[0] - first < max_steps
-        return going & ~_finished(state) & steps & ~_resumable_now(state)
+        go = going & ~_finished(state) & steps & ~_resumable_now(state)
+        return go & ~jnp.any(state.held_S & ~held_before_S) if turns else go
 
     def body(state):
         refill = jnp.any(state.job_S == jobs) & (state.next_job_1[0] < jobs)
         state = jax.lax.cond(
             refill,
-            lambda s: _insert(s, keys_U, lanes, n, sampling_config),
+            lambda s: _insert(s, keys_U, lanes, n, sampling_config, turns),
             lambda s: s,
             state,
         )
@@ -723,6 +930,7 @@ def _run(params, state, keys_U, version, max_steps, *, model_config, sampling_co
                 model_config=model_config,
                 sampling_config=sampling_config,
                 n=n,
+                turns=turns,
             ),  # fmt: skip
             lambda s: s,
             state,
@@ -797,6 +1005,116 @@ def _resume(params, state: _State, job_L, version, *, model_config, sampling_con
     )
 
 
+def _append(
+    params, state: _State, keys_U, slot_L, delta_LxM, len_L, version, *, model_config,
+    sampling_config, n,
+):  # fmt: skip
+    """Appends host tokens to held slots' sequences and resumes them (multi-turn).
+
+    Lane l (slot `slot_L[l]`, out of range = unused) takes `delta_LxM[l, :len_L[l]]`: they
+    are written into its sequence's row (valid, not sampled, version -1). Lanes whose
+    pages the pool holds (in lane order) take them, run the turn's pending token and the
+    appended ones through the model into their own pages (one multi-token paged forward
+    from their cached own tokens: the history is never recomputed) and draw the next
+    turn's first token from the last one's logits. The others give their pages and slot
+    back and wait, as preempted sequences do: a resume recomputes their row, appended
+    tokens included, and its decode step draws that token under the same key. The host
+    guarantees that step + len < max_new_tokens.
+    """
+    slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
+    n_pages, pg = state.free_N.shape[0], state.pool.page_size
+    lanes, m = delta_LxM.shape
+    use_L = slot_L < slots
+    s_L = jnp.minimum(slot_L, slots - 1)
+    job_L = jnp.where(use_L, state.job_S[s_L], jobs)
+    step_L = state.step_S[s_L]  # the sequence's tokens; its last is not in the cache yet
+    state = _write_appended(state, job_L, step_L, use_L, delta_LxM, len_L)
+    table_LxM = state.own_table_SxM[s_L]
+    have_L = jnp.sum(table_LxM < n_pages, axis=1, dtype=jnp.int32)
+    need_L = jnp.where(use_L, -(-(step_L + len_L) // pg) - have_L, 0)
+    go_L = use_L & (jnp.cumsum(need_L) <= state.free_1[0])
+    out_L = use_L & ~go_L
+    col_M = jnp.arange(table_LxM.shape[1])
+    new_LxM = go_L[:, None] & (col_M >= have_L[:, None]) & (col_M < (have_L + need_L)[:, None])
+    state, flat = _pop(state, new_LxM.reshape(-1))
+    table_LxM = jnp.where(new_LxM, flat.reshape(new_LxM.shape), table_LxM)
+    t_T = jnp.arange(m + 1, dtype=jnp.int32)
+    tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
+    valid_LxT = go_L[:, None] & (t_T[None] <= len_L[:, None])
+    prompts = state.prompt_len_I.shape[0]
+    inst_L = jnp.where(go_L, jnp.minimum(job_L // n, prompts - 1), prompts)
+    own_L = jnp.where(go_L, step_L - 1, 0)
+    view = _view(state, jnp.where(go_L[:, None], table_LxM, n_pages), own_L, inst_L,
+                 grouped=False, n=n)  # fmt: skip
+    positions_LxT = (state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)] + own_L)[:, None] + t_T
+    hidden_LxTxE, pool = model_lib.apply(
+        params, model_config, tokens_LxT, positions_LxT, valid_LxT, hidden_only=True,
+        paged=(state.pool, view),
+    )  # fmt: skip
+    logits_LxV = model_lib.dense(
+        hidden_LxTxE[jnp.arange(lanes), len_L], model_lib.head_weight(params, model_config)
+    )
+    draw_L = step_L + len_L  # the drawn token's index
+    job_go = jnp.where(go_L, job_L, jobs)
+    token_L, logp_L = sampling.sample_token(
+        logits_LxV.astype(jnp.float32), _keys(keys_U, state, job_go, draw_L), sampling_config
+    )
+    stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
+    ends_L = stop_L | (draw_L + 1 >= sampling_config.max_new_tokens)
+    state = _write_tokens(
+        state, job_go, draw_L, token_L, logp_L, version, stop_L, ends_L, turns=True
+    )
+    slot_go, slot_out = jnp.where(go_L, slot_L, slots), jnp.where(out_L, slot_L, slots)
+    state = _push(state.replace(pool=pool), jnp.where(out_L[:, None], table_LxM, n_pages))
+    own = state.own_table_SxM.at[slot_go].set(table_LxM, mode="drop")
+    return state.replace(
+        own_table_SxM=own.at[slot_out].set(n_pages, mode="drop"),
+        step_S=state.step_S.at[slot_go].set(draw_L + 1, mode="drop"),
+        last_token_S=state.last_token_S.at[slot_go].set(token_L, mode="drop"),
+        live_S=state.live_S.at[slot_go].set(~ends_L, mode="drop"),
+        held_S=state.held_S.at[slot_go]
+        .set(ends_L, mode="drop")
+        .at[slot_out]
+        .set(False, mode="drop"),
+        job_S=state.job_S.at[slot_out].set(jobs, mode="drop"),
+        waiting_J=state.waiting_J.at[jnp.where(out_L, job_L, jobs)].set(True, mode="drop"),
+        preemptions_1=state.preemptions_1 + jnp.sum(out_L, dtype=jnp.int32),
+    )
+
+
+def _write_appended(state: _State, job_L, step_L, use_L, delta_LxM, len_L) -> _State:
+    """Writes each lane's appended tokens into its sequence's row from column `step_L`:
+    valid, not sampled (no loss), version -1 (padding lanes and columns dropped)."""
+    jobs = state.done_J.shape[0]
+    t_M = jnp.arange(delta_LxM.shape[1], dtype=jnp.int32)
+    col_LxM = step_L[:, None] + t_M[None]
+    row_LxM = jnp.where(use_L[:, None] & (t_M[None] < len_L[:, None]), job_L[:, None], jobs)
+    return state.replace(
+        tokens_JxN=state.tokens_JxN.at[row_LxM, col_LxM].set(delta_LxM, mode="drop"),
+        valid_JxN=state.valid_JxN.at[row_LxM, col_LxM].set(True, mode="drop"),
+        version_JxN=state.version_JxN.at[row_LxM, col_LxM].set(-1, mode="drop"),
+    )
+
+
+def _release(state: _State, slot_L, stopped_L) -> _State:
+    """Ends the episodes in held slots `slot_L` (out of range = unused): their sequences
+    are done (`stopped_L`: ended as the episode should, not cut by a budget), their pages
+    back in the pool and their slots free."""
+    slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
+    n_pages = state.free_N.shape[0]
+    use_L = slot_L < slots
+    s_L = jnp.minimum(slot_L, slots - 1)
+    job_L = jnp.where(use_L, state.job_S[s_L], jobs)
+    state = _push(state, jnp.where(use_L[:, None], state.own_table_SxM[s_L], n_pages))
+    return state.replace(
+        own_table_SxM=state.own_table_SxM.at[slot_L].set(n_pages, mode="drop"),
+        held_S=state.held_S.at[slot_L].set(False, mode="drop"),
+        job_S=state.job_S.at[slot_L].set(jobs, mode="drop"),
+        stopped_J=state.stopped_J.at[job_L].set(stopped_L, mode="drop"),
+        done_J=state.done_J.at[job_L].set(True, mode="drop"),
+    )
+
+
 def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
     """The `SampleOutput` of the finished sequences (rows in prompt order)."""
     repeat = functools.partial(jnp.repeat, repeats=n_samples, axis=0)
@@ -819,8 +1137,9 @@ def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
     return out, state.version_JxN, counters
 
 
-def _programs(model_config, sampling_config, n_samples, size, mesh) -> dict:
-    """The jitted phases (`mesh`: one program each, partitioned by XLA)."""
+def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False) -> dict:
+    """The jitted phases (`mesh`: one program each, partitioned by XLA); with `turns`
+    those of `PagedEngine.episodes`, "append" and "release" included."""
     statics = dict(model_config=model_config, sampling_config=sampling_config)
     on = (lambda fn: fn) if mesh is None else (lambda fn: sharding.on_mesh(fn, mesh))
 
@@ -829,7 +1148,7 @@ def _programs(model_config, sampling_config, n_samples, size, mesh) -> dict:
 
     def start(state, keys_U, unit_J, seq_id_J):
         state = state.replace(unit_J=unit_J.astype(jnp.int32), seq_id_J=seq_id_J.astype(jnp.int32))
-        return _insert(state, keys_U, size["slots"], n_samples, sampling_config)
+        return _insert(state, keys_U, size["slots"], n_samples, sampling_config, turns)
 
     resumes: dict = {}
 
@@ -839,13 +1158,16 @@ def _programs(model_config, sampling_config, n_samples, size, mesh) -> dict:
             resumes[width, lanes] = jax.jit(on(fn), donate_argnums=(1,))
         return resumes[width, lanes]
 
-    return {
+    run = functools.partial(_run, **statics, lanes=size["lanes"], n=n_samples, turns=turns)
+    programs = {
         "prefill": jax.jit(on(prefill)),
         "start": jax.jit(on(start), donate_argnums=(0,)),
-        "run": jax.jit(
-            on(functools.partial(_run, **statics, lanes=size["lanes"], n=n_samples)),
-            donate_argnums=(1,),
-        ),
+        "run": jax.jit(on(run), donate_argnums=(1,)),
         "resume": resume,
         "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
     }
+    if turns:
+        append = functools.partial(_append, **statics, n=n_samples)
+        programs["append"] = jax.jit(on(append), donate_argnums=(1,))
+        programs["release"] = jax.jit(on(_release), donate_argnums=(0,))
+    return programs

@@ -1,4 +1,5 @@
-"""Multi-turn appends: what the continuous engine runs when a turn ends (`episodes`).
+"""Multi-turn appends: what the continuous engine runs when a turn ends (`episodes`), and
+the host's side of turns that every engine shares (`Turn`, `TurnQueue`, `held_turns`).
 
 A slot whose turn ends (a stop token, or the completion budget) is held; the host answers
 each held `Turn` with tokens to append or None. `_append` writes the appended tokens into
@@ -8,11 +9,19 @@ recomputed), and draws the next turn's first token with the sequence's key for t
 index (`fold_in(fold_in(unit key, sequence id), t)`, as every engine token). `_release`
 ends the episodes answered None. Host lanes are padded to powers of two (`_lanes`,
 `_bucket`) so few shapes compile.
+
+The host answers turns through `on_turns`: a plain callable `on_turns(turns) -> answers`
+(one per turn, in order: the engine waits for all of them), or a `TurnQueue`, whose
+`submit(turns)` starts the answers and returns at once and whose `poll(timeout_s)` gives
+those ready: the paged engine (`PagedEngine.episodes`) decodes the other sequences while
+an answer is pending. `turn_queue` makes a `TurnQueue` of either.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +49,73 @@ class Turn:
     cut: bool
     room: int
     start: int = 0  # the turn's first token's index in the row's completion
+
+
+Answer = list[int] | None  # token ids to append, or None: the episode ends
+
+
+@runtime_checkable
+class TurnQueue(Protocol):
+    """The host's answers to held turns, without blocking the engine.
+
+    `submit(turns)` starts answering them and returns at once; `poll(timeout_s)` returns
+    the (turn, answer) pairs ready so far, each once: with `timeout_s` 0 it never waits,
+    otherwise it waits up to `timeout_s` seconds (None: without bound) for at least one.
+    """
+
+    def submit(self, turns: Sequence[Turn]) -> None: ...
+
+    def poll(self, timeout_s: float | None) -> list[tuple[Turn, Answer]]: ...
+
+
+class _Answered:
+    """A plain `on_turns(turns) -> answers` as a `TurnQueue`: answered at `submit`."""
+
+    def __init__(self, on_turns: Callable[[list[Turn]], Sequence[Answer]]):
+        self.on_turns, self.ready = on_turns, []
+
+    def submit(self, turns):
+        answers = list(self.on_turns(list(turns)))
+        if len(answers) != len(turns):
+            raise ValueError(f"on_turns: expected {len(turns)} answers, got {len(answers)}")
+        self.ready += zip(turns, answers, strict=True)
+
+    def poll(self, timeout_s):
+        ready, self.ready = self.ready, []
+        return ready
+
+
+def turn_queue(on_turns) -> TurnQueue:
+    """`on_turns` as a `TurnQueue` (a plain callable answers every turn at `submit`)."""
+    return on_turns if isinstance(on_turns, TurnQueue) else _Answered(on_turns)
+
+
+def held_turns(tokens_JxN, job_H, step_H, turn_start, stop_ids, new: int, extra: int):
+    """The `Turn`s of held sequences `job_H` with `step_H` tokens each (host arrays):
+    each turn's tokens from `turn_start[job]`; `room` from the budget `new` and the
+    largest append `extra`."""
+    turns = []
+    for row, step in zip(job_H, step_H, strict=True):
+        row, step = int(row), int(step)
+        start = int(turn_start[row])
+        turns.append(
+            Turn(
+                row=row,
+                tokens=tokens_JxN[row, start:step].tolist(),
+                cut=int(tokens_JxN[row, step - 1]) not in stop_ids,
+                room=max(0, min(new - step - 1, extra)),
+                start=start,
+            )
+        )
+    return turns
+
+
+def check_answer(turn: Turn, delta: Answer) -> None:
+    """ValueError unless `delta` is None or 1..`turn.room` tokens."""
+    if delta is not None and not 1 <= len(delta) <= turn.room:
+        raise ValueError(
+            f"on_turns: row {turn.row} appends {len(delta)} tokens; its room is 1..{turn.room}"
+        )
 
 
 def _lanes(slots: list[int], count: int) -> np.ndarray:
