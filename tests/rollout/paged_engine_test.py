@@ -199,6 +199,7 @@ def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need()
         step_S=None,
         last_token_S=None,
         live_S=jnp.ones(3, bool),
+        held_S=jnp.zeros(3, bool),
         own_table_SxM=jnp.asarray([[1, 2], [3, none], [4, none]], jnp.int32),
         age_S=jnp.asarray([0, 1, 2], jnp.int32),
         admitted_1=None,
