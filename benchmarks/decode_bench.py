@@ -1,4 +1,4 @@
-"""A decode step against its floor, for both rollout engines, at the races' shapes.
+"""A decode step against its floor, for the three rollout engines, at the races' shapes.
 
     python benchmarks/decode_bench.py                        # both cases, 3 rounds
     python benchmarks/decode_bench.py --cases race --rounds 5
@@ -9,7 +9,10 @@ the memory bandwidth, both measured in the same process: a 2048^3 float32 matmul
 the faster counts). FLOPs are the generated tokens' matmuls (2 x the params in matmuls)
 plus their attention over the columns each token actually has (4 L H D per column); bytes
 are the weights once per step plus the live keys and values (each token's context, K x D
-per column and layer, keys and values). Idle rows and cache columns beyond a row's
+per column and layer, keys and values). The paged engine's floor counts what it is built to
+read: each group's prompt keys and values once per step (its rows' queries share one read)
+rather than once per row, over the steps its longest row decodes, plus each row's own
+columns; `paged floor` prints that floor, and the ratio against it. Idle rows and cache columns beyond a row's
 context count as waste, not as work: the static sampler's finished rows, the engine's
 empty slots and attention over columns no row has filled all show in the ratio.
 
@@ -24,6 +27,9 @@ that completion lengths do not depend on the prompts):
   long_tail   rollout_bench long_tail: 64 prompts x 4 samples, prompts <= 32 tokens,
               lengths ~ geometric (mean ~40, cap 512), 32 slots; the static sampler
               decodes batches of 8 prompts
+
+The paged engine gets the continuous engine's slots and its default pool (every prompt
+and every slot's whole completion: no preemption).
 
 Prints per case and engine: ms per decode step, the floor (and whether FLOPs or bytes set
 it), the ratio, and the step's GFLOP/s.
@@ -95,13 +101,15 @@ def case_prompts(case: Case) -> tuple[np.ndarray, np.ndarray]:
     return sampling.pad_prompts(ids, 0, case.prompt_len)
 
 
-def engines(case: Case, max_new: int) -> list[engine_lib.RolloutEngine]:
+def engines(case: Case, max_new: int, names: list[str]) -> list[engine_lib.RolloutEngine]:
     stops = (rollout_bench.EOS_ID,) if case.stop else ()
     settings = sampling.SamplingConfig(max_new_tokens=max_new, stop_token_ids=stops)
-    return [
-        engine_lib.StaticEngine(CONFIG, settings),
-        engine_lib.ContinuousEngine(CONFIG, settings, slots=case.slots),
-    ]
+    built = {
+        "static": lambda: engine_lib.StaticEngine(CONFIG, settings),
+        "continuous": lambda: engine_lib.ContinuousEngine(CONFIG, settings, slots=case.slots),
+        "paged": lambda: engine_lib.PagedEngine(CONFIG, settings, slots=case.slots),
+    }
+    return [built[name]() for name in names]
 
 
 def run(engine, params, tokens, valid, case: Case, key) -> dict:
@@ -112,27 +120,37 @@ def run(engine, params, tokens, valid, case: Case, key) -> dict:
     )
 
 
-def floor_work(case: Case, valid: np.ndarray, lengths: np.ndarray) -> tuple[float, float]:
-    """(FLOPs, bytes) of the decode loop's real work: tokens 2.. of each row, each over
-    its own context, and the live keys and values it reads."""
+def floor_work(case: Case, valid: np.ndarray, lengths: np.ndarray) -> tuple[float, float, float]:
+    """(FLOPs, bytes, shared-prompt bytes) of the decode loop's real work: tokens 2.. of
+    each row, each over its own context, and the live keys and values it reads: every
+    row's whole context, or (shared) each group's prompt once per step of its longest row
+    plus every row's own columns."""
     c = CONFIG
-    prompt_len = np.repeat(valid.sum(1), case.n_samples)
+    prompt_len = valid.sum(1)
     per_column_flops = 4.0 * c.num_layers * c.num_heads * c.dim_per_head
     per_column_bytes = 2.0 * c.num_layers * c.num_kv_heads * c.dim_per_head * 4
-    flops = bytes_ = 0.0
-    for p, n in zip(prompt_len, lengths, strict=True):
-        # Decode step t (1 .. n - 1) feeds token t - 1 at context p + t.
-        contexts = p + np.arange(1, n)
-        flops += (n - 1) * model_bench.matmul_flops_per_token(c) + per_column_flops * contexts.sum()
-        bytes_ += per_column_bytes * contexts.sum()
-    return flops, bytes_
+    flops = bytes_ = shared = 0.0
+    for p, group in zip(prompt_len, lengths.reshape(-1, case.n_samples), strict=True):
+        for n in group:
+            # Decode step t (1 .. n - 1) feeds token t - 1 at context p + t.
+            contexts = p + np.arange(1, n)
+            flops += (n - 1) * model_bench.matmul_flops_per_token(c)
+            flops += per_column_flops * contexts.sum()
+            bytes_ += per_column_bytes * contexts.sum()
+            shared += per_column_bytes * np.arange(1, n).sum()
+        shared += per_column_bytes * p * max(int(group.max()) - 1, 0)
+    return flops, bytes_, shared
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="race,long_tail")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", default="static,continuous,paged")
     args = parser.parse_args(argv)
+    names = args.engines.split(",")
+    if not set(names) <= {"static", "continuous", "paged"}:
+        parser.error(f"--engines: static, continuous or paged, got {args.engines!r}")
     peak = model_bench.jax_matmul_peak(jnp.float32, 2048, 5)
     bandwidth = memory_bandwidth()
     weight_bytes = CONFIG.num_params() * 4
@@ -140,15 +158,18 @@ def main(argv=None) -> None:
         f"# decode_bench: matmul peak {peak / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
         f"weights {weight_bytes / 1e6:.1f} MB, {jax.devices()[0].platform}"
     )
-    print("| case | engine | ms / decode step | floor ms (bound) | over floor | GFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| case | engine | ms / decode step | floor ms (bound) | over floor | "
+        "paged floor ms | over paged floor | GFLOP/s |"
+    )
+    print("|---" * 8 + "|")
     for name in args.cases.split(","):
         if name not in CASES:
             parser.error(f"--cases: unknown case {name!r} ({', '.join(CASES)})")
         case = CASES[name]
         params = rollout_bench.context_free_params(1 / 40)  # no stop token in "race"
         tokens, valid = case_prompts(case)
-        full, first = engines(case, case.max_new), engines(case, 1)
+        full, first = engines(case, case.max_new, names), engines(case, 1, names)
         best = {}
         for r in range(-1, args.rounds):  # round -1 compiles
             for engine, prefill in zip(full, first, strict=True):
@@ -161,14 +182,16 @@ def main(argv=None) -> None:
                 if engine.name not in best or step_s < best[engine.name][0]:
                     best[engine.name] = (step_s, res)
         for engine_name, (step_s, res) in best.items():
-            flops, kv_bytes = floor_work(case, valid, res["lengths"])
+            flops, kv_bytes, shared_bytes = floor_work(case, valid, res["lengths"])
             steps = res["decode_steps"]
             flop_s, byte_s = flops / peak / steps, (kv_bytes / steps + weight_bytes) / bandwidth
             floor = max(flop_s, byte_s)
             bound = "FLOPs" if flop_s >= byte_s else "bytes"
+            shared_floor = max(flop_s, (shared_bytes / steps + weight_bytes) / bandwidth)
             print(
                 f"| {name} | {engine_name} | {step_s * 1e3:.2f} | {floor * 1e3:.2f} ({bound}) | "
-                f"**{step_s / floor:.2f}x** | {flops / steps / step_s / 1e9:.1f} |"
+                f"**{step_s / floor:.2f}x** | {shared_floor * 1e3:.2f} | "
+                f"{step_s / shared_floor:.2f}x | {flops / steps / step_s / 1e9:.1f} |"
             )
 
 

@@ -1,4 +1,5 @@
-"""Rollout engines side by side: the static sampler against the continuous-batching engine.
+"""Rollout engines side by side: the static sampler, the continuous-batching engine and the
+paged engine.
 
     python benchmarks/rollout_bench.py                     # both cases, 2 rounds
     python benchmarks/rollout_bench.py --cases long_tail --rounds 1
@@ -7,8 +8,15 @@ Same model, prompts, sampling settings and slot count on both sides: the static 
 (`rollout.engine=static`, what `sampling.generate` does) decodes the prompts in batches of
 `--slots` rows, each batch until its longest completion ends; the continuous engine
 (`rollout.engine=continuous`) runs every sequence through `--slots` decode slots and
-refills a slot as soon as its sequence stops. Both are the trainer's code path
-(`m2po_jax.rollout.engines`), temperature 1.
+refills a slot as soon as its sequence stops; the paged engine (`rollout.engine=paged`) runs
+them through the same slots over a pool of KV pages, each group's prompt stored once. All are
+the trainer's code path (`m2po_jax.rollout.engines`), temperature 1.
+
+KV memory: the continuous engine holds `--slots` rows of (prompt width + max new) columns
+and every prompt's prefix (prompt width columns); the paged engine's pool is
+`--paged-kv` times that many bytes on the long tail (0.5: half; pages of 16 tokens) and
+its default (every prompt and every slot's whole completion) on same-length completions,
+where it goes against the static sampler. Both figures are printed in bytes.
 
 The model is e2e_bench's random 3.2M-parameter Llama (vocab 512, hidden 256, 4 layers,
 4 / 2 heads, MLP 704, float32) made context-free as e2e_bench does: the layers' output
@@ -21,7 +29,8 @@ that a sequence stops with probability ~1/40 per token. Cases:
 
 Printed per case and side: generated tokens per second (best of `--rounds`, after a
 warm-up run that compiles), decode steps, and the share of decode work (slots x steps)
-spent on finished or empty rows; then the continuous / static ratio.
+spent on finished or empty rows, the paged engine's preemptions; then the continuous /
+static, paged / continuous and paged / static ratios.
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ def run_side(engine, params, tokens, valid, n_samples: int, batch_prompts: int, 
     """One pass over every prompt: the static side in batches, the continuous in one call."""
     start = time.perf_counter()
     step = batch_prompts if engine.name == "static" else tokens.shape[0]
-    generated, decode, slot_steps, live = 0, 0, 0, 0
+    generated, decode, slot_steps, live, preemptions = 0, 0, 0, 0, 0
     lengths = []
     for first in range(0, tokens.shape[0], step):
         g = engine.generate(
@@ -101,6 +110,7 @@ def run_side(engine, params, tokens, valid, n_samples: int, batch_prompts: int, 
         )
         length = np.asarray(jax.device_get(g.out.completion_len_B))
         lengths.append(length)
+        preemptions += getattr(g, "preemptions", 0)
         generated += int(length.sum())
         decode, slot_steps, live = (
             decode + g.decode_steps,
@@ -118,7 +128,19 @@ def run_side(engine, params, tokens, valid, n_samples: int, batch_prompts: int, 
         mean_len=float(lengths.mean()),
         max_len=int(lengths.max()),
         lengths=lengths,
+        preemptions=preemptions,
     )
+
+
+def kv_bytes(columns: int) -> int:
+    """Bytes of `columns` cache columns (keys and values of every layer)."""
+    itemsize = jnp.dtype(model_config_lib.as_dtype(CONFIG.dtype)).itemsize
+    return 2 * CONFIG.num_layers * columns * CONFIG.num_kv_heads * CONFIG.dim_per_head * itemsize
+
+
+def continuous_kv_columns(slots: int, prompts: int, width: int, max_new: int) -> int:
+    """The continuous engine's cache columns: its slots' rows and every prompt's prefix."""
+    return slots * (width + max_new) + prompts * width
 
 
 def main(argv=None) -> None:
@@ -132,6 +154,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cap-new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--insert-lanes", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--paged-kv", type=float, default=0.5,
+                        help="long_tail: the paged pool's bytes over the continuous cache's")  # fmt: skip
     args = parser.parse_args(argv)
     if args.slots % args.n_samples:
         parser.error("--slots must be a multiple of --n-samples (the static side's batches)")
@@ -143,8 +168,11 @@ def main(argv=None) -> None:
         f"(static: batches of {batch_prompts} prompts), prompts <= {args.prompt_len} tokens, "
         f"{jax.device_count()} device(s) [{jax.devices()[0].platform}]"
     )
-    header = "| case | engine | gen tokens/s | decode steps | idle share | mean / max len | s |"
-    print(header + "\n" + "|---" * 7 + "|")
+    header = (
+        "| case | engine | gen tokens/s | decode steps | idle share | mean / max len | s | "
+        "KV MB | preemptions |"
+    )
+    print(header + "\n" + "|---" * 9 + "|")
     for case in args.cases.split(","):
         if case == "long_tail":
             settings = sampling.SamplingConfig(
@@ -154,11 +182,26 @@ def main(argv=None) -> None:
             settings = sampling.SamplingConfig(max_new_tokens=args.cap_new)
         else:
             parser.error(f"--cases: unknown case {case!r} (long_tail, to_cap)")
+        new = settings.max_new_tokens
+        columns = continuous_kv_columns(args.slots, args.prompts, args.prompt_len, new)
+        kv = {
+            "static": kv_bytes(args.slots * (args.prompt_len + new)),
+            "continuous": kv_bytes(columns),
+        }
+        fraction = args.paged_kv if case == "long_tail" else 0.0
+        pages = int(fraction * columns) // args.page_size  # 0: the engine's default
+        paged = engine_lib.PagedEngine(
+            CONFIG, settings, slots=args.slots, pages=pages, page_size=args.page_size,
+            insert_lanes=args.insert_lanes,
+        )  # fmt: skip
+        size = paged.sizes(args.prompts, args.prompt_len, args.n_samples)
+        kv["paged"] = kv_bytes(size["pages"] * args.page_size)
         engines = [
             engine_lib.StaticEngine(CONFIG, settings),
             engine_lib.ContinuousEngine(
                 CONFIG, settings, slots=args.slots, insert_lanes=args.insert_lanes
             ),
+            paged,
         ]
         best = {}
         for engine in engines:  # warm-up: compiles every program
@@ -182,10 +225,11 @@ def main(argv=None) -> None:
             print(
                 f"| {case} | {name} | {res['tokens_per_s']:,.0f} | {res['decode_steps']} | "
                 f"{res['idle']:.2f} | {res['mean_len']:.1f} / {res['max_len']} | "
-                f"{res['seconds']:.2f} |"
+                f"{res['seconds']:.2f} | {kv[name] / 1e6:.2f} | {res['preemptions']} |"
             )
-        ratio = best["continuous"]["tokens_per_s"] / best["static"]["tokens_per_s"]
-        print(f"| {case} | continuous / static | **{ratio:.2f}x** | | | | |")
+        rate = {name: res["tokens_per_s"] for name, res in best.items()}
+        for a, b in (("continuous", "static"), ("paged", "continuous"), ("paged", "static")):
+            print(f"| {case} | {a} / {b} | **{rate[a] / rate[b]:.2f}x** | | | | | | |")
 
 
 if __name__ == "__main__":

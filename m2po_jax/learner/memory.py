@@ -96,6 +96,7 @@ def memory_plan(
     param_dtype_bytes: int | None = None,
     compute_dtype_bytes: int | None = None,
     shared_prompt: logprobs.SharedPrompt | None = None,
+    kv_cache_bytes: int | None = None,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -115,7 +116,8 @@ def memory_plan(
     - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
       tensor), its softmax and its gradient;
     - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
-      fsdp and K over tensor (0 when `kv_cache_batch` is 0);
+      fsdp and K over tensor (0 when `kv_cache_batch` is 0) for the static sampler, or
+      `kv_cache_bytes` when given: a continuous-batching engine's peak (`engine_bytes`);
     - sampling_weights: the params resharded for sampling (`sharding.SAMPLE_RULES`:
       split over tensor only), which the sampler holds beside the train state; 0 when
       the two layouts are the same (one device, or data-parallel only) or without a
@@ -193,6 +195,8 @@ def memory_plan(
 
     kv_b = _per_device(kv_cache_batch, sharding.batch_shards(mesh))
     kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * cbytes
+    if kv_cache_bytes is not None and kv_cache_batch:
+        kv_cache = kv_cache_bytes
     return MemoryPlan(
         params=params,
         optimizer=_OPT_MOMENTS[optimizer] * trained * tbytes,
@@ -348,3 +352,69 @@ def attention_kind(config: model_config_lib.ModelConfig, platform: str | None = 
 def mesh_platform(mesh: Mesh) -> str:
     """The platform of a mesh's devices ("tpu", "gpu", "cpu")."""
     return mesh.devices.flat[0].platform
+
+
+def engine_bytes(
+    model_config: model_config_lib.ModelConfig,
+    engine: str,
+    *,
+    prompts: int,
+    n_samples: int,
+    prompt_len: int,
+    max_new: int,
+    slots: int = 0,
+    pages: int = 0,
+    page_size: int = 16,
+    insert_lanes: int = 0,
+) -> int:
+    """Peak bytes a continuous-batching rollout engine holds on one device beside its
+    weights: the largest of its programs (tests/learner/memory_test.py checks it against
+    XLA's analysis of `RolloutEngine.programs`).
+
+    Q prompts of P columns, J = Q x n sequences of N new tokens, S slots, a cache column
+    c = 2 x layers x K x D x dtype bytes (keys and values):
+    - continuous: the prefixes Q x P x c and the prompts' logits [Q, V] float32; the slots'
+      rows S x (P + N) x c and the output rows (J x N x 14 bytes: tokens, log-probs,
+      versions, masks); its prefill builds Q full-width rows, (Q x (P + N) x c), and its
+      decode step reads one layer's cache at a time (S x (P + N) x c / layers);
+    - paged: the pool (`pages` x page size x c; 0 = every prompt's pages and every slot's
+      whole completion, the engine's default), page tables, logits and output rows; its
+      prefill runs Q x P tokens, its resume (the widest: lanes x the completion's width
+      rounded to a power of two) lanes x W tokens over W + P columns.
+    A multi-token pass holds per token ~(2E + (H + 2K) D + 2F) activations in the compute
+    dtype and, per query head, float32 scores and probabilities over the columns it reads.
+    One device: the paged engine's pool is not split over a mesh.
+    """
+    c = model_config
+    cbytes = model_config_lib.as_dtype(c.dtype).itemsize
+    column = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * cbytes
+    jobs = prompts * n_samples
+    slots = min(slots or jobs, jobs)
+    logits = prompts * c.vocab_size * 4
+    rows = jobs * max_new * 14
+    per_token = (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.dim_per_head
+                 + 2 * c.intermediate_size) * cbytes  # fmt: skip
+
+    def tokens(batch: int, width: int, columns: int) -> int:
+        return batch * width * per_token + 2 * batch * c.num_heads * width * columns * 4
+
+    if engine == "continuous":
+        held = prompts * prompt_len * column + logits
+        prefill = held + prompts * (prompt_len + max_new) * column
+        prefill += tokens(prompts, prompt_len, prompt_len)
+        run = held + rows + slots * (prompt_len + max_new) * column * (1 + 1 / c.num_layers)
+        return int(max(prefill, run))
+    if engine != "paged":
+        raise ValueError(f"engine: 'continuous' or 'paged', got {engine!r}")
+    own, per_prompt = -(-max_new // page_size), -(-prompt_len // page_size)
+    pages = pages or prompts * per_prompt + slots * own
+    tables = (prompts * per_prompt + slots * own) * 4 + 2 * pages * 4
+    held = pages * page_size * column + tables + logits + rows
+    prompt_cols = per_prompt * page_size
+    prefill = held + tokens(prompts, prompt_len, 2 * prompt_cols)
+    lanes = min(insert_lanes or max(slots // 4, 1), slots)
+    width = max(8, 1 << max(max_new - 1, 0).bit_length())
+    resume = held + tokens(lanes, width, min(width, own * page_size) + prompt_cols)
+    step = slots * own * page_size + min(prompts, slots) * prompt_cols
+    run = held + step * column // c.num_layers
+    return int(max(prefill, resume, run))

@@ -363,6 +363,21 @@ def memory_plan(
         logp_chunk=cfg.actor.logp_chunk_size,
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
     )
+    engine = config_lib.rollout_engine(cfg)
+    if engine in ("continuous", "paged"):
+        r = cfg.rollout
+        kwargs["kv_cache_bytes"] = memory.engine_bytes(
+            model_config,
+            engine,
+            prompts=r.batch_size,
+            n_samples=cfg.gconfig.n_samples,
+            prompt_len=cfg.task.max_prompt_len,
+            max_new=cfg.gconfig.max_new_tokens,
+            slots=r.engine_slots,
+            pages=r.kv_pages if engine == "paged" else 0,
+            page_size=r.page_size,
+            insert_lanes=r.insert_lanes,
+        )
     return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
 
 

@@ -188,3 +188,29 @@ def test_length_blocks_pay_where_activations_outweigh_the_branches_head_buffers(
     assert not memory.length_blocks_pay(qwen, mesh, rows=8, **kwargs)
     assert not memory.length_blocks_pay(qwen, mesh, rows=32, **kwargs)
     assert memory.length_blocks_pay(small, mesh, rows=8, **kwargs)
+
+
+@pytest.mark.parametrize("engine,pages", [("continuous", 0), ("paged", 0), ("paged", 200)], ids=str)
+def test_engine_plan_is_within_15_percent_of_xla(engine, pages):
+    """The plan's figure for a rollout engine against XLA:CPU's analysis of the programs
+    the engine runs (`RolloutEngine.programs`, compiled as `--compile_only` does): the
+    largest held beside the weights."""
+    from m2po_jax.models import model as model_lib
+    from m2po_jax.rollout import engines, sampling
+    from m2po_jax.trainer import compile_only
+
+    config = model_config_lib.ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    params = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0)))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    settings = sampling.SamplingConfig(max_new_tokens=256, stop_token_ids=(3,))
+    kwargs = dict(slots=16) if engine == "continuous" else dict(slots=16, pages=pages)
+    built = engines.engine_class(engine)(config, settings, **kwargs)
+    programs = compile_only._compile_engine(built, params, 16, 4, 64)
+    xla = max(p.held_bytes for p in programs) - weights
+    plan = memory.engine_bytes(
+        config, engine, prompts=16, n_samples=4, prompt_len=64, max_new=256, **kwargs
+    )
+    assert 0.85 <= plan / xla <= 1.15, [(p.name, p.held_bytes - weights) for p in programs]

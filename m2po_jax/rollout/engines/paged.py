@@ -646,22 +646,36 @@ def _push(state: _State, pages_X) -> _State:
 
 def _view(state: _State, rows_table, own_len, inst, *, grouped: bool, n: int) -> paged.PagedView:
     pool_pages = state.free_N.shape[0]
+    table_IxM, len_I = state.prompt_table_IxM, state.prompt_len_I
     members_IxN = rank_B = None
     if grouped:
-        members_IxN, rank_B = paged.members(inst, state.prompt_table_IxM.shape[0], n)
+        # Only the instances with a live row: at most one per row, so a step with fewer
+        # rows than prompts reads min(I, B) prompts' pages, not every prompt's.
+        instances, rows = table_IxM.shape[0], inst.shape[0]
+        if rows < instances:
+            live_I = jnp.zeros(instances, bool).at[inst].set(True, mode="drop")
+            (live_C,) = jnp.nonzero(live_I, size=rows, fill_value=instances)
+            slot_I = jnp.full(instances + 1, rows, jnp.int32)
+            slot_I = slot_I.at[live_C].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+            inst = slot_I[jnp.minimum(inst, instances)]
+            real_C = live_C < instances
+            live_C = jnp.minimum(live_C, instances - 1)
+            table_IxM = jnp.where(real_C[:, None], table_IxM[live_C], pool_pages)
+            len_I = jnp.where(real_C, len_I[live_C], 0)
+        members_IxN, rank_B = paged.members(inst, table_IxM.shape[0], n)
     own_pages = jnp.max(jnp.sum(rows_table < pool_pages, axis=1))  # free rows hold none
     return paged.PagedView(
         own_table_BxM=rows_table,
         own_len_B=own_len,
         inst_B=inst,
-        prompt_table_IxM=state.prompt_table_IxM,
-        prompt_len_I=state.prompt_len_I,
+        prompt_table_IxM=table_IxM,
+        prompt_len_I=len_I,
         members_IxN=members_IxN,
         rank_B=rank_B,
         own_pages=own_pages,
-        prompt_pages=jnp.max(jnp.sum(state.prompt_table_IxM < pool_pages, axis=1)),
+        prompt_pages=jnp.max(jnp.sum(table_IxM < pool_pages, axis=1)),
         own_widths=paged.buckets(rows_table.shape[1]),
-        prompt_widths=paged.buckets(state.prompt_table_IxM.shape[1]),
+        prompt_widths=paged.buckets(table_IxM.shape[1]),
     )
 
 
@@ -809,7 +823,14 @@ def _insert(
 
 def _preempt(state: _State, need_S) -> tuple[_State, jax.Array]:
     """When the step needs more pages than are free: the youngest live sequences give
-    theirs back and wait (as few as cover the need). Returns the slots still decoding."""
+    theirs back and wait (as few as cover the need). Returns the slots still decoding.
+    Most steps have the pages: the sort and the bookkeeping run only when they do not."""
+    enough = state.free_1[0] >= jnp.sum(need_S, dtype=jnp.int32)
+    return jax.lax.cond(enough, lambda s, need: (s, s.live_S), _preempt_youngest, state, need_S)
+
+
+def _preempt_youngest(state: _State, need_S) -> tuple[_State, jax.Array]:
+    """`_preempt` when the pool is short."""
     n_pages = state.free_N.shape[0]
     jobs = state.done_J.shape[0]
     live = state.live_S
@@ -820,8 +841,7 @@ def _preempt(state: _State, need_S) -> tuple[_State, jax.Array]:
     needless_k = jnp.cumsum(need_S[order].astype(jnp.int32))
     # k victims: the first k of `order`; enough when free + freed >= the others' need.
     ok_k = state.free_1[0] + freed_k >= total - needless_k
-    enough = state.free_1[0] >= total
-    k = jnp.where(enough, 0, jnp.argmax(ok_k) + 1)
+    k = jnp.argmax(ok_k) + 1
     victim_S = jnp.zeros_like(live).at[order].set(jnp.arange(order.size) < k) & live
     state = _push(state, jnp.where(victim_S[:, None], state.own_table_SxM, n_pages))
     job_victims = jnp.where(victim_S, state.job_S, jobs)
