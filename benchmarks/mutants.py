@@ -353,7 +353,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "engine=run.engine,",
         "engine=None,",
         (T("tests/trainer/async_test.py", "exception"),),
-        "rollout.engine=continuous is accepted but the async worker samples with the static sampler",
+        "rollout.engine=paged is accepted but the async worker samples with the static sampler",
     ),
     # ------------------------------------------------------------------ optimizer
     Mutant(

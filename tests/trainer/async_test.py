@@ -100,7 +100,7 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
 
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "score", fails_at_batch_2)
     # Through the paged engine (the continuous one: the next test), polling for new weights
-    # after every decode step.
+    # after every decode step (its pool's figures in the records say the worker used it).
     engine = {
         "rollout.engine": "paged",
         "rollout.engine_slots": 4,
@@ -127,6 +127,7 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
     for r in records:  # on-policy (k = 0): no newer weights exist while a batch is made
         assert r["staleness/max"] == 0 and r["staleness/token_mean"] == 0.0
         assert 0 <= r["rollout/decode_idle_fraction"] <= 1 and "rollout/inflight_updates" not in r
+        assert 0 < r["rollout/kv_pages_peak_fraction"] <= 1
 
 
 def test_async_settings_are_checked_before_any_work(tmp_path):
@@ -143,12 +144,13 @@ def test_async_settings_are_checked_before_any_work(tmp_path):
         trainer_lib.Trainer(async_config(**{"rollout.batch_size": 6}), tmp_path)
 
 
-_SLOW = {"calls": 0}
+_SLOW = {"calls": 0, "starts": []}
 
 
 def slow_first_reward(completion, answer):
     """The arithmetic reward, but the first completion it scores takes 4 s."""
     _SLOW["calls"] += 1
+    _SLOW["starts"].append(time.monotonic())
     if _SLOW["calls"] == 1:
         time.sleep(4.0)
     return float(completion.strip() == answer)
@@ -157,8 +159,9 @@ def slow_first_reward(completion, answer):
 def test_each_async_rollout_field_reaches_the_worker(tmp_path, monkeypatch):
     """publish_dtype, stream_batches, reward_workers and reward_timeout_s change what an
     async run does: the weights the worker samples with are bfloat16, the engine is asked
-    for two batches at once, and one slow completion scores 0 and is counted once (one
-    reward thread would leave the next ones waiting behind it: more timeouts)."""
+    for two batches at once, and one slow completion scores 0 and is counted once while
+    the second reward thread scores the next one beside it (one thread would start it
+    only once the slow one timed out, 1 s later)."""
     counts = []
     real = async_rollouts.AsyncRollouts.generate_many
 
@@ -167,7 +170,7 @@ def test_each_async_rollout_field_reaches_the_worker(tmp_path, monkeypatch):
         return real(self, first, count, version, params)
 
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "generate_many", spy)
-    _SLOW["calls"] = 0
+    _SLOW["calls"], _SLOW["starts"] = 0, []
     cfg = async_config(
         **{
             "total_steps": 3,
@@ -189,6 +192,8 @@ def test_each_async_rollout_field_reaches_the_worker(tmp_path, monkeypatch):
     assert max(counts) == 2, counts
     records = read(tmp_path)
     assert sum(r["reward/timeouts"] for r in records) == 1, [r["reward/timeouts"] for r in records]
+    first, second = _SLOW["starts"][:2]
+    assert second - first < 0.5, second - first
 
 
 def test_a_stalled_worker_ends_the_run_after_worker_timeout_s(tmp_path, monkeypatch):
