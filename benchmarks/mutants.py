@@ -755,7 +755,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "m2po_jax/trainer/loop.py",
         '            record["rollout/continuous_engine"] = float(self.setup.engine.name == "continuous")',
         '            record["rollout/continuous_engine"] = 0.0',
-        (T("tests/trainer/trainer_test.py", "continuous_engine_trains"),),
+        (T("tests/trainer/trainer_test.py", "paged_engines_train"),),
         "the metrics say the static sampler made rollouts the continuous engine made",
     ),
     # ------------------------------------------------------------------ your own problems
