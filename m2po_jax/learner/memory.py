@@ -366,6 +366,7 @@ def engine_bytes(
     pages: int = 0,
     page_size: int = 16,
     insert_lanes: int = 0,
+    shards: int = 1,
 ) -> int:
     """Peak bytes a continuous-batching rollout engine holds on one device beside its
     weights: the largest of its programs (tests/learner/memory_test.py checks it against
@@ -383,7 +384,9 @@ def engine_bytes(
       rounded to a power of two) lanes x W tokens over W + P columns.
     A multi-token pass holds per token ~(2E + (H + 2K) D + 2F) activations in the compute
     dtype and, per query head, float32 scores and probabilities over the columns it reads.
-    One device: the paged engine's pool is not split over a mesh.
+    `shards`: the paged engine's batch shards on a mesh (`PagedEngine.shards`): each
+    device holds its shard's share of the prompts, sequences, slots and `pages` (its KV
+    heads are not split over "tensor").
     """
     c = model_config
     cbytes = model_config_lib.as_dtype(c.dtype).itemsize
@@ -406,6 +409,12 @@ def engine_bytes(
         return int(max(prefill, run))
     if engine != "paged":
         raise ValueError(f"engine: 'continuous' or 'paged', got {engine!r}")
+    if shards > 1:  # one shard's engine
+        return engine_bytes(
+            model_config, engine, prompts=prompts // shards, n_samples=n_samples,
+            prompt_len=prompt_len, max_new=max_new, slots=slots // shards,
+            pages=pages // shards, page_size=page_size, insert_lanes=insert_lanes,
+        )  # fmt: skip
     own, per_prompt = -(-max_new // page_size), -(-prompt_len // page_size)
     pages = pages or prompts * per_prompt + slots * own
     tables = (prompts * per_prompt + slots * own) * 4 + 2 * pages * 4
