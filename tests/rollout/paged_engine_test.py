@@ -329,6 +329,24 @@ def test_episodes_are_the_continuous_engines_parked_and_preempted_or_not(
     assert got.peak_pages <= (pages or got.pages)
 
 
+def test_on_a_mesh_episodes_run_as_one_program_and_give_one_devices_rows(
+    params, continuous_episodes
+):
+    """`episodes` on a mesh keeps one program over every slot and page (partitioned by
+    XLA, not split by batch shard): the rows of one device, preempted and parked."""
+    mesh, placement = _mesh_placement()
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    engine = PagedEngine(CONFIG, TURNS, slots=4, page_size=PG, pages=30, mesh=mesh)
+    assert engine.sizes(len(TOKENS), WIDTH, N, turns=True)["shards"] == 1
+    got, seen = _episodes(sharded_params, engine)
+    want = continuous_episodes
+    for field in ("tokens_BxT", "valid_BxT", "completion_mask_BxT", "stopped_B"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got.out, field)), np.asarray(getattr(want.out, field)), field
+        )
+    assert got.preemptions > 0 and got.pages == 30
+
+
 class _Answers:
     """`_episodes`' answers as a `TurnQueue` answered on threads, each after `fast_s`
     seconds (a tool's latency) but row 0's first, after `slow_s`. `blocking`: a plain
