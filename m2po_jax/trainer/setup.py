@@ -379,6 +379,7 @@ def memory_plan(
             page_size=r.page_size,
             insert_lanes=r.insert_lanes,
             shards=_engine_shards(placement.mesh) if engine == "paged" else 1,
+            tensor=1 if placement.mesh is None else placement.mesh.shape.get("tensor", 1),
         )
     return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
 

@@ -183,12 +183,13 @@ def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, cont
     assert got.preemptions > 0 and got.pages == 8 and 0 < got.peak_pages <= 8
     size = engine.sizes(len(TOKENS), WIDTH, N)
     assert (size["shards"], size["slots"], size["pages"], size["jobs"]) == (4, 2, 8, 6)
-    # Each device holds its shard's pages only: the pool is split 4 ways.
+    # Each device holds its shard's pages only: the pool is split 4 ways by pages,
     programs, _ = engine._compiled(len(TOKENS), WIDTH, N)
     state = programs["prefill"](sharded_params, tokens, valid, np.int32(0))
     pool_k = state.pool.k[0]
     assert pool_k.shape[0] == 32
-    assert {s.data.shape[0] for s in pool_k.addressable_shards} == {8}
+    # and its KV heads split over "tensor".
+    assert {s.data.shape for s in pool_k.addressable_shards} == {(8, PG, 1, pool_k.shape[3])}
     assert len(pool_k.addressable_shards) == mesh.size
 
 
@@ -216,7 +217,8 @@ def test_a_stream_on_a_mesh_gives_the_rows_of_one_device(params, sampled):
 def test_on_a_mesh_the_programs_compile_from_their_sharded_abstract_arguments(params, sampled):
     """What --compile_only compiles on a mesh: each program from its abstract arguments
     (prompts and resume lanes split over the batch shards, the params as the sampler holds
-    them) and the outputs of those before it; the state's pool comes out split 4 ways."""
+    them) and the outputs of those before it; the state's pool comes out split 4 ways by
+    pages and 2 by KV heads."""
     from m2po_jax.rollout.engines.base import OutputOf
 
     mesh, placement = _mesh_placement()
@@ -236,7 +238,7 @@ def test_on_a_mesh_the_programs_compile_from_their_sharded_abstract_arguments(pa
         args = [outputs[a.program] if isinstance(a, OutputOf) else a for a in program.args]
         outputs[program.name] = program.jitted.lower(*args).compile().out_info
     pool_k = outputs["engine_prefill"].pool.k[0]
-    assert pool_k.shape[0] == 32 and pool_k.sharding.shard_shape(pool_k.shape)[0] == 8
+    assert pool_k.shape[0] == 32 and pool_k.sharding.shard_shape(pool_k.shape)[:3] == (8, PG, 1)
 
 
 def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need():

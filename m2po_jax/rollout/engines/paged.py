@@ -45,9 +45,10 @@ prompts, their sequences (rows b * n .. of prompt b stay with it), the slots (`s
 shards` each) and the pool (`pages // shards` pages each, with its own free list) are split
 over the mesh's row axes (`row_axes`: "data", "fsdp"); each program is a `shard_map` over
 them with the params replicated, so every shard prefills, decodes, preempts and resumes
-its own sequences in its own pages. Devices along "tensor" run their shard's engine
-whole: the pool's KV heads are not split over "tensor" (the model runs unsharded inside
-the `shard_map`). The host resumes each shard's preempted sequences into that shard's
+its own sequences in its own pages. The `shard_map` is manual over the row axes only:
+"tensor" is left to XLA, which splits the pool's KV heads over it (when they divide; a
+constraint on every phase's output) and runs the model tensor-parallel over the params'
+sampling layout. The host resumes each shard's preempted sequences into that shard's
 slots and pages; arrays read back are shard-major (a shard's jobs are local to it).
 `episodes` on a mesh keeps one program over every slot and page, partitioned by XLA.
 """
@@ -138,8 +139,8 @@ class PagedEngine(RolloutEngine):
       chunk_steps: decode steps per call when `weights` is given, and in `episodes`
         (between calls the host takes the turns' answers).
       mesh: a device mesh to run one engine per batch shard over (prompts, slots and pool
-        split over its "data" and "fsdp" axes; `slots` and `pages` are the totals, each
-        shard takes its share); None = one device.
+        split over its "data" and "fsdp" axes, `slots` and `pages` the totals, each shard
+        taking its share; the pool's KV heads split over "tensor"); None = one device.
     """
 
     multi_turn = True
@@ -1243,8 +1244,9 @@ def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
 
 def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False) -> dict:
     """The jitted phases; on a mesh `shard_map`s over its row axes, one engine per batch
-    shard (`size` is a shard's), the params replicated and every state leaf split by rows
-    but the prefill's version. With `turns` those of `PagedEngine.episodes`, "append" and
+    shard (`size` is a shard's), the params replicated over them and every state leaf
+    split by rows but the prefill's version ("tensor" left to XLA: the pool's KV heads
+    split over it). With `turns` those of `PagedEngine.episodes`, "append" and
     "release" included: one program each over the whole mesh, partitioned by XLA."""
     statics = dict(model_config=model_config, sampling_config=sampling_config)
     on = (lambda fn, *_: fn) if mesh is None else (lambda fn, *_: sharding.on_mesh(fn, mesh))
@@ -1261,11 +1263,28 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
             "resume": ((rep, state, rows, rep), state),
         }
 
+        # Manual over the row axes; "tensor" is left to XLA, the pool's KV heads split over
+        # it (when they divide) and the params as they come (the sampling layout).
+        tensor = mesh.shape.get("tensor", 1)
+        heads = P(None, None, "tensor") if model_config.num_kv_heads % tensor == 0 else P()
+        manual = set(row_axes(mesh))
+
+        def split_heads(fn):
+            def constrained(*args):
+                state = fn(*args)
+                pool = jax.tree.map(
+                    lambda x: jax.lax.with_sharding_constraint(x, heads), state.pool
+                )
+                return state.replace(pool=pool)
+
+            return constrained
+
         def on(fn, phase):  # traced with the mesh in context (`sharding.on_mesh`)
             in_specs, out_specs = specs[phase]
             fn = jax.shard_map(
-                fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-            )
+                split_heads(fn), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                axis_names=manual, check_vma=False,
+            )  # fmt: skip
             return sharding.on_mesh(fn, mesh)
 
     def prefill(params, tokens, valid, version):
