@@ -366,6 +366,8 @@ def engine_bytes(
     pages: int = 0,
     page_size: int = 16,
     insert_lanes: int = 0,
+    shards: int = 1,
+    tensor: int = 1,
 ) -> int:
     """Peak bytes a continuous-batching rollout engine holds on one device beside its
     weights: the largest of its programs (tests/learner/memory_test.py checks it against
@@ -383,20 +385,24 @@ def engine_bytes(
       rounded to a power of two) lanes x W tokens over W + P columns.
     A multi-token pass holds per token ~(2E + (H + 2K) D + 2F) activations in the compute
     dtype and, per query head, float32 scores and probabilities over the columns it reads.
-    One device: the paged engine's pool is not split over a mesh.
+    `shards`, `tensor`: the paged engine on a mesh (`PagedEngine.shards` batch shards, a
+    "tensor" axis of `tensor` devices): each device holds its shard's share of the
+    prompts, sequences, slots and `pages`, and of the pool's KV heads when they divide
+    over `tensor` (the heads' and the MLP's activations split with them).
     """
     c = model_config
     cbytes = model_config_lib.as_dtype(c.dtype).itemsize
-    column = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * cbytes
+    split = tensor if engine == "paged" and c.num_kv_heads % tensor == 0 else 1
+    column = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * cbytes // split
     jobs = prompts * n_samples
     slots = min(slots or jobs, jobs)
     logits = prompts * c.vocab_size * 4
     rows = jobs * max_new * 14
-    per_token = (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.dim_per_head
-                 + 2 * c.intermediate_size) * cbytes  # fmt: skip
+    per_token = (2 * c.hidden_size + ((c.num_heads + 2 * c.num_kv_heads) * c.dim_per_head
+                 + 2 * c.intermediate_size) // split) * cbytes  # fmt: skip
 
     def tokens(batch: int, width: int, columns: int) -> int:
-        return batch * width * per_token + 2 * batch * c.num_heads * width * columns * 4
+        return batch * width * per_token + 2 * batch * c.num_heads * width * columns * 4 // split
 
     if engine == "continuous":
         held = prompts * prompt_len * column + logits
@@ -406,6 +412,13 @@ def engine_bytes(
         return int(max(prefill, run))
     if engine != "paged":
         raise ValueError(f"engine: 'continuous' or 'paged', got {engine!r}")
+    if shards > 1:  # one shard's engine
+        return engine_bytes(
+            model_config, engine, prompts=prompts // shards, n_samples=n_samples,
+            prompt_len=prompt_len, max_new=max_new, slots=slots // shards,
+            pages=pages // shards, page_size=page_size, insert_lanes=insert_lanes,
+            tensor=tensor,
+        )  # fmt: skip
     own, per_prompt = -(-max_new // page_size), -(-prompt_len // page_size)
     pages = pages or prompts * per_prompt + slots * own
     tables = (prompts * per_prompt + slots * own) * 4 + 2 * pages * 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 from typing import Any
 
@@ -377,8 +378,17 @@ def memory_plan(
             pages=r.kv_pages if engine == "paged" else 0,
             page_size=r.page_size,
             insert_lanes=r.insert_lanes,
+            shards=_engine_shards(placement.mesh) if engine == "paged" else 1,
+            tensor=1 if placement.mesh is None else placement.mesh.shape.get("tensor", 1),
         )
     return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
+
+
+def _engine_shards(mesh) -> int:
+    """The batch shards a paged engine splits its pool over (`PagedEngine.shards`)."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in engines.row_axes(mesh))
 
 
 def check_memory(

@@ -1,5 +1,7 @@
 """The per-device memory plan counts what a run holds, and the check refuses what cannot fit."""
 
+import math
+
 import jax
 import pytest
 
@@ -190,11 +192,17 @@ def test_length_blocks_pay_where_activations_outweigh_the_branches_head_buffers(
     assert memory.length_blocks_pay(small, mesh, rows=8, **kwargs)
 
 
-@pytest.mark.parametrize("engine,pages", [("continuous", 0), ("paged", 0), ("paged", 200)], ids=str)
-def test_engine_plan_is_within_15_percent_of_xla(engine, pages):
+@pytest.mark.parametrize(
+    "engine,pages,shards",
+    [("continuous", 0, 1), ("paged", 0, 1), ("paged", 200, 1), ("paged", 0, 4), ("paged", 200, 4)],
+    ids=str,
+)
+def test_engine_plan_is_within_15_percent_of_xla(engine, pages, shards):
     """The plan's figure for a rollout engine against XLA:CPU's analysis of the programs
     the engine runs (`RolloutEngine.programs`, compiled as `--compile_only` does): the
-    largest held beside the weights."""
+    largest held beside the weights. `shards` 4: the paged engine on a data=2 x fsdp=2 x
+    tensor=2 mesh (the params in the sampling layout), a quarter of the prompts, slots and
+    pool on each device and half of the pool's heads."""
     from m2po_jax.models import model as model_lib
     from m2po_jax.rollout import engines, sampling
     from m2po_jax.trainer import compile_only
@@ -205,12 +213,24 @@ def test_engine_plan_is_within_15_percent_of_xla(engine, pages):
     )  # fmt: skip
     params = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0)))
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    mesh = None
+    if shards > 1:  # the params in the sampling layout (split over tensor only)
+        mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+        layout = sharding.param_shardings(config, mesh, sharding.SAMPLE_RULES)
+        params = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params, layout
+        )
+        weights = sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in jax.tree.leaves(params)
+        )
     settings = sampling.SamplingConfig(max_new_tokens=256, stop_token_ids=(3,))
     kwargs = dict(slots=16) if engine == "continuous" else dict(slots=16, pages=pages)
-    built = engines.engine_class(engine)(config, settings, **kwargs)
+    built = engines.engine_class(engine)(config, settings, **kwargs, mesh=mesh)
     programs = compile_only._compile_engine(built, params, 16, 4, 64)
     xla = max(p.held_bytes for p in programs) - weights
     plan = memory.engine_bytes(
-        config, engine, prompts=16, n_samples=4, prompt_len=64, max_new=256, **kwargs
-    )
+        config, engine, prompts=16, n_samples=4, prompt_len=64, max_new=256, **kwargs,
+        shards=shards, tensor=2 if shards > 1 else 1,
+    )  # fmt: skip
     assert 0.85 <= plan / xla <= 1.15, [(p.name, p.held_bytes - weights) for p in programs]

@@ -161,20 +161,84 @@ def test_a_stream_yields_each_batch_with_the_tokens_it_gets_alone(params, sample
         assert g.live_steps == want.live_steps
 
 
-def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, continuous):
-    """The trainer's rollout placement: params sharded over fsdp x tensor, prompts over the
-    batch axes; one program partitioned by XLA gives the single device's rows."""
+def _mesh_placement():
     from m2po_jax.parallel import placement as placement_lib
     from m2po_jax.parallel import sharding
 
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    placement = placement_lib.Placement(mesh, CONFIG)
+    return mesh, placement_lib.Placement(mesh, CONFIG)
+
+
+def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, continuous):
+    """The trainer's rollout placement: params sharded over fsdp x tensor, prompts over the
+    batch axes (4 batch shards of 3 prompts); one engine per shard, each with 2 slots and
+    its quarter of the pool (8 of 32 pages, short enough to preempt), gives the single
+    device's rows."""
+    mesh, placement = _mesh_placement()
     sharded_params = placement.for_sampling(placement.put_params(params))
     tokens, valid = placement.to_global((TOKENS, VALID))
-    engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=20, mesh=mesh)
+    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=32, mesh=mesh)
     got = engine.generate(sharded_params, tokens, valid, jax.random.key(3), n_samples=N)
     _assert_same_rollouts(placement.to_host(got.out), jax.device_get(continuous.out))
-    assert got.preemptions > 0
+    assert got.preemptions > 0 and got.pages == 8 and 0 < got.peak_pages <= 8
+    size = engine.sizes(len(TOKENS), WIDTH, N)
+    assert (size["shards"], size["slots"], size["pages"], size["jobs"]) == (4, 2, 8, 6)
+    # Each device holds its shard's pages only: the pool is split 4 ways by pages,
+    programs, _ = engine._compiled(len(TOKENS), WIDTH, N)
+    state = programs["prefill"](sharded_params, tokens, valid, np.int32(0))
+    pool_k = state.pool.k[0]
+    assert pool_k.shape[0] == 32
+    # and its KV heads split over "tensor".
+    assert {s.data.shape for s in pool_k.addressable_shards} == {(8, PG, 1, pool_k.shape[3])}
+    assert len(pool_k.addressable_shards) == mesh.size
+
+
+def test_a_stream_on_a_mesh_gives_the_rows_of_one_device(params, sampled):
+    """Two units streamed through 4 batch shards (each its share of both units, 2 slots
+    and 10 pages, short enough to preempt): each unit gets the rows one device's stream
+    gives it."""
+    mesh, placement = _mesh_placement()
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    units = [
+        (TOKENS[:8], VALID[:8], jax.random.key(1)),
+        (TOKENS[4:], VALID[4:], jax.random.key(2)),
+    ]
+    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=40, chunk_steps=3,
+                         mesh=mesh)  # fmt: skip
+    alone = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=40, chunk_steps=3)
+    got = list(engine.stream(sharded_params, units, n_samples=N))
+    want = list(alone.stream(params, units, n_samples=N))
+    assert len(got) == 2 and sum(g.preemptions for g in got) > 0
+    for g, w in zip(got, want, strict=True):
+        _assert_same_rollouts(g.out, w.out)
+        assert g.live_steps == w.live_steps and g.pages == 10
+
+
+def test_on_a_mesh_the_programs_compile_from_their_sharded_abstract_arguments(params, sampled):
+    """What --compile_only compiles on a mesh: each program from its abstract arguments
+    (prompts and resume lanes split over the batch shards, the params as the sampler holds
+    them) and the outputs of those before it; the state's pool comes out split 4 ways by
+    pages and 2 by KV heads."""
+    from m2po_jax.rollout.engines.base import OutputOf
+
+    mesh, placement = _mesh_placement()
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded_params
+    )
+    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=32, mesh=mesh)
+    programs = engine.programs(abstract, 12, N, prompt_len=WIDTH)
+    names = ["engine_prefill", "engine_start", "engine_run", "engine_resume"]
+    assert [p.name for p in programs] == names
+    what = "12 prompts into a pool of 8 pages of 4 tokens on each of 4 batch shards"
+    assert programs[0].what == what
+    assert programs[1].args[2].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    outputs = {}
+    for program in programs:
+        args = [outputs[a.program] if isinstance(a, OutputOf) else a for a in program.args]
+        outputs[program.name] = program.jitted.lower(*args).compile().out_info
+    pool_k = outputs["engine_prefill"].pool.k[0]
+    assert pool_k.shape[0] == 32 and pool_k.sharding.shard_shape(pool_k.shape)[:3] == (8, PG, 1)
 
 
 def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need():
@@ -265,6 +329,24 @@ def test_episodes_are_the_continuous_engines_parked_and_preempted_or_not(
     np.testing.assert_array_equal(got.version_BxN, want.version_BxN)
     assert (got.preemptions > 0) == bool(pages)
     assert got.peak_pages <= (pages or got.pages)
+
+
+def test_on_a_mesh_episodes_run_as_one_program_and_give_one_devices_rows(
+    params, continuous_episodes
+):
+    """`episodes` on a mesh keeps one program over every slot and page (partitioned by
+    XLA, not split by batch shard): the rows of one device, preempted and parked."""
+    mesh, placement = _mesh_placement()
+    sharded_params = placement.for_sampling(placement.put_params(params))
+    engine = PagedEngine(CONFIG, TURNS, slots=4, page_size=PG, pages=30, mesh=mesh)
+    assert engine.sizes(len(TOKENS), WIDTH, N, turns=True)["shards"] == 1
+    got, seen = _episodes(sharded_params, engine)
+    want = continuous_episodes
+    for field in ("tokens_BxT", "valid_BxT", "completion_mask_BxT", "stopped_B"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got.out, field)), np.asarray(getattr(want.out, field)), field
+        )
+    assert got.preemptions > 0 and got.pages == 30
 
 
 class _Answers:

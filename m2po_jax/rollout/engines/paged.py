@@ -39,6 +39,18 @@ its own pages (one multi-token paged forward from its cached tokens) and draws t
 turn's first token; an append the pool cannot hold parks the sequence out instead (its
 pages and slot returned, its row kept) and a resume recomputes it like a preempted one.
 `_release` ends the episodes answered None.
+
+On a mesh (`mesh=`): one engine per batch shard, as the continuous engine runs. The
+prompts, their sequences (rows b * n .. of prompt b stay with it), the slots (`slots //
+shards` each) and the pool (`pages // shards` pages each, with its own free list) are split
+over the mesh's row axes (`row_axes`: "data", "fsdp"); each program is a `shard_map` over
+them with the params replicated, so every shard prefills, decodes, preempts and resumes
+its own sequences in its own pages. The `shard_map` is manual over the row axes only:
+"tensor" is left to XLA, which splits the pool's KV heads over it (when they divide; a
+constraint on every phase's output) and runs the model tensor-parallel over the params'
+sampling layout. The host resumes each shard's preempted sequences into that shard's
+slots and pages; arrays read back are shard-major (a shard's jobs are local to it).
+`episodes` on a mesh keeps one program over every slot and page, partitioned by XLA.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from m2po_jax.rollout.engines.base import (
     WeightSource,
     register,
 )
+from m2po_jax.rollout.engines.continuous import row_axes
 
 
 @flax.struct.dataclass
@@ -108,8 +121,8 @@ class PagedGeneration(Generation):
     """`Generation` with the pool's figures."""
 
     preemptions: int = 0
-    pages: int = 0
-    peak_pages: int = 0  # the most pages in use at once (prompts included)
+    pages: int = 0  # the pool's pages (per batch shard on a mesh)
+    peak_pages: int = 0  # the most pages in use at once (prompts included; the fullest shard's)
 
 
 @register("paged")
@@ -125,8 +138,9 @@ class PagedEngine(RolloutEngine):
       insert_lanes: sequences that may start per decode step (0 = max(slots // 4, 1)).
       chunk_steps: decode steps per call when `weights` is given, and in `episodes`
         (between calls the host takes the turns' answers).
-      mesh: a device mesh the programs are partitioned over (one program, XLA-partitioned);
-        None = one device.
+      mesh: a device mesh to run one engine per batch shard over (prompts, slots and pool
+        split over its "data" and "fsdp" axes, `slots` and `pages` the totals, each shard
+        taking its share; the pool's KV heads split over "tensor"); None = one device.
     """
 
     multi_turn = True
@@ -181,10 +195,14 @@ class PagedEngine(RolloutEngine):
         extra = int(max_append)
         phases, size = self._compiled(prompts, prompt_len, n_samples, turns=extra > 0)
         jobs = prompts * n_samples
+        # Split over the batch shards as they run (`episodes`: one program, replicated).
+        batch = self._replicated if extra else self._batch
         key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
         version, keys = self._replicated(jnp.int32), self._replicated(key_dtype, 1)
         state = OutputOf("engine_start")
         pages = f"{size['pages']} pages of {size['page_size']} tokens"
+        if size["shards"] > 1:
+            pages += f" on each of {size['shards']} batch shards"
         programs = [
             EngineProgram(
                 "engine_prefill",
@@ -192,8 +210,8 @@ class PagedEngine(RolloutEngine):
                 phases["prefill"],
                 (
                     params,
-                    self._replicated(jnp.int32, prompts, prompt_len),
-                    self._replicated(jnp.bool_, prompts, prompt_len),
+                    batch(jnp.int32, prompts, prompt_len),
+                    batch(jnp.bool_, prompts, prompt_len),
                     version,
                 ),
             ),
@@ -201,12 +219,7 @@ class PagedEngine(RolloutEngine):
                 "engine_start",
                 f"{size['slots']} slots, {size['lanes']} insert lanes",
                 phases["start"],
-                (
-                    OutputOf("engine_prefill"),
-                    keys,
-                    self._replicated(jnp.int32, jobs),
-                    self._replicated(jnp.int32, jobs),
-                ),
+                (OutputOf("engine_prefill"), keys, batch(jnp.int32, jobs), batch(jnp.int32, jobs)),
             ),  # fmt: skip
             EngineProgram(
                 "engine_run",
@@ -218,7 +231,7 @@ class PagedEngine(RolloutEngine):
                 "engine_resume",
                 f"{size['lanes']} preempted sequences recomputed",
                 phases["resume"](_width(self.sampling.max_new_tokens), size["lanes"]),
-                (params, state, self._replicated(jnp.int32, size["lanes"]), version),
+                (params, state, batch(jnp.int32, size["shards"] * size["lanes"]), version),
             ),
         ]
         if extra:
@@ -244,27 +257,52 @@ class PagedEngine(RolloutEngine):
 
     # ---- sizes ----------------------------------------------------------------------
 
-    def sizes(self, prompts: int, width: int, n_samples: int) -> dict[str, int]:
-        """slots, lanes, own pages per sequence, prompt pages per prompt, and pool pages."""
+    @property
+    def shards(self) -> int:
+        """Engines that run side by side: one per batch shard of the mesh."""
+        if self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in row_axes(self.mesh)]))
+
+    def sizes(self, prompts: int, width: int, n_samples: int, turns: bool = False) -> dict:
+        """Per batch shard (`shards` of them; one for `turns`, the episodes' program over
+        the whole mesh): slots, lanes, own pages per sequence, prompt pages per prompt,
+        pool pages and sequences (jobs)."""
+        shards = 1 if turns else self.shards
+        for name, value in (("prompts", prompts), ("slots", self.slots), ("pages", self.pages)):
+            if value % shards:
+                raise ValueError(
+                    f"rollout.paged: {name}={value} must divide over the mesh's {shards} "
+                    "batch shards"
+                )
         pg, new = self.page_size, self.sampling.max_new_tokens
-        rows = prompts * n_samples
-        slots = min(self.slots or rows, rows)
+        local = prompts // shards
+        rows = local * n_samples
+        slots = min(self.slots // shards or rows, rows)
         own = math.ceil(new / pg)
         prompt = math.ceil(width / pg)
-        pages = self.pages or prompts * prompt + slots * own
+        pages = self.pages // shards or local * prompt + slots * own
         lanes = min(self.insert_lanes or max(slots // 4, 1), slots)
         return dict(
-            slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg, jobs=rows
-        )
+            slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg,
+            jobs=rows, shards=shards,
+        )  # fmt: skip
 
     def _compiled(self, prompts, width, n_samples, turns=False) -> tuple[dict, dict]:
-        size = self.sizes(prompts, width, n_samples)
+        size = self.sizes(prompts, width, n_samples, turns)
         key = (prompts, width, n_samples, turns)
         if key not in self._programs:
             self._programs[key] = _programs(
                 self.model_config, self.sampling, n_samples, size, self.mesh, turns
             )
         return self._programs[key], size
+
+    def _put(self, host_R):
+        """A host array split by rows over the batch shards (as the prompts are)."""
+        if self.mesh is None:
+            return jnp.asarray(host_R)
+        spec = jax.sharding.PartitionSpec(row_axes(self.mesh))
+        return jax.device_put(host_R, jax.sharding.NamedSharding(self.mesh, spec))
 
     # ---- generation -----------------------------------------------------------------
 
@@ -285,26 +323,24 @@ class PagedEngine(RolloutEngine):
         prompts, width = np.shape(prompt_tokens_BxP)
         programs, size = self._compiled(prompts, width, n_samples)
         self._check_pool(prompt_valid_BxP, size)
-        jobs = prompts * n_samples
+        rows = np.arange(prompts * n_samples, dtype=np.int32)  # sequence ids: the rows
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
-        state = programs["start"](
-            state, _typed(rng)[None], jnp.zeros(jobs, jnp.int32), jnp.arange(jobs, dtype=jnp.int32)
-        )
+        state = programs["start"](state, _typed(rng)[None], self._put(rows * 0), self._put(rows))
         steps = self.chunk_steps if weights is not None else 2**30
         loop = self._loop(programs, size, params, state, _typed(rng)[None], version, weights, steps)
         *_, (state, _, updates) = loop  # the last call's state
         out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
-        version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
+        version_BxN, (decode, live_steps, preempted, peak) = _host((version_BxN, counters))
         return PagedGeneration(
             out=out,
             version_BxN=np.asarray(version_BxN, np.int32),
-            decode_steps=int(decode[0]),
-            slot_steps=int(decode[0]) * size["slots"],
-            live_steps=int(live_steps[0]),
+            decode_steps=int(np.max(decode)),
+            slot_steps=int(np.sum(decode)) * size["slots"],
+            live_steps=int(np.sum(live_steps)),
             weight_updates=updates,
-            preemptions=int(preempted[0]),
+            preemptions=int(np.sum(preempted)),
             pages=size["pages"],
-            peak_pages=int(peak[0]),
+            peak_pages=int(np.max(peak)),
         )
 
     def stream(self, params, units, *, n_samples=1, version=0, weights=None):
@@ -319,36 +355,51 @@ class PagedEngine(RolloutEngine):
             sampling.check_inputs(self.model_config, self.sampling, tokens, valid, n_samples)
         count, (prompts, width) = len(units), np.shape(tokens_U[0])
         programs, size = self._compiled(count * prompts, width, n_samples)
-        valid_QxP = np.concatenate([np.asarray(jax.device_get(v), bool) for v in valid_U])
+        shards = size["shards"]
+        if prompts % shards:
+            raise ValueError(
+                f"rollout.paged: a unit's {prompts} prompts must divide over the mesh's "
+                f"{shards} batch shards"
+            )
+        # Shard-major layout: shard d holds its share of every unit, unit after unit.
+        share = prompts // shards
+        order = np.arange(count * prompts).reshape(count, shards, share).transpose(1, 0, 2)
+        order = order.reshape(-1)
+        valid_QxP = np.concatenate([np.asarray(jax.device_get(v), bool) for v in valid_U])[order]
         tokens_QxP = np.concatenate([np.asarray(jax.device_get(t), np.int32) for t in tokens_U])
+        tokens_QxP = tokens_QxP[order]
         self._check_pool(valid_QxP, size)
-        per = prompts * n_samples  # a unit's sequences
-        unit_J = np.repeat(np.arange(count, dtype=np.int32), per)
-        seq_id_J = np.tile(np.arange(per, dtype=np.int32), count)
+        per = share * n_samples  # a unit's sequences on one shard
+        unit_J = np.tile(np.repeat(np.arange(count, dtype=np.int32), per), shards)
+        seq_id_J = np.arange(shards)[:, None, None] * per + np.arange(per)[None, None, :]
+        seq_id_J = np.broadcast_to(seq_id_J, (shards, count, per)).reshape(-1).astype(np.int32)
         keys_U = jnp.stack([_typed(k) for k in keys])
+        tokens_QxP, valid_QxP = self._put(tokens_QxP), self._put(valid_QxP)
         state = programs["prefill"](params, tokens_QxP, valid_QxP, jnp.int32(version))
-        state = programs["start"](state, keys_U, jnp.asarray(unit_J), jnp.asarray(seq_id_J))
-        emitted, counted = 0, np.zeros(3, np.int64)  # decode steps, live steps, preemptions
+        state = programs["start"](state, keys_U, self._put(unit_J), self._put(seq_id_J))
+        emitted, counted = 0, np.zeros((2, shards), np.int64)  # decode steps, preemptions
         loop = self._loop(programs, size, params, state, keys_U, version, weights, self.chunk_steps)
         for now_state, done_J, updates in loop:
-            done_U = done_J.reshape(count, per).all(axis=1)
+            done_U = done_J.reshape(shards, count, per).all(axis=(0, 2))
             ready = emitted
             while ready < count and done_U[ready]:
                 ready += 1
             if ready == emitted:
                 continue
             st = now_state
-            fields = jax.device_get(
+            fields = _host(
                 (st.tokens_JxN, st.logp_JxN, st.valid_JxN, st.sampled_JxN, st.version_JxN,
-                 st.stopped_J, st.decode_steps_1, st.live_steps_1, st.preemptions_1, st.peak_1)
+                 st.stopped_J, st.decode_steps_1, st.preemptions_1, st.peak_1)
             )  # fmt: skip
-            now = np.asarray([fields[6][0], fields[7][0], fields[8][0]], np.int64)
+            by_unit = [np.asarray(f).reshape(shards, count, per, -1) for f in fields[:6]]
+            now = np.stack([np.asarray(fields[6]), np.asarray(fields[7])]).astype(np.int64)
             for u in range(emitted, ready):
-                rows = slice(u * per, (u + 1) * per)
+                rows = [f[:, u].reshape(shards * per, -1) for f in by_unit]
+                rows[-1] = rows[-1].reshape(-1)  # stopped
                 yield _unit_generation(
-                    tokens_U[u], valid_U[u], [np.asarray(f)[rows] for f in fields[:6]],
-                    n_samples, spent=now - counted, slots=size["slots"], updates=updates,
-                    pages=size["pages"], peak=int(fields[9][0]),
+                    tokens_U[u], valid_U[u], rows, n_samples, spent=now - counted,
+                    slots=size["slots"], updates=updates, pages=size["pages"],
+                    peak=int(np.max(fields[8])),
                 )  # fmt: skip
                 counted = now
             emitted = ready
@@ -495,13 +546,17 @@ class PagedEngine(RolloutEngine):
         return state
 
     def _check_pool(self, valid_QxP, size) -> None:
-        lengths = np.sum(np.asarray(jax.device_get(valid_QxP), bool), axis=1)
-        prompt_pages = int(np.sum(-(-lengths // self.page_size)))
+        """Each shard's pool holds its prompts (shard-major `valid_QxP`) and a completion."""
+        shards = size["shards"]
+        lengths = np.sum(np.asarray(_host(valid_QxP), bool), axis=1).reshape(shards, -1)
+        prompt_pages = int(np.max(np.sum(-(-lengths // self.page_size), axis=1)))
         if size["pages"] < prompt_pages + size["own"]:
+            shard = "" if shards == 1 else f" (per batch shard: {shards} of them)"
             raise ValueError(
-                f"rollout.paged.pages={size['pages']}: the pool must hold every prompt "
-                f"({prompt_pages} pages of {self.page_size} tokens) and one whole completion "
-                f"({size['own']} pages): at least {prompt_pages + size['own']}"
+                f"rollout.paged.pages={size['pages'] * shards}: the pool{shard} must hold "
+                f"every prompt ({prompt_pages} pages of {self.page_size} tokens) and one whole "
+                f"completion ({size['own']} pages): at least "
+                f"{(prompt_pages + size['own']) * shards}"
             )
 
     def _loop(self, programs, size, params, state, keys_U, version, weights, steps):
@@ -509,37 +564,51 @@ class PagedEngine(RolloutEngine):
         preempted sequences resume where they can and newer weights are taken. Yields
         (state, done_J on the host, weight updates so far) after each decode call; the
         consumer reads the state before asking for the next."""
-        jobs, updates = size["jobs"], 0
-        prompt_pages = int(jax.device_get(jnp.sum(state.prompt_table_IxM < size["pages"])))
+        jobs, shards, pages, updates = size["jobs"], size["shards"], size["pages"], 0
+        table = np.asarray(_host(state.prompt_table_IxM)).reshape(shards, -1)
+        prompt_pages_D = np.sum(table < pages, axis=1)
         progress = None
         while True:
             state = programs["run"](params, state, keys_U, jnp.int32(version), np.int32(steps))
-            waiting_J, valid_JxN, free, job_S, done_J, decoded = jax.device_get(
+            waiting_J, valid_JxN, free_D, job_S, done_J, decoded_D = _host(
                 (state.waiting_J, state.valid_JxN, state.free_1, state.job_S, state.done_J,
                  state.decode_steps_1)
             )  # fmt: skip
-            now = (int(decoded[0]), int(done_J.sum()), int(valid_JxN.sum()))
+            # Shard-major: shard d's jobs and slots, indexed locally.
+            waiting_DxJ, job_DxS = waiting_J.reshape(shards, jobs), job_S.reshape(shards, -1)
+            valid_DxJxN = valid_JxN.reshape(shards, jobs, -1)
+            now = (int(decoded_D.sum()), int(done_J.sum()), int(valid_JxN.sum()))
             if now == progress:  # a call that neither decoded nor resumed anything
                 raise RuntimeError(
                     f"paged engine: stuck with {int(waiting_J.sum())} preempted sequences "
-                    f"waiting for pages and {int(free[0])} of {size['pages']} free (a "
+                    f"waiting for pages and {free_D.tolist()} of {pages} free per shard (a "
                     "bookkeeping bug: the pool always holds one whole completion)"
                 )
             progress = now
-            if done_J.all() and int(free[0]) != size["pages"] - prompt_pages:
+            lost = int(np.sum(pages - prompt_pages_D - free_D))
+            if done_J.all() and lost:
                 raise RuntimeError(
-                    f"paged engine: {size['pages'] - prompt_pages - int(free[0])} pages were "
-                    "not returned to the pool once every sequence ended (a bookkeeping bug)"
+                    f"paged engine: {lost} pages were not returned to the pool once every "
+                    "sequence ended (a bookkeeping bug)"
                 )
             yield state, done_J, updates
             if done_J.all():
                 return
-            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), int((job_S == jobs).sum()), size)
-            if job_L.size:
-                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
-                lanes = _lanes(job_L, jobs)
-                resume = programs["resume"](_width(tokens), lanes.size)
-                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+            job_DxL = [
+                _resumable(waiting_DxJ[d], valid_DxJxN[d], int(free_D[d]),
+                           int((job_DxS[d] == jobs).sum()), size)
+                for d in range(shards)
+            ]  # fmt: skip
+            if any(job_L.size for job_L in job_DxL):
+                tokens = max(
+                    int(valid_DxJxN[d][job_L].sum(1).max())
+                    for d, job_L in enumerate(job_DxL)
+                    if job_L.size
+                )
+                lanes_DxL = _lanes_per_shard(job_DxL, jobs)
+                resume = programs["resume"](_width(tokens - 1), lanes_DxL.shape[1])
+                lanes = self._put(lanes_DxL.reshape(-1))
+                state = resume(params, state, lanes, jnp.int32(version))
                 progress = None
                 continue
             newer = None if weights is None else weights()
@@ -550,7 +619,8 @@ class PagedEngine(RolloutEngine):
 
 def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, spent, slots, updates, pages, peak):
     """A streamed unit's `PagedGeneration` from its host rows (tokens, log-probs, valid,
-    sampled, versions [R, N], stopped [R])."""
+    sampled, versions [R, N], stopped [R]) and the decode steps and preemptions `spent`
+    on it ([2, shards])."""
     tokens_JxN, logp_JxN, valid_JxN, sampled_JxN, version_JxN, stopped_J = rows
     tokens_BxP = np.repeat(np.asarray(jax.device_get(tokens_QxP), np.int32), n_samples, axis=0)
     valid_BxP = np.repeat(np.asarray(jax.device_get(valid_QxP), bool), n_samples, axis=0)
@@ -566,15 +636,15 @@ def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, spent, slots, up
         stopped_B=stopped_J.astype(bool),
         num_steps=np.int32(completion_len_B.max()),
     )
-    decode, live, preempted = (int(x) for x in spent)
+    decode_D, preempted_D = spent  # per shard
     return PagedGeneration(
         out=out,
         version_BxN=version_JxN.astype(np.int32),
-        decode_steps=decode,
-        slot_steps=decode * slots,
+        decode_steps=int(np.max(decode_D)),
+        slot_steps=int(np.sum(decode_D)) * slots,
         live_steps=int(np.sum(completion_len_B - 1)),
         weight_updates=updates,
-        preemptions=preempted,
+        preemptions=int(np.sum(preempted_D)),
         pages=pages,
         peak_pages=peak,
     )
@@ -606,6 +676,21 @@ def _lanes(jobs_L: np.ndarray, none: int) -> np.ndarray:
     out = np.full(size, none, np.int32)
     out[: len(jobs_L)] = jobs_L
     return out
+
+
+def _lanes_per_shard(jobs_DxL: list[np.ndarray], none: int) -> np.ndarray:
+    """Each shard's lanes (local jobs), padded with `none` to one power of two [D, L]."""
+    width = max(_lanes(job_L, none).size for job_L in jobs_DxL)
+    out = np.full((len(jobs_DxL), width), none, np.int32)
+    for d, job_L in enumerate(jobs_DxL):
+        out[d, : job_L.size] = job_L
+    return out
+
+
+def _host(tree):
+    from m2po_jax.parallel import placement
+
+    return placement.to_host(tree)
 
 
 def _typed(rng):
@@ -1158,10 +1243,49 @@ def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
 
 
 def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False) -> dict:
-    """The jitted phases (`mesh`: one program each, partitioned by XLA); with `turns`
-    those of `PagedEngine.episodes`, "append" and "release" included."""
+    """The jitted phases; on a mesh `shard_map`s over its row axes, one engine per batch
+    shard (`size` is a shard's), the params replicated over them and every state leaf
+    split by rows but the prefill's version ("tensor" left to XLA: the pool's KV heads
+    split over it). With `turns` those of `PagedEngine.episodes`, "append" and
+    "release" included: one program each over the whole mesh, partitioned by XLA."""
     statics = dict(model_config=model_config, sampling_config=sampling_config)
-    on = (lambda fn: fn) if mesh is None else (lambda fn: sharding.on_mesh(fn, mesh))
+    on = (lambda fn, *_: fn) if mesh is None else (lambda fn, *_: sharding.on_mesh(fn, mesh))
+    if mesh is not None and not turns:
+        from jax.sharding import PartitionSpec as P
+
+        rows, rep = P(row_axes(mesh)), P()
+        names = [field.name for field in dataclasses.fields(_State)]
+        state = _State(**dict.fromkeys(names, rows)).replace(prefill_version=rep)
+        specs = {  # (in_specs, out_specs) by phase
+            "prefill": ((rep, rows, rows, rep), state),
+            "start": ((state, rep, rows, rows), state),
+            "run": ((rep, state, rep, rep, rep), state),
+            "resume": ((rep, state, rows, rep), state),
+        }
+
+        # Manual over the row axes; "tensor" is left to XLA, the pool's KV heads split over
+        # it (when they divide) and the params as they come (the sampling layout).
+        tensor = mesh.shape.get("tensor", 1)
+        heads = P(None, None, "tensor") if model_config.num_kv_heads % tensor == 0 else P()
+        manual = set(row_axes(mesh))
+
+        def split_heads(fn):
+            def constrained(*args):
+                state = fn(*args)
+                pool = jax.tree.map(
+                    lambda x: jax.lax.with_sharding_constraint(x, heads), state.pool
+                )
+                return state.replace(pool=pool)
+
+            return constrained
+
+        def on(fn, phase):  # traced with the mesh in context (`sharding.on_mesh`)
+            in_specs, out_specs = specs[phase]
+            fn = jax.shard_map(
+                split_heads(fn), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                axis_names=manual, check_vma=False,
+            )  # fmt: skip
+            return sharding.on_mesh(fn, mesh)
 
     def prefill(params, tokens, valid, version):
         return _prefill(params, tokens, valid, version, **statics, size=size)
@@ -1175,14 +1299,14 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
     def resume(width: int, lanes: int):
         if (width, lanes) not in resumes:
             fn = functools.partial(_resume, **statics, n=n_samples, width=width)
-            resumes[width, lanes] = jax.jit(on(fn), donate_argnums=(1,))
+            resumes[width, lanes] = jax.jit(on(fn, "resume"), donate_argnums=(1,))
         return resumes[width, lanes]
 
     run = functools.partial(_run, **statics, lanes=size["lanes"], n=n_samples, turns=turns)
     programs = {
-        "prefill": jax.jit(on(prefill)),
-        "start": jax.jit(on(start), donate_argnums=(0,)),
-        "run": jax.jit(on(run), donate_argnums=(1,)),
+        "prefill": jax.jit(on(prefill, "prefill")),
+        "start": jax.jit(on(start, "start"), donate_argnums=(0,)),
+        "run": jax.jit(on(run, "run"), donate_argnums=(1,)),
         "resume": resume,
         "finish": jax.jit(functools.partial(_finish, n_samples=n_samples)),
     }
