@@ -19,8 +19,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # temporaries: 556,976 bytes with the emitters, 557,168 without); what changes is how fast
 # the machine code runs. Subprocesses that set their own XLA_FLAGS add
 # M2PO_TEST_XLA_FLAGS to them.
+# XLA:CPU ends the process when a collective's participants have not all arrived within
+# 40 s; the 8 fake devices' threads of a sharded test on a 2-core host loaded by the other
+# xdist worker (and anything else the machine runs) can take longer than that, so the tests
+# give them 300 s (a whole-suite run once aborted in a shard_map test this way).
 os.environ["M2PO_TEST_XLA_FLAGS"] = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 )
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + os.environ["M2PO_TEST_XLA_FLAGS"]

@@ -136,8 +136,8 @@ def test_async_settings_are_checked_before_any_work(tmp_path):
     inflight = {"rollout.inflight_updates": True, "rollout.engine": "continuous"}
     with pytest.raises(config_lib.ConfigError, match="needs rollout.mode=async and rollout.en"):
         async_config(**inflight, **{"rollout.mode": "sync"})
-    with pytest.raises(config_lib.ConfigError, match=r"rollout.engine='paged' is not one of"):
-        async_config(**{"rollout.engine": "paged"})
+    with pytest.raises(config_lib.ConfigError, match=r"rollout.engine='vllm' is not one of"):
+        async_config(**{"rollout.engine": "vllm"})
     with pytest.raises(ValueError, match="mesh.rollout_devices=8: each process has 8 devices"):
         trainer_lib.Trainer(async_config(**{"mesh.rollout_devices": 8}), tmp_path)
     with pytest.raises(ValueError, match="rollout.batch_size per process=6 must be divisible"):
