@@ -182,6 +182,13 @@ class RolloutEngine(abc.ABC):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=spec)
 
 
+def typed_key(rng) -> jax.Array:
+    """A typed PRNG key (raw uint32 key data is wrapped)."""
+    if not jax.dtypes.issubdtype(jax.numpy.asarray(rng).dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(rng)
+    return rng
+
+
 ENGINES: dict[str, type[RolloutEngine]] = {}
 
 

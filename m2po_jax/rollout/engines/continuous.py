@@ -44,6 +44,7 @@ from m2po_jax.rollout.engines.base import (
     RolloutEngine,
     WeightSource,
     register,
+    typed_key,
 )
 from m2po_jax.rollout.engines.slots import (
     _empty_slots,
@@ -208,7 +209,7 @@ class ContinuousEngine(RolloutEngine):
         sampling.check_inputs(
             self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
         )
-        keys_U = _typed(rng)[None]
+        keys_U = typed_key(rng)[None]
         prompts = np.shape(prompt_tokens_BxP)[0]
         slots, lanes = self.sizes(prompts * n_samples)
         programs = self._compiled(n_samples, slots, lanes)
@@ -286,7 +287,7 @@ class ContinuousEngine(RolloutEngine):
         unit_J = np.tile(np.repeat(np.arange(count, dtype=np.int32), per), shards)
         seq_id_J = np.arange(shards)[:, None, None] * per + np.arange(per)[None, None, :]
         seq_id_J = np.broadcast_to(seq_id_J, (shards, count, per)).reshape(-1).astype(np.int32)
-        keys_U = jnp.stack([_typed(k) for k in keys])
+        keys_U = jnp.stack([typed_key(k) for k in keys])
         prefixes = programs["prefill"](params, tokens, valid, jnp.int32(version))
         state = programs["start"](
             prefixes, keys_U, self._put(unit_J, unit_J.size), self._put(seq_id_J, unit_J.size)
@@ -378,7 +379,7 @@ class ContinuousEngine(RolloutEngine):
         sampling.check_inputs(
             self.model_config, self.sampling, prompt_tokens_BxP, prompt_valid_BxP, n_samples
         )
-        keys_U = _typed(rng)[None]
+        keys_U = typed_key(rng)[None]
         prompts = np.shape(prompt_tokens_BxP)[0]
         jobs = prompts * n_samples
         slots, lanes = self.episode_sizes(jobs)
@@ -467,13 +468,6 @@ def _generation(programs, state, tokens_QxP, valid_QxP, slots: int, updates: int
         live_steps=int(np.sum(live_steps)),
         weight_updates=updates,
     )
-
-
-def _typed(rng):
-    """A typed PRNG key (raw uint32 key data is wrapped)."""
-    if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(rng)
-    return rng
 
 
 def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, slot_steps, decode_steps, updates):

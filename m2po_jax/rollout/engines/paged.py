@@ -68,6 +68,7 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import paged
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import sampling
+from m2po_jax.rollout.engines import slots as slots_lib
 from m2po_jax.rollout.engines import turns as turns_lib
 from m2po_jax.rollout.engines.base import (
     EngineProgram,
@@ -76,8 +77,10 @@ from m2po_jax.rollout.engines.base import (
     RolloutEngine,
     WeightSource,
     register,
+    typed_key,
 )
 from m2po_jax.rollout.engines.continuous import row_axes
+from m2po_jax.rollout.engines.slots import _sequence_keys, _write_tokens
 
 
 @flax.struct.dataclass
@@ -325,9 +328,11 @@ class PagedEngine(RolloutEngine):
         self._check_pool(prompt_valid_BxP, size)
         rows = np.arange(prompts * n_samples, dtype=np.int32)  # sequence ids: the rows
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
-        state = programs["start"](state, _typed(rng)[None], self._put(rows * 0), self._put(rows))
+        state = programs["start"](state, typed_key(rng)[None], self._put(rows * 0), self._put(rows))
         steps = self.chunk_steps if weights is not None else 2**30
-        loop = self._loop(programs, size, params, state, _typed(rng)[None], version, weights, steps)
+        loop = self._loop(
+            programs, size, params, state, typed_key(rng)[None], version, weights, steps
+        )
         *_, (state, _, updates) = loop  # the last call's state
         out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
         version_BxN, (decode, live_steps, preempted, peak) = _host((version_BxN, counters))
@@ -373,7 +378,7 @@ class PagedEngine(RolloutEngine):
         unit_J = np.tile(np.repeat(np.arange(count, dtype=np.int32), per), shards)
         seq_id_J = np.arange(shards)[:, None, None] * per + np.arange(per)[None, None, :]
         seq_id_J = np.broadcast_to(seq_id_J, (shards, count, per)).reshape(-1).astype(np.int32)
-        keys_U = jnp.stack([_typed(k) for k in keys])
+        keys_U = jnp.stack([typed_key(k) for k in keys])
         tokens_QxP, valid_QxP = self._put(tokens_QxP), self._put(valid_QxP)
         state = programs["prefill"](params, tokens_QxP, valid_QxP, jnp.int32(version))
         state = programs["start"](state, keys_U, self._put(unit_J), self._put(seq_id_J))
@@ -445,7 +450,7 @@ class PagedEngine(RolloutEngine):
         programs, size = self._compiled(prompts, width, n_samples, turns=True)
         self._check_pool(prompt_valid_BxP, size)
         jobs, extra, slots = size["jobs"], int(max_append), size["slots"]
-        keys_U = _typed(rng)[None]
+        keys_U = typed_key(rng)[None]
         ids = jnp.arange(jobs, dtype=jnp.int32)
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
         state = programs["start"](state, keys_U, ids * 0, ids)
@@ -693,12 +698,6 @@ def _host(tree):
     return placement.to_host(tree)
 
 
-def _typed(rng):
-    if not jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(rng)
-    return rng
-
-
 def _finished(state: _State) -> jax.Array:
     return jnp.all(state.done_J)
 
@@ -838,34 +837,6 @@ def _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config)
     )
 
 
-def _keys(keys_U, state: _State, job_L, step_L):
-    """fold_in(fold_in(its unit's key, its id), t): a sequence's token t, in any slot."""
-    job_L = jnp.minimum(job_L, state.done_J.shape[0] - 1)
-    fold = jax.vmap(jax.random.fold_in)
-    return fold(fold(keys_U[state.unit_J[job_L]], state.seq_id_J[job_L]), step_L)
-
-
-def _write_tokens(
-    state: _State, job_L, step_L, token_L, logp_L, version, stop_L, ends_L, *, turns=False
-):
-    """Writes sampled tokens into their rows (job J: dropped). With `turns` an end is the
-    turn's, not the sequence's: the host ends the episode (`_release`)."""
-    at = (job_L, step_L)
-    state = state.replace(
-        tokens_JxN=state.tokens_JxN.at[at].set(token_L, mode="drop"),
-        logp_JxN=state.logp_JxN.at[at].set(logp_L, mode="drop"),
-        valid_JxN=state.valid_JxN.at[at].set(True, mode="drop"),
-        sampled_JxN=state.sampled_JxN.at[at].set(True, mode="drop"),
-        version_JxN=state.version_JxN.at[at].set(version, mode="drop"),
-    )
-    if turns:
-        return state
-    return state.replace(
-        stopped_J=state.stopped_J.at[job_L].max(stop_L, mode="drop"),
-        done_J=state.done_J.at[job_L].max(ends_L, mode="drop"),
-    )
-
-
 def _insert(
     state: _State, keys_U, lanes: int, n_samples: int, sampling_config, turns=False
 ) -> _State:
@@ -882,7 +853,7 @@ def _insert(
     prompt_L = jnp.minimum(job_L // n_samples, state.prompt_len_I.shape[0] - 1)
     zero_L = jnp.zeros(lanes, jnp.int32)
     token_L, logp_L = sampling.sample_token(
-        state.logits_IxV[prompt_L], _keys(keys_U, state, job_L, zero_L), sampling_config
+        state.logits_IxV[prompt_L], _sequence_keys(keys_U, state, job_L, zero_L), sampling_config
     )
     stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
     ends_L = use_L & (stop_L | (sampling_config.max_new_tokens == 1))
@@ -972,7 +943,7 @@ def _decode(
     )
     job_S = jnp.where(live_S, state.job_S, jobs)
     token_S, logp_S = sampling.sample_token(
-        logits[:, 0], _keys(keys_U, state, job_S, state.step_S), sampling_config
+        logits[:, 0], _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
     )
     stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
     ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
@@ -1162,7 +1133,9 @@ def _append(
     draw_L = step_L + len_L  # the drawn token's index
     job_go = jnp.where(go_L, job_L, jobs)
     token_L, logp_L = sampling.sample_token(
-        logits_LxV.astype(jnp.float32), _keys(keys_U, state, job_go, draw_L), sampling_config
+        logits_LxV.astype(jnp.float32),
+        _sequence_keys(keys_U, state, job_go, draw_L),
+        sampling_config,
     )
     stop_L = sampling.is_stop(token_L, sampling_config.stop_token_ids)
     ends_L = stop_L | (draw_L + 1 >= sampling_config.max_new_tokens)
@@ -1221,25 +1194,11 @@ def _release(state: _State, slot_L, stopped_L) -> _State:
 
 
 def _finish(state: _State, tokens_QxP, valid_QxP, *, n_samples: int):
-    """The `SampleOutput` of the finished sequences (rows in prompt order)."""
-    repeat = functools.partial(jnp.repeat, repeats=n_samples, axis=0)
-    tokens_BxP, valid_BxP = repeat(tokens_QxP.astype(jnp.int32)), repeat(valid_QxP.astype(bool))
-    rows, width = tokens_BxP.shape
-    completion_len_B = jnp.sum(state.valid_JxN, axis=-1, dtype=jnp.int32)
-    out = sampling.SampleOutput(
-        tokens_BxT=jnp.concatenate([tokens_BxP, state.tokens_JxN], axis=1),
-        valid_BxT=jnp.concatenate([valid_BxP, state.valid_JxN], axis=1),
-        behav_logp_BxT=jnp.concatenate(
-            [jnp.zeros((rows, width), jnp.float32), state.logp_JxN], axis=1
-        ),
-        completion_mask_BxT=jnp.concatenate([jnp.zeros((rows, width), bool), state.sampled_JxN], 1),
-        prompt_len_B=jnp.sum(valid_BxP, axis=-1, dtype=jnp.int32),
-        completion_len_B=completion_len_B,
-        stopped_B=state.stopped_J,
-        num_steps=jnp.max(completion_len_B),
-    )
+    """The `SampleOutput` of the finished sequences (rows in prompt order), their versions
+    and the pool's counters."""
+    out, version_JxN, _ = slots_lib._finish(state, tokens_QxP, valid_QxP, n_samples=n_samples)
     counters = (state.decode_steps_1, state.live_steps_1, state.preemptions_1, state.peak_1)
-    return out, state.version_JxN, counters
+    return out, version_JxN, counters
 
 
 def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False) -> dict:
