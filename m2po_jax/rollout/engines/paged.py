@@ -590,7 +590,7 @@ class PagedEngine(RolloutEngine):
                     "bookkeeping bug: the pool always holds one whole completion)"
                 )
             progress = now
-            lost = int(np.sum(pages - prompt_pages_D - free_D))
+            lost = int(np.sum(np.abs(pages - prompt_pages_D - free_D)))  # per shard
             if done_J.all() and lost:
                 raise RuntimeError(
                     f"paged engine: {lost} pages were not returned to the pool once every "
