@@ -496,7 +496,7 @@ class PagedEngine(RolloutEngine):
                         turn_start[turn.row] = turn.start + len(turn.tokens) + len(delta)
             elif job_L.size:
                 tokens = int(valid_JxN[job_L].sum(1).max()) - 1
-                lanes = _lanes(job_L, jobs)
+                lanes = turns_lib._lanes(list(job_L), jobs)
                 resume = programs["resume"](_width(tokens), lanes.size)
                 state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
             newer = None if weights is None else weights()
@@ -675,17 +675,9 @@ def _width(tokens: int) -> int:
     return max(8, 1 << max(tokens - 1, 0).bit_length())
 
 
-def _lanes(jobs_L: np.ndarray, none: int) -> np.ndarray:
-    """Lanes padded with `none` to a power of two (few compiled shapes)."""
-    size = 1 << max(len(jobs_L) - 1, 0).bit_length()
-    out = np.full(size, none, np.int32)
-    out[: len(jobs_L)] = jobs_L
-    return out
-
-
 def _lanes_per_shard(jobs_DxL: list[np.ndarray], none: int) -> np.ndarray:
     """Each shard's lanes (local jobs), padded with `none` to one power of two [D, L]."""
-    width = max(_lanes(job_L, none).size for job_L in jobs_DxL)
+    width = max(turns_lib._lanes(list(job_L), none).size for job_L in jobs_DxL)
     out = np.full((len(jobs_DxL), width), none, np.int32)
     for d, job_L in enumerate(jobs_DxL):
         out[d, : job_L.size] = job_L
