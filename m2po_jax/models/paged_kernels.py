@@ -1,0 +1,298 @@
+"""The Pallas TPU kernel for one decode step over a paged KV cache.
+
+    out_BxHxD = tpu_decode_attention(q_BxHxD, kv, kv_lens_B, page_indices_BxM, sm_scale=d**-0.5)
+
+jax's ragged paged attention kernel (`jax.experimental.pallas.ops.tpu.
+ragged_paged_attention`), called with one query token per sequence (`cu_q_lens` =
+0, 1, .., B). Sequence b's query attends to its tokens at positions 0 .. kv_lens_B[b] - 1
+(the query is the last of them): softmax(q k^T * sm_scale) v, query head h reading kv head
+h // (H // K), as `paged.attend` does.
+
+Layout. Per layer the pool is one array kv [NP, PG, 2K, D] (pages, tokens per page, kv
+heads with keys at even and values at odd indices, head dim), in the compute dtype.
+Sequence b's position p lies in page page_indices_BxM[b, p // PG], row p % PG.
+
+What the kernel takes (jax 0.10.2, libtpu 0.0.42; found by compiling for v5e):
+
+- head_dim 128 exactly: 64 trips an assertion in the kernel (its softmax statistics are
+  128 lanes wide), 256 and 512 are refused by Mosaic ("The last dim size is not 128 in
+  original base memref").
+- 2K combined heads that XLA tiles fully in the pool's dtype (the kernel's
+  `get_min_heads_per_blk`): K in {1, 2, 4, 8} or a multiple of 8 in bfloat16; K in
+  {1, 2, 4} or a multiple of 4 in float32.
+- float32 or bfloat16 (the kernel's quantized pools need scales this wrapper does not pass).
+- a kv block within the chip's scoped VMEM (16 MiB by default on v5e: `decode_block_sizes`).
+
+Any page size compiles (1, 3, 16, 256 tried), any pages per sequence, and the pages per
+block need not divide it. `tuned_block_sizes` is not used: it asks `jax.devices()` for the
+chip, which is wrong when a CPU host compiles for a TPU topology.
+
+Neither Pallas interpreter runs this kernel on a CPU in jax 0.10.2 (the TPU interpreter
+cannot read through the kernel's reshaped VMEM ref, the HLO interpreter cannot store
+through its `.at[i]` views), so its numerics are checked only on a TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from m2po_jax.common.mesh_axes import BATCH_AXES
+from m2po_jax.models.attention_kernels import target_mesh
+
+HEAD_DIM = 128  # the only head dim the kernel compiles
+MAX_PAGES_PER_BLOCK = 16  # the largest block of jax's tuned tables (one DMA per page)
+QUERIES_PER_BLOCK = 32  # the tuned tables' usual query block
+# Half the smallest default scoped VMEM (16 MiB: v4, v5e, v5p): `_vmem_bytes` has
+# underestimated what the v5e compiler needs by up to 1.44x (14 shapes), never by 2x.
+VMEM_BUDGET_BYTES = 8 * 2**20
+DTYPES = ("float32", "bfloat16")
+
+
+def _rpa():
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+
+    return kernel
+
+
+def _kernel(*args, **kwargs):
+    """jax's `ragged_paged_attention` (the tests put an XLA stand-in here on a CPU)."""
+    return _rpa().ragged_paged_attention(*args, **kwargs)
+
+
+def _heads_per_block(num_q_heads: int, num_kv_heads: int, dtype) -> tuple[int, int]:
+    """(query heads, combined kv heads) of one kernel block; ValueError if 2K does not tile."""
+    return _rpa().get_min_heads_per_blk(num_q_heads, 2 * num_kv_heads, dtype, dtype)
+
+
+def _vmem_bytes(page_size, pages_per_block, queries_per_block, q_heads, kv_heads, dtype):
+    """Scoped VMEM of one kernel block (an estimate: the compiler's own figure differs).
+
+    kv pages double-buffered, the q and output blocks double-buffered, the float32
+    accumulator and softmax statistics (128 lanes wide), one kv head's float32 scores,
+    probabilities, masked keys and values."""
+    itemsize = jnp.dtype(dtype).itemsize
+    q_blk, combined = _heads_per_block(q_heads, kv_heads, dtype)
+    group = q_heads // kv_heads
+    tokens, rows, d = pages_per_block * page_size, queries_per_block * group, HEAD_DIM
+    kv = 2 * tokens * combined * d * itemsize
+    q_out = 4 * queries_per_block * q_blk * d * itemsize
+    acc = queries_per_block * q_blk * d * 4
+    stats = 2 * (combined // 2) * rows * 128 * 4
+    temporaries = (2 * rows * tokens + 2 * tokens * d + rows * d) * 4
+    return kv + q_out + acc + stats + temporaries
+
+
+def _why_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype) -> str | None:
+    """Why the kernel cannot take these shapes, or None."""
+    if jnp.dtype(dtype).name not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name}, expected one of {DTYPES}"
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim}, expected {HEAD_DIM}"
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        return f"{num_q_heads} query heads, expected a multiple of the {num_kv_heads} kv heads"
+    try:
+        _heads_per_block(num_q_heads, num_kv_heads, dtype)
+    except ValueError:
+        return f"{num_kv_heads} kv heads do not tile in {jnp.dtype(dtype).name}"
+    if _vmem_bytes(page_size, 1, 1, num_q_heads, num_kv_heads, dtype) > VMEM_BUDGET_BYTES:
+        return (
+            f"page_size {page_size}: one page per block is over {VMEM_BUDGET_BYTES} bytes of VMEM"
+        )
+    return None
+
+
+def _local_heads(num_q_heads: int, num_kv_heads: int, tensor: int) -> tuple[int, int]:
+    """Heads per device: split over `tensor` shards when they divide the kv heads."""
+    if tensor > 1 and num_kv_heads % tensor == 0:
+        return num_q_heads // tensor, num_kv_heads // tensor
+    return num_q_heads, num_kv_heads
+
+
+def tpu_decode_supported(
+    page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, tensor: int = 1
+) -> bool:
+    """Whether the kernel takes these shapes (else use the XLA path, `paged.attend`).
+
+    `tensor`: the size of the mesh's "tensor" axis `tpu_decode_attention_sharded` splits
+    the heads over (it splits them when it divides the kv heads)."""
+    heads = _local_heads(num_q_heads, num_kv_heads, tensor)
+    return _why_unsupported(page_size, *heads, head_dim, dtype) is None
+
+
+def decode_block_sizes(
+    page_size: int, pages_per_seq: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
+) -> tuple[int, int]:
+    """(pages_per_block, queries_per_block) for a decode step, without asking for a device.
+
+    queries_per_block: `QUERIES_PER_BLOCK`, halved while one page per block would be over
+    `VMEM_BUDGET_BYTES`; pages_per_block: min(pages_per_seq, `MAX_PAGES_PER_BLOCK`), less
+    one while the estimate (`_vmem_bytes`) is over the budget.
+
+    Raises:
+      ValueError: the kernel cannot take these shapes (`tpu_decode_supported`).
+    """
+    reason = _why_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype)
+    if reason:
+        raise ValueError(f"decode_block_sizes: {reason}")
+    fits = functools.partial(_vmem_bytes, page_size, q_heads=num_q_heads,
+                             kv_heads=num_kv_heads, dtype=dtype)  # fmt: skip
+    queries = QUERIES_PER_BLOCK
+    while queries > 1 and fits(1, queries) > VMEM_BUDGET_BYTES:
+        queries //= 2
+    pages = max(1, min(pages_per_seq, MAX_PAGES_PER_BLOCK))
+    while pages > 1 and fits(pages, queries) > VMEM_BUDGET_BYTES:
+        pages -= 1
+    return pages, queries
+
+
+def tpu_decode_attention(
+    q_BxHxD: jax.Array,
+    kv_NPxPGx2KxD: jax.Array,
+    kv_lens_B: jax.Array,
+    page_indices_BxM: jax.Array,
+    *,
+    sm_scale: float,
+    pages_per_block: int | None = None,
+    queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """One decode step of every sequence by the Pallas TPU ragged paged attention kernel.
+
+    out[b, h] = sum_{p < kv_lens_B[b]} softmax_p(q[b, h] . k[b, p, h // G] * sm_scale)
+    v[b, p, h // G], G = H // K, with k and v of position p read from page
+    page_indices_BxM[b, p // PG], row p % PG.
+
+    Empty slots: a sequence with kv_lens_B[b] <= 0 is run with length 1 (it reads row 0 of
+    its first page) and its output is 0. The kernel must never see length 0: it skips
+    such a sequence's blocks and so leaves unwaited the copy it started for it, and the
+    next sequence reads those pages instead of its own.
+    Lengths are clamped to M * PG and page ids to [0, NP): a sentinel id (NP, "no page",
+    as `paged.py` uses) in a column beyond the length reads a real page harmlessly; one
+    within the length is the caller's bug and reads page NP - 1.
+
+    Args:
+      q_BxHxD: each sequence's query; cast to the pool's dtype for the kernel.
+      kv_NPxPGx2KxD: the layer's pool (module doc), float32 or bfloat16.
+      kv_lens_B: int tokens of each sequence in the pool, the query's own included.
+      page_indices_BxM: int page ids of each sequence's positions.
+      sm_scale: the scores' scale (D ** -0.5 for plain attention).
+      pages_per_block, queries_per_block: the kernel's blocks; None: `decode_block_sizes`
+        (queries per block at most B).
+      vmem_limit_bytes: the kernel's scoped VMEM limit; None: the compiler's default.
+
+    Returns:
+      [B, H, D] in q's dtype.
+
+    Raises:
+      ValueError: shapes that do not match, or that the kernel cannot take
+        (`tpu_decode_supported`); the message names them.
+    """
+    b, h, d = q_BxHxD.shape
+    n_pages, page_size, combined, d_kv = kv_NPxPGx2KxD.shape
+    m = page_indices_BxM.shape[-1]
+    if combined % 2 or d_kv != d or kv_lens_B.shape != (b,) or page_indices_BxM.shape != (b, m):
+        raise ValueError(
+            f"tpu_decode_attention: q {q_BxHxD.shape}, kv {kv_NPxPGx2KxD.shape}, kv_lens "
+            f"{kv_lens_B.shape}, page_indices {page_indices_BxM.shape}; expected "
+            "[B, H, D], [NP, PG, 2K, D], [B], [B, M]"
+        )
+    dtype = kv_NPxPGx2KxD.dtype
+    reason = _why_unsupported(page_size, h, combined // 2, d, dtype)
+    if reason:
+        raise ValueError(
+            f"tpu_decode_attention: q {q_BxHxD.shape}, kv {kv_NPxPGx2KxD.shape} "
+            f"{jnp.dtype(dtype).name}: {reason}"
+        )
+    auto_pages, auto_queries = decode_block_sizes(page_size, m, h, combined // 2, d, dtype)
+    pages = pages_per_block or auto_pages
+    queries = min(queries_per_block or auto_queries, b)
+    if not 0 < pages <= m:
+        raise ValueError(f"tpu_decode_attention: pages_per_block={pages}, expected 1 to {m}")
+    length_B = jnp.clip(kv_lens_B.astype(jnp.int32), 1, m * page_size)
+    pages_BxM = jnp.clip(page_indices_BxM.astype(jnp.int32), 0, n_pages - 1)
+    out = _kernel(
+        q_BxHxD.astype(dtype),
+        kv_NPxPGx2KxD,
+        length_B,
+        pages_BxM,
+        jnp.arange(b + 1, dtype=jnp.int32),  # cu_q_lens: one query per sequence
+        jnp.array([b], jnp.int32),  # num_seqs
+        sm_scale=float(sm_scale),
+        num_kv_pages_per_block=pages,
+        num_queries_per_block=queries,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+    return jnp.where((kv_lens_B > 0)[:, None, None], out, 0).astype(q_BxHxD.dtype)
+
+
+def tpu_decode_attention_sharded(
+    q_BxHxD: jax.Array,
+    kv_NPxPGx2KxD: jax.Array,
+    kv_lens_B: jax.Array,
+    page_indices_BxM: jax.Array,
+    *,
+    sm_scale: float,
+    mesh=None,
+    pages_per_block: int | None = None,
+    queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> jax.Array:
+    """`tpu_decode_attention` on every device's sequences and heads of a mesh.
+
+    A Pallas kernel cannot be partitioned by XLA, so it runs inside `jax.shard_map` over
+    the mesh's axes that are not manual already (`mesh`, default `target_mesh()`; with
+    none, one device, or every axis manual, it runs on the arrays as they are):
+
+    - sequences over the batch axes (`BATCH_AXES` of size > 1, s shards in all): shard i
+      holds sequences i * B/s .. and its own pool, pages i * NP/s .. of kv, and its page
+      ids are LOCAL to that pool (0 .. NP/s - 1). B and NP must divide by s.
+    - heads over "tensor" (t shards) when t divides K: shard j holds query heads
+      j * H/t .. and combined kv heads j * 2K/t .. (kv heads j * K/t .., each key with its
+      value), which query head h // G reads. Otherwise every tensor shard holds all heads
+      and computes them all.
+
+    Inside an engine's `shard_map` manual over the batch axes (the paged engine's), the
+    arrays are that shard's already and only "tensor" is split here.
+
+    Raises:
+      ValueError: B or NP does not divide over the batch shards, or a device's shapes are
+        ones the kernel cannot take.
+    """
+    call = functools.partial(
+        tpu_decode_attention,
+        sm_scale=sm_scale,
+        pages_per_block=pages_per_block,
+        queries_per_block=queries_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+    mesh = target_mesh() if mesh is None else mesh
+    if mesh is None or mesh.size == 1 or mesh.are_all_axes_manual:
+        return call(q_BxHxD, kv_NPxPGx2KxD, kv_lens_B, page_indices_BxM)
+    manual = set(mesh.manual_axes)
+    free = [a for a in mesh.axis_names if a not in manual]
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    rows = tuple(a for a in BATCH_AXES if a in free and size[a] > 1)
+    shards = math.prod(size[a] for a in rows)
+    b, n_pages = q_BxHxD.shape[0], kv_NPxPGx2KxD.shape[0]
+    if b % shards or n_pages % shards:
+        raise ValueError(
+            f"tpu_decode_attention_sharded: {b} sequences and {n_pages} pages, expected "
+            f"both to divide over the {shards} batch shards of {rows}"
+        )
+    tensor = size["tensor"] if "tensor" in free else 1
+    heads = "tensor" if tensor > 1 and (kv_NPxPGx2KxD.shape[2] // 2) % tensor == 0 else None
+    rows_axes = rows or None
+    q_spec = P(rows_axes, heads, None)
+    return jax.shard_map(
+        call,
+        mesh=mesh,
+        in_specs=(q_spec, P(rows_axes, None, heads, None), P(rows_axes), P(rows_axes, None)),
+        out_specs=q_spec,
+        axis_names=set(free),
+        check_vma=False,
+    )(q_BxHxD, kv_NPxPGx2KxD, kv_lens_B, page_indices_BxM)

@@ -1,0 +1,238 @@
+"""The paged decode kernel's wrapper against a numpy reference, and the kernel compiled.
+
+No Pallas interpreter runs jax 0.10.2's ragged paged attention kernel on a CPU (the
+module doc says why), so here the wrapper's arguments and empty-slot rule run through
+jax's reference kernel (`ref_ragged_paged_attention`, the kernel's documented semantics)
+and its `shard_map` contract through an XLA stand-in; the Mosaic kernel itself is
+compiled for v5e by libtpu's deviceless compile and its numerics need a TPU.
+"""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from m2po_jax.models import paged_kernels as pk
+from m2po_jax.parallel import sharding
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (the tpu extra: pip install -e '.[tpu]')",
+)
+
+B, H, K, D, PG, M = 6, 4, 2, 128, 4, 4
+SCALE = D**-0.5
+
+
+def numpy_decode(q_BxHxD, kv_NxPxCxD, lens_B, pages_BxM, sm_scale):
+    """Each query over its sequence's first lens_B[b] positions, gathered page by page;
+    query head h reads kv head h // (H // K); an empty sequence gives 0. float64."""
+    b, h, d = q_BxHxD.shape
+    group = h // (kv_NxPxCxD.shape[2] // 2)
+    out = np.zeros((b, h, d))
+    for row in range(b):
+        pos = np.arange(lens_B[row])
+        if not pos.size:
+            continue
+        tokens = kv_NxPxCxD[pages_BxM[row, pos // PG], pos % PG].astype(np.float64)
+        for head in range(h):
+            k, v = tokens[:, 2 * (head // group)], tokens[:, 2 * (head // group) + 1]
+            scores = k @ q_BxHxD[row, head].astype(np.float64) * sm_scale
+            p = np.exp(scores - scores.max())
+            out[row, head] = (p / p.sum()) @ v
+    return out
+
+
+def xla_kernel(seen, q, kv, lens, pages, cu_q_lens, num_seqs, *, sm_scale, **blocks):
+    """The kernel's decode semantics in XLA ops (a stand-in for the sharded tests); records
+    the shapes and block sizes each device's call got."""
+    seen.append((q.shape, kv.shape, lens.shape, pages.shape, blocks))
+    b, h, d = q.shape
+    k_heads = kv.shape[2] // 2
+    tokens = kv[pages].reshape(b, -1, 2 * k_heads, d)  # [B, M * PG, 2K, D]
+    k = jnp.repeat(tokens[:, :, 0::2], h // k_heads, axis=2)
+    v = jnp.repeat(tokens[:, :, 1::2], h // k_heads, axis=2)
+    scores = jnp.einsum("bhd,bshd->bhs", q, k) * sm_scale
+    allowed = jnp.arange(tokens.shape[1])[None, None, :] < lens[:, None, None]
+    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
+    return jnp.einsum("bhs,bshd->bhd", probs, v)
+
+
+def make_case(rng, b=B, n_pages=16, lens=(1, 3, 4, 9, 0, 16)):
+    """Ragged lengths: 1, a partial page, a full page, 2 pages + 1, an empty slot, the
+    whole table; columns beyond a length hold the engine's "no page" id (n_pages)."""
+    lens = np.resize(np.asarray(lens, np.int32), b)
+    q = rng.standard_normal((b, H, D)).astype(np.float32)
+    kv = rng.standard_normal((n_pages, PG, 2 * K, D)).astype(np.float32)
+    pages = np.full((b, M), n_pages, np.int32)
+    for row in range(b):
+        used = -(-lens[row] // PG)
+        pages[row, :used] = rng.choice(n_pages, used, replace=False)
+    return q, kv, lens, pages
+
+
+def test_decode_matches_numpy_through_the_reference_kernel(monkeypatch):
+    """The wrapper's arguments (one query per sequence, clamped lengths and page ids) run
+    by jax's reference kernel equal the numpy reference; the empty slot gives exactly 0."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    calls = []
+
+    def reference(q, kv, lens, pages, cu_q_lens, num_seqs, *, sm_scale, **blocks):
+        calls.append((np.asarray(cu_q_lens), np.asarray(num_seqs), np.asarray(lens), blocks))
+        return rpa.ref_ragged_paged_attention(q, kv, lens, pages, cu_q_lens, num_seqs,
+                                              sm_scale=sm_scale)  # fmt: skip
+
+    monkeypatch.setattr(pk, "_kernel", reference)
+    q, kv, lens, pages = make_case(np.random.default_rng(0))
+    out = pk.tpu_decode_attention(q, kv, lens, pages, sm_scale=SCALE)
+    np.testing.assert_allclose(out, numpy_decode(q, kv, lens, pages, SCALE), atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(out)[4])  # the empty slot
+    cu_q_lens, num_seqs, kernel_lens, blocks = calls[0]
+    np.testing.assert_array_equal(cu_q_lens, np.arange(B + 1))
+    np.testing.assert_array_equal(num_seqs, [B])
+    np.testing.assert_array_equal(kernel_lens, [1, 3, 4, 9, 1, 16])  # never 0
+    assert blocks == dict(num_kv_pages_per_block=M, num_queries_per_block=B, vmem_limit_bytes=None)
+
+
+def _split_case(rng, shards, per_shard_pages=12):
+    """Each shard's sequences with page ids local to its own pool; the pool of shard i is
+    pages i * per_shard_pages .. of the whole."""
+    parts = [make_case(rng, B, per_shard_pages) for _ in range(shards)]
+    q, kv, lens, pages = (np.concatenate(x) for x in zip(*parts, strict=True))
+    expected = np.concatenate([numpy_decode(*part, SCALE) for part in parts])
+    return (q, kv, lens, pages), expected
+
+
+def test_sharded_splits_sequences_pools_and_heads(monkeypatch):
+    """data=2 x tensor=2: each device runs its 6 sequences over its own 12 pages with
+    local page ids, and one kv head (its key and value) with its 2 query heads."""
+    seen = []
+    monkeypatch.setattr(pk, "_kernel", functools.partial(xla_kernel, seen))
+    args, expected = _split_case(np.random.default_rng(1), shards=2)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        out = jax.jit(functools.partial(pk.tpu_decode_attention_sharded, sm_scale=SCALE))(*args)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert seen[0][:4] == ((B, H // 2, D), (12, PG, 2, D), (B,), (B, M))
+
+
+def test_sharded_inside_an_engines_shard_map_splits_only_the_heads(monkeypatch):
+    """Called inside a shard_map already manual over "data" (as the paged engine runs
+    each batch shard), it splits the heads over "tensor" and leaves the rows as they are."""
+    seen = []
+    monkeypatch.setattr(pk, "_kernel", functools.partial(xla_kernel, seen))
+    args, expected = _split_case(np.random.default_rng(2), shards=2)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    engine = jax.shard_map(
+        functools.partial(pk.tpu_decode_attention_sharded, sm_scale=SCALE),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        axis_names={"data"},
+        check_vma=False,
+    )
+    with jax.set_mesh(mesh):
+        out = jax.jit(engine)(*args)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert seen[0][:2] == ((B, H // 2, D), (12, PG, 2, D))
+
+
+def test_shapes_the_kernel_cannot_take_raise_naming_them():
+    q, kv, lens, pages = make_case(np.random.default_rng(3))
+    with pytest.raises(ValueError, match=r"q \(6, 4, 64\).*head_dim 64, expected 128"):
+        pk.tpu_decode_attention(q[..., :64], kv[..., :64], lens, pages, sm_scale=SCALE)
+    three = np.zeros((16, PG, 6, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="3 kv heads do not tile in bfloat16"):
+        pk.tpu_decode_attention(np.zeros((B, 6, D), jnp.bfloat16), three, lens, pages,
+                                sm_scale=SCALE)  # fmt: skip
+    with pytest.raises(ValueError, match=r"kv \(16, 4, 3, 128\)"):
+        pk.tpu_decode_attention(q, kv[:, :, :3], lens, pages, sm_scale=SCALE)
+    mesh = sharding.make_mesh({"data": 4}, jax.devices()[:4])
+    with pytest.raises(ValueError, match="6 sequences and 16 pages, expected both to divide"):
+        pk.tpu_decode_attention_sharded(q, kv, lens, pages, sm_scale=SCALE, mesh=mesh)
+    assert pk.tpu_decode_supported(16, 32, 8, 128, jnp.bfloat16)
+    assert not pk.tpu_decode_supported(16, 32, 8, 64, jnp.bfloat16)
+    assert not pk.tpu_decode_supported(16, 12, 6, 128, jnp.bfloat16)
+    assert pk.tpu_decode_supported(16, 12, 6, 128, jnp.bfloat16, tensor=3)  # 2 per device
+    assert not pk.tpu_decode_supported(16, 8, 8, 128, jnp.int8)
+    assert not pk.tpu_decode_supported(2**16, 32, 8, 128, jnp.bfloat16)  # VMEM
+
+
+def test_block_sizes_need_no_device(monkeypatch):
+    """The rule is pure (jax's tuned table asks `jax.devices()` for the chip): up to 16
+    pages and 32 queries, fewer pages where the kv block would be over the VMEM budget."""
+    monkeypatch.setattr(jax, "devices", lambda *a: pytest.fail("asked for devices"))
+    assert pk.decode_block_sizes(16, 64, 32, 8, 128, jnp.bfloat16) == (16, 32)
+    assert pk.decode_block_sizes(16, 5, 4, 2, 128, jnp.float32) == (5, 32)
+    pages, queries = pk.decode_block_sizes(256, 64, 32, 8, 128, jnp.bfloat16)
+    assert 1 <= pages < 16 and queries == 32
+    assert pk._vmem_bytes(256, pages, queries, 32, 8, jnp.bfloat16) <= pk.VMEM_BUDGET_BYTES
+    assert pk._vmem_bytes(256, pages + 1, queries, 32, 8, jnp.bfloat16) > pk.VMEM_BUDGET_BYTES
+
+
+# ----------------------------------------------------------------------------- TPU compile
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+    from m2po_jax.trainer import compile_only
+
+    return compile_only.target("v5e:2x2")
+
+
+def _compile(mesh, spec_of, fn, b, h, k, page_size, m, n_pages, dtype=jnp.bfloat16):
+    """`fn(q, kv, lens, pages)` compiled for abstract arguments laid out by `spec_of(name)`."""
+    shapes = dict(q=((b, h, D), dtype), kv=((n_pages, page_size, 2 * k, D), dtype),
+                  lens=((b,), jnp.int32), pages=((b, m), jnp.int32))  # fmt: skip
+    args = [
+        jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec_of(name)))
+        for name, (shape, dt) in shapes.items()
+    ]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*args).compile()
+
+
+@needs_libtpu
+def test_the_kernel_compiles_for_one_v5e_chip(v5e_2x2):
+    """One chip, the default blocks, including a shape where VMEM sets them (32 query
+    heads, 8 kv heads, 256-token pages): the Mosaic kernel, within the default limit."""
+    mesh = sharding.make_mesh({}, list(v5e_2x2.devices[:1]))
+    decode = functools.partial(pk.tpu_decode_attention, sm_scale=SCALE)
+    for page_size, m in ((16, 8), (256, 64)):
+        h, k = (4, 2) if page_size == 16 else (32, 8)
+        compiled = _compile(mesh, lambda _: P(), decode, 8, h, k, page_size, m, n_pages=64)
+        assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+
+
+@needs_libtpu
+def test_the_sharded_kernel_compiles_for_a_v5e_2x2_mesh(v5e_2x2):
+    """data=2 x tensor=2: one kernel per device on its block, the pool and page ids
+    already laid out as the contract says, so no collective moves them."""
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, list(v5e_2x2.devices))
+    specs = dict(q=P("data", "tensor"), kv=P("data", None, "tensor"), lens=P("data"),
+                 pages=P("data"))  # fmt: skip
+    decode = functools.partial(pk.tpu_decode_attention_sharded, sm_scale=SCALE)
+    compiled = _compile(mesh, specs.get, decode, 8, 4, 2, 16, 8, 64)
+    text = compiled.as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == 1
+    assert not any(op in text for op in ("all-gather", "all-to-all", "collective-permute"))
+    kernel_call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+    assert "bf16[4,2,128]" in kernel_call and "bf16[32,16,2,128]" in kernel_call
+    # Inside an engine's shard_map manual over "data": the heads split over "tensor".
+    engine = jax.shard_map(
+        decode,
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        axis_names={"data"},
+        check_vma=False,
+    )
+    text = _compile(mesh, specs.get, engine, 8, 4, 2, 16, 8, 64).as_text()
+    kernel_call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+    assert "bf16[4,2,128]" in kernel_call and "bf16[32,16,2,128]" in kernel_call
