@@ -729,15 +729,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "auto-engine-threshold-exclusive",
         "m2po_jax/config/validate.py",
-        "    long = cfg.gconfig.max_new_tokens >= AUTO_CONTINUOUS_MIN_NEW_TOKENS",
-        "    long = cfg.gconfig.max_new_tokens > AUTO_CONTINUOUS_MIN_NEW_TOKENS",
+        "    long = cfg.gconfig.max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS",
+        "    long = cfg.gconfig.max_new_tokens > AUTO_PAGED_MIN_NEW_TOKENS",
         (T("tests/trainer/trainer_test.py", "auto_engine"),),
         "rollout.engine=auto takes the static sampler at exactly the documented budget",
     ),
     Mutant(
-        "auto-engine-never-continuous",
+        "auto-engine-never-paged",
         "m2po_jax/config/validate.py",
-        '    return "continuous" if long else "static"',
+        '    return "paged" if long else "static"',
         '    return "static"',
         (T("tests/trainer/trainer_test.py", "auto_engine"),),
         "rollout.engine=auto always samples with the static sampler",
@@ -998,13 +998,29 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dry-run-evaluates-with-the-static-sampler",
         "m2po_jax/trainer/compile_only.py",
-        "    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement)",
+        "    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement, limit)",
         "    evaluator = engines.StaticEngine(model_config, settings, mesh=placement.mesh)",
         (T("tests/parallel/tpu_compile_test.py", "every_program"),),
         "--compile_only compiles the evaluation with the static sampler where the run "
         "evaluates through its own engine",
     ),
     # ---- paged engine (issue 49)
+    Mutant(
+        "paged-budget-pages-half-size",
+        "m2po_jax/rollout/engines/paged.py",
+        "        cap = self.kv_budget // self.page_bytes if self.kv_budget else None",
+        "        cap = self.kv_budget // (2 * self.page_bytes) if self.kv_budget else None",
+        (T("tests/trainer/engine_pool_test.py", "plan_leaves"),),
+        "the paged engine turns its memory budget into half the pages the plan counts",
+    ),
+    Mutant(
+        "plan-pool-one-shard",
+        "m2po_jax/trainer/setup.py",
+        "        pages = shards * engines.pool_pages(prompt, slots, own, cap)",
+        "        pages = engines.pool_pages(prompt, slots, own, cap)",
+        (T("tests/trainer/engine_pool_test.py", "plan_leaves"),),
+        "the memory plan counts one batch shard's pool where the mesh has several",
+    ),
     Mutant(
         "paged-page-taken-one-token-late",
         "m2po_jax/rollout/engines/paged.py",

@@ -136,14 +136,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # sequence as soon as its own stops (m2po_jax/rollout/engines/); same greedy answers |
     # paged: continuous batching over a paged KV cache: a group's prompt stored once, pages
     # taken as sequences grow, the youngest preempted when the pool runs short |
-    # auto: continuous from gconfig.max_new_tokens >= 128 on (long completions end at
-    # spread-out lengths), static below (the run's "rollout/continuous_engine" says which)
+    # auto: paged from gconfig.max_new_tokens >= 128 on (long completions end at spread-out
+    # lengths), static below, continuous for multi-turn episodes (agent.env)
     c.rollout.engine = "auto"
     c.rollout.engine_slots = 0  # continuous, paged: slots (0 = one per row it makes)
     c.rollout.insert_lanes = 0  # continuous, paged: sequences started per step (0 = slots / 4)
-    c.rollout.kv_pages = (
-        0  # paged: pages in the pool (0 = every prompt and every slot's whole completion)
-    )
+    # paged: pages in the pool; 0 = every prompt and every slot's whole completion, at most
+    # what the memory plan leaves of 90% of the device's memory (where it reports it, or
+    # mesh.device_memory_gib)
+    c.rollout.kv_pages = 0
     c.rollout.page_size = 16  # paged: tokens per page
     # async + continuous: between decode calls of `chunk_steps` steps, take newer weights;
     # sequences in flight go on under them and each token records its version

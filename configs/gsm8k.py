@@ -122,8 +122,10 @@ def _base() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = True
     c.model.scan_layers = True  # real checkpoints are deep: one scanned layer compiles fast
-    # The static sampler, as the presets were proven with on the TPU compiler (configs/math.py)
-    c.rollout.engine = "static"
+    # rollout.engine=auto: the paged engine at these budgets, its pool sized by what the chip
+    # has left (rollout.kv_pages=0); the continuous engine's full rows need 26.9 GiB per v5e
+    # chip for math:qwen3-1.7b-base (`--compile_only`), more than it has.
+    c.rollout.engine = "auto"
     c.task.name = "gsm8k"
     c.task.train_path = ""  # required: GSM8K-format JSONL or .parquet
     c.task.eval_path = ""  # held-out JSONL / .parquet ("" = the last task.eval_size records)

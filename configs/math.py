@@ -121,10 +121,10 @@ def _base() -> ml_collections.ConfigDict:
     c.rollout.batch_size = 32
     c.rollout.max_head_offpolicyness = 256  # the paper's staleness
     c.rollout.reward_workers = 8  # math-verify in 8 processes, 10 s per completion at most
-    # The static sampler: its memory is what the presets were proven with on the TPU compiler;
-    # the continuous engine at these sizes (128 slots x 2,560 columns) needs 26.9 GiB per chip
-    # on the 1.7B's v5e-8 (`--compile_only`), more than a v5e has.
-    c.rollout.engine = "static"
+    # rollout.engine=auto: the paged engine at these budgets, its pool sized by what the chip
+    # has left (rollout.kv_pages=0); the continuous engine's full rows need 26.9 GiB per v5e
+    # chip for math:qwen3-1.7b-base (`--compile_only`), more than it has.
+    c.rollout.engine = "auto"
     c.actor.m2_threshold = 0.04
     c.actor.eps_clip = 0.2
     c.actor.ppo_n_minibatches = 4

@@ -387,26 +387,29 @@ def validate(cfg: Config) -> Config:
 
 ROLLOUT_MODES = ("sync", "async")
 ROLLOUT_ENGINES = ("auto", *engines.ENGINES)  # m2po_jax/rollout/engines/
-# rollout.engine=auto takes the continuous engine from this completion budget on: measured
-# on this project's CPU (docs/benchmarks.md), 32 new tokens that never stop ran 16% slower
-# through the engine than the static sampler, and 256 new tokens with long-tailed lengths
-# 1.73x faster (the static sampler decodes every row until the batch's longest one ends).
-AUTO_CONTINUOUS_MIN_NEW_TOKENS = 128
+# rollout.engine=auto takes the paged engine from this completion budget on. Measured on this
+# project's CPU side by side (docs/benchmarks.md, benchmarks/rollout_bench.py): completions
+# that all run to 32 or 64 new tokens decode 1.09-1.12x faster in the static sampler than in
+# either continuous-batching engine; long-tailed lengths (mean ~40, cap 512) 3.48x faster in
+# the paged engine than the static sampler and 1.42x than the continuous engine, at half the
+# continuous engine's KV memory (the static sampler decodes every row until its batch's
+# longest ends).
+AUTO_PAGED_MIN_NEW_TOKENS = 128
 
 
 def rollout_engine(cfg) -> str:
-    """The engine a run uses ("static" or "continuous"): `rollout.engine`, "auto" resolved by the
-    completion budget (`gconfig.max_new_tokens` >= AUTO_CONTINUOUS_MIN_NEW_TOKENS: continuous)
-    and by multi-turn episodes (`agent.env`: continuous; `rollout.engine=paged` runs them
-    too, with turns that do not stop the other sequences, but it is not measured faster
-    on this project's CPU, so "auto" keeps the continuous engine)."""
+    """The engine a run uses: `rollout.engine`, "auto" resolved by the completion budget
+    (`gconfig.max_new_tokens` >= AUTO_PAGED_MIN_NEW_TOKENS: "paged", else "static") and by
+    multi-turn episodes (`agent.env`: "continuous"; `rollout.engine=paged` runs them too,
+    with turns that do not stop the other sequences, but it is not measured against the
+    continuous engine on episodes)."""
     engine = cfg.rollout.engine
     if engine != "auto":
         return engine
     if _get(cfg, "agent.env", ""):
         return "continuous"
-    long = cfg.gconfig.max_new_tokens >= AUTO_CONTINUOUS_MIN_NEW_TOKENS
-    return "continuous" if long else "static"
+    long = cfg.gconfig.max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS
+    return "paged" if long else "static"
 
 
 ON_TOOL_ERROR = ("reply", "end")  # m2po_jax/tasks/environments.py: ToolEnv

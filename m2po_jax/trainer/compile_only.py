@@ -480,7 +480,10 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     prompts = cfg.rollout.batch_size
     if rollout_placement is not None:
         prompts //= max(1, len({d.process_index for d in devices}))
-    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement)
+    # The engine's KV sized as the run sizes it on this chip (`setup.kv_budget`).
+    limit = cfg.mesh.device_memory_gib and int(cfg.mesh.device_memory_gib * 2**30)
+    limit = limit or tgt.hbm_bytes
+    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement, limit)
     max_append = cfg.agent.max_append_tokens if cfg.agent.env else 0
     for program in _compile_engine(
         engine, sample_params, prompts, cfg.gconfig.n_samples, prompt_len, max_append=max_append
@@ -489,7 +492,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     # The evaluation as the run makes it (`evaluate.evaluate`): the run's engine on the
     # training devices, the evaluation's decoding, eval.n_samples per prompt.
     settings = evaluate_lib.eval_decoding(cfg, decoding)
-    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement)
+    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement, limit)
     evaluation = _compile_engine(
         evaluator, _abstract(params_shape, placement.sample_params), cfg.eval.batch_size,
         cfg.eval.n_samples, prompt_len, max_append=max_append,
@@ -505,7 +508,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         else:
             p.resident_beside = beside
 
-    plan, _ = setup_lib.memory_plan(cfg, model_config, placement)
+    plan, _ = setup_lib.memory_plan(cfg, model_config, placement, limit)
     widths = sorted({batching.completion_width(n, new) for n in range(new + 1)})
     roofline = _roofline(
         tgt, model_config, train, decode, sample_params, rows, seq_len, sampler_placement
@@ -719,7 +722,7 @@ def run(cfg: Config, topology: str = "", architecture: str = "", say=print) -> R
         placement = placement_lib.Placement(
             sharding.make_mesh(report.mesh_shape, list(tgt.devices)[: math.prod(
                 report.mesh_shape.values())]), model_config)  # fmt: skip
-        plan, kwargs = setup_lib.memory_plan(cfg, model_config, placement)
+        plan, kwargs = setup_lib.memory_plan(cfg, model_config, placement, tgt.hbm_bytes)
         # The plan's knobs, against the chip's memory scaled by how far the plan is from
         # the compiler's figure for this run.
         limit = int(tgt.hbm_bytes * plan.total / max(peak.peak_bytes, 1))

@@ -448,6 +448,7 @@ class Trainer:
                 record["reward/timeouts"] = self.setup.rewards.take_timeouts()
             # which sampler made the rollouts (rollout.engine=auto decides by the budget)
             record["rollout/continuous_engine"] = float(self.setup.engine.name == "continuous")
+            record["rollout/paged_engine"] = float(self.setup.engine.name == "paged")
             stop = self.stop.agreed() and step + 1 < cfg.total_steps
             if pending is not None:
                 self._finish(writer, progress, *pending, current=(step, record, device_metrics))

@@ -26,6 +26,7 @@ from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import hf_format, lora, quant
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.models import paged
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib
@@ -153,11 +154,54 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
     )
 
 
-def build_engine(cfg: Config, model_config, decoding, placement) -> engines.RolloutEngine:
+def build_engine(
+    cfg: Config, model_config, decoding, placement, limit: int | None = None
+) -> engines.RolloutEngine:
     """The rollout engine of `rollout.engine` ("auto" resolved by the budget) with
-    `decoding`, over `placement`'s batch shards."""
+    `decoding`, over `placement`'s batch shards; its KV takes what the memory plan leaves
+    of `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
     engine = engines.engine_class(config_lib.rollout_engine(cfg))
-    return engine.from_config(cfg.rollout, model_config, decoding, placement.mesh)
+    limit = device_limit(cfg) if limit is None else limit
+    budget = kv_budget(cfg, model_config, placement, limit)
+    return engine.from_config(cfg.rollout, model_config, decoding, placement.mesh, budget)
+
+
+# The share of a device's memory a run plans to fill: the paged engine's default pool
+# (`rollout.kv_pages` 0) takes what the memory plan's other lines leave of it.
+POOL_MEMORY_FRACTION = 0.9
+
+
+def device_limit(cfg: Config) -> int | None:
+    """Bytes per device: `mesh.device_memory_gib`, else what device 0 reports (None: a CPU)."""
+    limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
+    return limit or memory_check.device_memory_limit()
+
+
+def kv_budget(
+    cfg: Config,
+    model_config: model_config_lib.ModelConfig,
+    placement: placement_lib.Placement,
+    limit: int | None,
+) -> int:
+    """Bytes per device the paged engine's default pool may take: POOL_MEMORY_FRACTION of
+    `limit` less the memory plan's other lines (the train state, the step's activations,
+    the sampling weights, the engine's buffers beside its pool), at least 1; 0 (no cap)
+    where `limit` is None, `rollout.kv_pages` is set or the run's engine is not paged.
+    Under async rollouts the plan is the train devices' (an upper bound on the rollout
+    devices', which hold no train state)."""
+    if limit is None or cfg.rollout.kv_pages or config_lib.rollout_engine(cfg) != "paged":
+        return 0
+    shards = _engine_shards(placement.mesh)
+    one_page = _page_bytes(cfg, model_config, placement)
+    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].total - one_page
+    return max(int(POOL_MEMORY_FRACTION * limit) - others, 1)
+
+
+def _page_bytes(cfg: Config, model_config, placement) -> int:
+    """`PagedEngine.page_bytes` of the run's engine on `placement`."""
+    tensor = 1 if placement.mesh is None else placement.mesh.shape.get("tensor", 1)
+    split = tensor if model_config.num_kv_heads % tensor == 0 else 1
+    return paged.pool_bytes(model_config, 1, cfg.rollout.page_size) // split
 
 
 def build_prompts(cfg: Config, tokenizer) -> prompts_lib.PromptEncoder:
@@ -350,10 +394,31 @@ def check_rows(
 
 
 def memory_plan(
-    cfg: Config, model_config: model_config_lib.ModelConfig, placement: placement_lib.Placement
+    cfg: Config,
+    model_config: model_config_lib.ModelConfig,
+    placement: placement_lib.Placement,
+    limit: int | None = None,
 ) -> tuple[memory.MemoryPlan, dict]:
     """The run's analytic per-device memory plan, and the `memory.memory_plan` keyword
-    arguments it was made with (for `memory_check.remedies`)."""
+    arguments it was made with (for `memory_check.remedies`); a paged engine's default pool
+    as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped)."""
+    pages = cfg.rollout.kv_pages
+    budget = kv_budget(cfg, model_config, placement, limit)
+    if budget:
+        r, shards = cfg.rollout, _engine_shards(placement.mesh)
+        page = r.page_size
+        local = r.batch_size // shards
+        rows = local * cfg.gconfig.n_samples
+        slots = min(r.engine_slots // shards or rows, rows)
+        prompt = local * -(-cfg.task.max_prompt_len // page)
+        own = -(-cfg.gconfig.max_new_tokens // page)
+        cap = budget // _page_bytes(cfg, model_config, placement)
+        pages = shards * engines.pool_pages(prompt, slots, own, cap)
+    return _memory_plan(cfg, model_config, placement, pages)
+
+
+def _memory_plan(cfg: Config, model_config, placement, pages: int):
+    """`memory_plan` with the paged engine's pool at `pages` pages (0: its default)."""
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
     kwargs = dict(
         batch=rows_mb,
@@ -375,7 +440,7 @@ def memory_plan(
             prompt_len=cfg.task.max_prompt_len,
             max_new=cfg.gconfig.max_new_tokens,
             slots=r.engine_slots,
-            pages=r.kv_pages if engine == "paged" else 0,
+            pages=pages if engine == "paged" else 0,
             page_size=r.page_size,
             insert_lanes=r.insert_lanes,
             shards=_engine_shards(placement.mesh) if engine == "paged" else 1,
@@ -395,11 +460,10 @@ def check_memory(
     cfg: Config, model_config: model_config_lib.ModelConfig, placement: placement_lib.Placement
 ) -> memory.MemoryPlan:
     """The per-device memory plan (logged); raises with remedies when it exceeds the device."""
-    plan, kwargs = memory_plan(cfg, model_config, placement)
+    limit = device_limit(cfg)
+    plan, kwargs = memory_plan(cfg, model_config, placement, limit)
     if jax.process_index() == 0:
         metrics_lib.say(f"memory plan per device:\n{plan.format()}")
-    limit = int(cfg.mesh.device_memory_gib * 2**30) if cfg.mesh.device_memory_gib else None
-    limit = limit or memory_check.device_memory_limit()
     if limit is not None and plan.total > limit:
         fixes = memory_check.remedies(model_config, placement.mesh, limit, **kwargs)
         memory_check.check_fits(plan, limit, fixes)

@@ -131,15 +131,17 @@ def test_default_and_presets_build():
         256,
     )
     assert (m.actor.m2_threshold, m.eval.n_samples, m.eval.temperature) == (0.04, 4, 0.6)
-    # The built-in default decides by the budget; the real-size presets keep the static
-    # sampler they were proven to fit with (the engine did not fit the 1.7B's v5e-8); the
-    # multi-turn ones need the engine's episodes.
+    # The built-in default and the presets decide by the budget: the real-size presets'
+    # long completions through the paged engine, the CPU preset's 48 tokens through the
+    # static sampler; the multi-turn ones need an engine's episodes.
     assert cfg.rollout.engine == "auto" and config_lib.rollout_engine(cfg) == "static"
     for module in (gsm8k, math_config):
         for name in module.PRESETS:
             preset = config_lib.from_configdict(module.get_config(name))
-            engine = "continuous" if preset.agent.env else "static"
+            engine = "paged" if preset.gconfig.max_new_tokens >= 128 else "static"
+            engine = "continuous" if preset.agent.env else engine
             assert config_lib.rollout_engine(preset) == engine, name
+    assert config_lib.rollout_engine(m) == "paged"
     tools = config_lib.from_configdict(gsm8k.get_config("qwen2.5-0.5b,tools"))
     assert (tools.agent.env, tools.agent.tools) == (
         "tools",

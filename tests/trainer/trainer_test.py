@@ -335,11 +335,9 @@ def test_the_continuous_and_paged_engines_train_as_the_static_sampler_with_greed
             for r in (a, b):  # every engine reports its decode counters
                 assert 0 <= r["rollout/decode_idle_fraction"] <= 1
                 assert r["rollout/decode_steps"] >= 0
-            want_flag = 1.0 if engine == "continuous" else 0.0
-            assert (a["rollout/continuous_engine"], b["rollout/continuous_engine"]) == (
-                want_flag,
-                0.0,
-            )
+            for name in ("continuous", "paged"):
+                flag = f"rollout/{name}_engine"
+                assert (a[flag], b[flag]) == (float(engine == name), 0.0), flag
         if engine == "paged":
             assert sum(r["rollout/preemptions"] for r in got) > 0, got
         for a, b in zip(
@@ -348,18 +346,18 @@ def test_the_continuous_and_paged_engines_train_as_the_static_sampler_with_greed
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("budget, continuous", [(127, False), (128, True)])
-def test_the_auto_engine_is_continuous_from_a_long_completion_budget(tmp_path, budget, continuous):
+@pytest.mark.parametrize("budget, paged", [(127, False), (128, True)])
+def test_the_auto_engine_is_paged_from_a_long_completion_budget(tmp_path, budget, paged):
     """rollout.engine=auto (the default): short completions (which end together) through
-    the static sampler, long ones (whose lengths spread) through the continuous engine."""
+    the static sampler, long ones (whose lengths spread) through the paged engine."""
     cfg = tiny_config(**{"gconfig.max_new_tokens": budget})
     assert cfg.rollout.engine == "auto"
-    want = "continuous" if continuous else "static"
+    want = "paged" if paged else "static"
     assert config_lib.rollout_engine(cfg) == want
     trainer = trainer_lib.Trainer(cfg, tmp_path)
     assert trainer.setup.engine.name == want
-    # A setting only the continuous engine has is refused with "auto" short, naming both.
-    if not continuous:
+    # A setting only the continuous-batching engines have is refused with "auto" short.
+    if not paged:
         with pytest.raises(config_lib.ConfigError, match=r"engine=auto -> static\)"):
             tiny_config(**{"gconfig.max_new_tokens": budget, "rollout.mode": "async",
                            "rollout.inflight_updates": True})  # fmt: skip

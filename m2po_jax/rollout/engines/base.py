@@ -114,8 +114,13 @@ class RolloutEngine(abc.ABC):
         self.mesh = mesh
 
     @classmethod
-    def from_config(cls, rollout, model_config, sampling_config, mesh) -> RolloutEngine:
-        """The engine of a run's `rollout` config section (`Config.rollout`)."""
+    def from_config(
+        cls, rollout, model_config, sampling_config, mesh, kv_budget: int = 0
+    ) -> RolloutEngine:
+        """The engine of a run's `rollout` config section (`Config.rollout`). `kv_budget`:
+        bytes per device the engine's KV may take where its size is not set (the paged
+        engine's default pool); 0 = no cap. Engines whose KV is fixed by their slots ignore
+        it."""
         return cls(model_config, sampling_config, mesh=mesh)
 
     @abc.abstractmethod

@@ -104,8 +104,11 @@ class ContinuousEngine(RolloutEngine):
         self._programs: dict = {}
 
     @classmethod
-    def from_config(cls, rollout, model_config, sampling_config, mesh) -> ContinuousEngine:
-        """`rollout.engine_slots`, `rollout.insert_lanes` and `rollout.chunk_steps`."""
+    def from_config(
+        cls, rollout, model_config, sampling_config, mesh, kv_budget: int = 0
+    ) -> ContinuousEngine:
+        """`rollout.engine_slots`, `rollout.insert_lanes` and `rollout.chunk_steps` (its KV
+        is fixed by its slots: `kv_budget` is not used)."""
         return cls(
             model_config,
             sampling_config,

@@ -128,6 +128,14 @@ class PagedGeneration(Generation):
     peak_pages: int = 0  # the most pages in use at once (prompts included; the fullest shard's)
 
 
+def pool_pages(prompt_pages: int, slots: int, own: int, cap: int | None = None) -> int:
+    """A batch shard's default pool: its prompts' pages and every slot's whole completion
+    (`own` pages each), at most `cap` pages (None: no cap) but never below the prompts and
+    one whole completion, the least the engine runs with (one sequence at a time)."""
+    full = prompt_pages + slots * own
+    return full if cap is None else max(min(full, cap), prompt_pages + own)
+
+
 @register("paged")
 class PagedEngine(RolloutEngine):
     """Continuous batching over a paged KV cache (see the module doc).
@@ -158,6 +166,7 @@ class PagedEngine(RolloutEngine):
         page_size: int = 16,
         insert_lanes: int = 0,
         chunk_steps: int = 32,
+        kv_budget: int = 0,
         mesh: jax.sharding.Mesh | None = None,
     ):
         super().__init__(model_config, sampling_config, mesh=mesh)
@@ -167,17 +176,22 @@ class PagedEngine(RolloutEngine):
             ("page_size", page_size, 1),
             ("insert_lanes", insert_lanes, 0),
             ("chunk_steps", chunk_steps, 1),
+            ("kv_budget", kv_budget, 0),
         ):
             if isinstance(value, bool) or int(value) != value or int(value) < low:
                 raise ValueError(f"rollout.paged.{name}: must be an int >= {low}, got {value!r}")
         self.slots, self.pages, self.page_size = int(slots), int(pages), int(page_size)
         self.insert_lanes, self.chunk_steps = int(insert_lanes), int(chunk_steps)
+        self.kv_budget = int(kv_budget)
         self._programs: dict = {}
 
     @classmethod
-    def from_config(cls, rollout, model_config, sampling_config, mesh) -> PagedEngine:
+    def from_config(
+        cls, rollout, model_config, sampling_config, mesh, kv_budget: int = 0
+    ) -> PagedEngine:
         """`rollout.engine_slots`, `rollout.kv_pages`, `rollout.page_size`,
-        `rollout.insert_lanes` and `rollout.chunk_steps`."""
+        `rollout.insert_lanes` and `rollout.chunk_steps`; `kv_budget` caps the default
+        pool (`rollout.kv_pages` 0) in bytes per device."""
         return cls(
             model_config,
             sampling_config,
@@ -186,8 +200,17 @@ class PagedEngine(RolloutEngine):
             page_size=rollout.page_size,
             insert_lanes=rollout.insert_lanes,
             chunk_steps=rollout.chunk_steps,
+            kv_budget=kv_budget,
             mesh=mesh,
         )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of the pool takes on a device (every layer's keys and values; its
+        KV heads' share where they split over "tensor")."""
+        tensor = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
+        split = tensor if self.model_config.num_kv_heads % tensor == 0 else 1
+        return paged.pool_bytes(self.model_config, 1, self.page_size) // split
 
     def programs(self, params, prompts, n_samples, *, prompt_len, max_append=0):
         """ "engine_prefill" (every prompt into its pages), "engine_start", "engine_run"
@@ -284,7 +307,8 @@ class PagedEngine(RolloutEngine):
         slots = min(self.slots // shards or rows, rows)
         own = math.ceil(new / pg)
         prompt = math.ceil(width / pg)
-        pages = self.pages // shards or local * prompt + slots * own
+        cap = self.kv_budget // self.page_bytes if self.kv_budget else None
+        pages = self.pages // shards or pool_pages(local * prompt, slots, own, cap)
         lanes = min(self.insert_lanes or max(slots // 4, 1), slots)
         return dict(
             slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg,

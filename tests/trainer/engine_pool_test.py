@@ -1,0 +1,104 @@
+"""The paged engine's default pool sized by what the device has left (`setup.kv_budget`):
+the engine the trainer builds and the memory plan agree on its pages, on one device and
+on a mesh's batch shards; a roomy device gives the whole default, a set `rollout.kv_pages`
+is kept, a device too small for the least pool is refused before any work."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from m2po_jax import config as config_lib
+from m2po_jax.learner import memory
+from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.parallel import placement as placement_lib
+from m2po_jax.parallel import sharding
+from m2po_jax.rollout import engines, sampling
+from m2po_jax.trainer import setup as setup_lib
+
+from configs import arith
+
+MODEL = model_config_lib.ModelConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, dtype="float32",
+)  # fmt: skip
+
+
+def _cfg(**changes):
+    c = arith.get_config("m2po,tiny")
+    c.mesh.data = 1
+    base = {"rollout.engine": "paged", "gconfig.max_new_tokens": 64, "rollout.batch_size": 8}
+    config_lib.apply_dotted(c, {**base, **changes})
+    return config_lib.from_configdict(c)
+
+
+def _placement(cfg, shape=None):
+    shape = shape or {"data": 1, "fsdp": 1, "tensor": 1}
+    mesh = sharding.make_mesh(shape, jax.devices()[: shape["data"] * shape["tensor"]])
+    return placement_lib.Placement(mesh, MODEL)
+
+
+def _pool(cfg, placement, limit):
+    """(pages of the engine the run builds, per shard, for its rollouts; the plan's)."""
+    decoding = sampling.from_gconfig(cfg.gconfig, (0,), 0)
+    engine = setup_lib.build_engine(cfg, MODEL, decoding, placement, limit)
+    size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, cfg.gconfig.n_samples)
+    plan, kwargs = setup_lib.memory_plan(cfg, MODEL, placement, limit)
+    return engine, size, plan, kwargs
+
+
+@pytest.mark.parametrize("shape", [None, {"data": 2, "fsdp": 1, "tensor": 2}])
+def test_the_default_pool_takes_what_the_plan_leaves_of_the_device(shape):
+    cfg = _cfg(**({"mesh.data": 2, "mesh.tensor": 2} if shape else {}))
+    placement = _placement(cfg, shape)
+    engine, full, roomy_plan, _ = _pool(cfg, placement, None)
+    assert engine.name == "paged" and engine.kv_budget == 0
+    least = full["pages"] - (full["slots"] - 1) * full["own"]  # the prompts and one completion
+    # A device whose 90% holds the plan with about half of the slots' completions.
+    _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least * full["shards"]}), placement, None)
+    page = engine.page_bytes
+    half = least_plan.total + (full["pages"] - least) // 2 * page
+    limit = int(half / setup_lib.POOL_MEMORY_FRACTION)
+    engine, size, plan, kwargs = _pool(cfg, placement, limit)
+    assert engine.kv_budget > 0
+    assert least < size["pages"] < full["pages"], (least, size["pages"], full["pages"])
+    assert abs(size["pages"] - (least + (full["pages"] - least) // 2)) <= 1
+    # The plan counts the pool the engine makes: 90% of the device holds it, one more
+    # page would not fit (page tables: 8 bytes a page).
+    assert kwargs["kv_cache_bytes"] == memory.engine_bytes(
+        MODEL, "paged", prompts=cfg.rollout.batch_size, n_samples=cfg.gconfig.n_samples,
+        prompt_len=cfg.task.max_prompt_len, max_new=cfg.gconfig.max_new_tokens,
+        slots=cfg.rollout.engine_slots, pages=size["pages"] * size["shards"],
+        page_size=cfg.rollout.page_size, insert_lanes=cfg.rollout.insert_lanes,
+        shards=size["shards"], tensor=shape["tensor"] if shape else 1,
+    )  # fmt: skip
+    fraction = setup_lib.POOL_MEMORY_FRACTION * limit
+    assert plan.total <= fraction + 8 * size["pages"] < plan.total + page
+    # A roomy device: the whole default, as without a limit.
+    assert _pool(cfg, placement, 100 * roomy_plan.total)[1]["pages"] == full["pages"]
+    # A pool the config sets is the config's, whatever the device.
+    set_cfg = _cfg(**{"rollout.kv_pages": 2 * least * full["shards"]},
+                   **({"mesh.data": 2, "mesh.tensor": 2} if shape else {}))  # fmt: skip
+    engine, size, _, _ = _pool(set_cfg, placement, limit // 4)
+    assert engine.kv_budget == 0 and size["pages"] == 2 * least
+
+
+def test_a_device_without_room_for_the_least_pool_is_refused():
+    cfg = _cfg()
+    placement = _placement(cfg)
+    _, full, _, _ = _pool(cfg, placement, None)
+    least = full["pages"] - (full["slots"] - 1) * full["own"]
+    _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least}), placement, None)
+    limit = int(least_plan.total * 0.95)  # not even the prompts and one completion fit
+    engine, size, plan, _ = _pool(cfg, placement, limit)
+    assert size["pages"] == least and plan.total > limit
+    small = _cfg(**{"mesh.device_memory_gib": limit / 2**30})
+    with pytest.raises(MemoryError, match="exceeds the device memory"):
+        setup_lib.check_memory(small, MODEL, placement)
+
+
+def test_pool_pages_stays_between_the_least_pool_and_the_whole_default():
+    assert engines.pool_pages(10, 4, 3) == 22
+    assert engines.pool_pages(10, 4, 3, cap=17) == 17
+    assert engines.pool_pages(10, 4, 3, cap=5) == 13  # the prompts and one completion
+    assert engines.pool_pages(10, 4, 3, cap=100) == 22
