@@ -1006,6 +1006,24 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ---- paged engine (issue 49)
     Mutant(
+        "paged-prompt-tail-not-copied",
+        "m2po_jax/rollout/engines/paged.py",
+        "    copy_X = copy_X & (_tails(state, inst) > 0)",
+        "    copy_X = copy_X & (_tails(state, inst) < 0)",
+        (T("tests/rollout/paged_engine_test.py", "static_sampler"),),
+        "a sequence's first own page starts empty: its prompt's partly filled last page is "
+        "never copied, so its last prompt tokens are not attended",
+    ),
+    Mutant(
+        "paged-prompt-part-reads-the-tail",
+        "m2po_jax/rollout/engines/paged.py",
+        "    len_I = state.prompt_len_I - state.prompt_len_I % state.pool.page_size",
+        "    len_I = state.prompt_len_I",
+        (T("tests/rollout/paged_engine_test.py", "static_sampler"),),
+        "the prompt part reads the partly filled last page that the own part holds a copy "
+        "of: those tokens are attended twice",
+    ),
+    Mutant(
         "paged-budget-pages-half-size",
         "m2po_jax/rollout/engines/paged.py",
         "        cap = self.kv_budget // self.page_bytes if self.kv_budget else None",
@@ -1024,8 +1042,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "paged-page-taken-one-token-late",
         "m2po_jax/rollout/engines/paged.py",
-        "    need_S = state.live_S & (own_len_S % pg == 0)",
-        "    need_S = state.live_S & (own_len_S % pg == 1)",
+        "    need_S = state.live_S & ((own_len_S % pg == 0) | first_S)",
+        "    need_S = state.live_S & ((own_len_S % pg == 1) | first_S)",
         (T("tests/rollout/paged_engine_test.py", "continuous_engines"),),
         "a sequence takes its next page one token after it needs it: that token's keys are "
         "written nowhere",

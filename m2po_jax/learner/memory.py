@@ -419,7 +419,8 @@ def engine_bytes(
             pages=pages // shards, page_size=page_size, insert_lanes=insert_lanes,
             tensor=tensor,
         )  # fmt: skip
-    own, per_prompt = -(-max_new // page_size), -(-prompt_len // page_size)
+    # own pages: the prompt's partly filled last page (copied) and the completion after it
+    own, per_prompt = -(-(max_new + page_size - 1) // page_size), -(-prompt_len // page_size)
     pages = pages or prompts * per_prompt + slots * own
     tables = (prompts * per_prompt + slots * own) * 4 + 2 * pages * 4
     held = pages * page_size * column + tables + logits + rows

@@ -463,13 +463,15 @@ class CausalLM(nn.Module):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
                 if paged is not None:
                     pool, view = paged
-                    cache_kv = paged_lib.PagedLayer(pool.k[i], pool.v[i], view, valid_BxT)
+                    cache_kv = paged_lib.PagedLayer(pool.kv[i], view, valid_BxT)
                 if prefix is not None:
                     cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
                 layer = layer_cls(c, impl, widths, name=f"layers_{i}")
                 x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
                 if prefix is not None:
                     kv = tuple(z[:, :, cache_index:] for z in kv)
+                if paged is not None:  # the layer's new pages (keys and values in one)
+                    kv = (kv, None)
                 new_k.append(kv[0])
                 new_v.append(kv[1])
             if return_kv:
@@ -481,7 +483,7 @@ class CausalLM(nn.Module):
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
         if paged is not None:
-            new_cache = paged_lib.PagedPool(k=tuple(new_k), v=tuple(new_v))
+            new_cache = paged_lib.PagedPool(kv=tuple(new_k))
         if return_kv:  # [L, B, K, T, D] each: a `Prefix` for rows that continue these
             return x, (new_k, new_v)
         if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)

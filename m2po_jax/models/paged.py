@@ -4,19 +4,24 @@
     view = PagedView(...)                       # which pages each row reads and writes
     logits, pool = model.apply(params, config, tokens, positions, valid, paged=(pool, view))
 
-Layout. Each layer keeps `k`, `v` of shape [NP, PG, K, D] (pages, tokens per page, kv
-heads, head dim); page id NP (one past the end) is "no page": writes to it are dropped,
-reads of it are masked. A row's context is two parts, attended separately and merged
-with their log-sum-exp (the softmax over the union):
+Layout. Each layer keeps one array `kv` of shape [NP, PG, 2K, D] (pages, tokens per page,
+kv heads with keys at even and values at odd indices, head dim: the layout of jax's ragged
+paged attention kernel, `paged_kernels`); page id NP (one past the end) is "no page":
+writes to it are dropped, reads of it are masked. A row's context is two parts, attended
+separately and merged with their log-sum-exp (the softmax over the union):
 
-- its *prompt*: the prompt instance it continues (`inst_B`), whose tokens sit in that
-  instance's pages from position 0 (`prompt_table_IxM`, `prompt_len_I`). A GRPO group's
-  rows all continue one instance: its pages are stored once and referenced by all of
-  them, never copied.
-- its *own* tokens (completion, appended turns): `own_table_BxM`, `own_len_B` of them in
-  the cache before this call; the call's T tokens are written at own positions
-  own_len_B .. own_len_B + T - 1 (pages the caller has allocated) and attend to their own
-  earlier tokens causally.
+- its *prompt*: the full pages of the prompt instance it continues (`inst_B`), whose
+  tokens sit in that instance's pages from position 0 (`prompt_table_IxM`; `prompt_len_I`
+  tokens read, a multiple of PG). A GRPO group's rows all continue one instance: its full
+  pages are stored once and referenced by all of them, never copied.
+- its *own* tokens: the prompt's partly filled last page copied (vLLM's layout: the one
+  copy a sample makes; the caller copies it), then its completion and appended turns:
+  `own_table_BxM`, `own_len_B` of them in the cache before this call; the call's T tokens
+  are written at own positions own_len_B .. own_len_B + T - 1 (pages the caller has
+  allocated) and attend to their own earlier tokens causally.
+
+So row b's tokens, position p, lie in page p // PG of [its prompt's full pages, its own
+pages]: one contiguous page list per sequence, what the kernel reads (`row_pages`).
 
 Decode steps (T = 1) attend to the prompt *by instance*: the queries of an instance's
 rows (`members_IxN`, at most N per instance) are gathered, and each instance's prompt
@@ -43,35 +48,33 @@ _MASKED = -1e30
 
 @flax.struct.dataclass
 class PagedPool:
-    """Per layer [NP, PG, K, D] keys and values."""
+    """Per layer [NP, PG, 2K, D] keys (even kv heads) and values (odd)."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    kv: tuple[jax.Array, ...]
 
     @property
     def pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.kv[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.kv[0].shape[1]
 
 
 @flax.struct.dataclass
 class PagedLayer:
     """One layer's pages and the call's view, as a decoder layer takes its cache."""
 
-    k: jax.Array
-    v: jax.Array
+    kv: jax.Array
     view: PagedView
     valid_BxT: jax.Array
 
     def write_and_attend(self, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD):
-        """(attention output [B, T, H, D], (new k pages, new v pages))."""
+        """(attention output [B, T, H, D], the layer's new pages)."""
         view = self.view
-        k = write(self.k, k_BxTxKxD, view.own_table_BxM, view.own_len_B, self.valid_BxT)
-        v = write(self.v, v_BxTxKxD, view.own_table_BxM, view.own_len_B, self.valid_BxT)
-        return attend(q_BxTxHxD, k, v, view), (k, v)
+        new = interleave(k_BxTxKxD, v_BxTxKxD)
+        kv = write(self.kv, new, view.own_table_BxM, view.own_len_B, self.valid_BxT)
+        return attend(q_BxTxHxD, kv, view, self.valid_BxT), kv
 
 
 @flax.struct.dataclass
@@ -112,9 +115,23 @@ def init_pool(config, pages: int, page_size: int, dtype=None) -> PagedPool:
     from m2po_jax.models.model_config import as_dtype
 
     dtype = as_dtype(config.dtype if dtype is None else dtype)
-    shape = (pages, page_size, config.num_kv_heads, config.dim_per_head)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return PagedPool(k=zeros, v=zeros)
+    shape = (pages, page_size, 2 * config.num_kv_heads, config.dim_per_head)
+    return PagedPool(kv=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
+
+
+def interleave(k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array) -> jax.Array:
+    """[B, T, 2K, D]: kv head i's keys at 2i, its values at 2i + 1 (the pool's layout)."""
+    b, t, kh, d = k_BxTxKxD.shape
+    return jnp.stack([k_BxTxKxD, v_BxTxKxD.astype(k_BxTxKxD.dtype)], axis=3).reshape(
+        b, t, 2 * kh, d
+    )
+
+
+def copy_pages(pool: PagedPool, from_X: jax.Array, to_X: jax.Array) -> PagedPool:
+    """Every layer's page `to_X[x]` set to page `from_X[x]` (`to` NP: none)."""
+    n = pool.pages
+    src = jnp.minimum(from_X, n - 1)
+    return PagedPool(kv=tuple(kv.at[to_X].set(kv[src], mode="drop") for kv in pool.kv))
 
 
 def pool_bytes(config, pages: int, page_size: int, dtype=None) -> int:
@@ -166,11 +183,13 @@ def write(pages_NxPxKxD: jax.Array, new_BxTxKxD: jax.Array, table_BxM, start_B, 
     )
 
 
-def _gather(pages_NxPxKxD: jax.Array, table_XxW: jax.Array, dtype) -> jax.Array:
-    """[X, W * PG, K, D] in `dtype`: the listed pages, concatenated (page NP reads zeros)."""
+def _gather(kv_NxPx2KxD: jax.Array, table_XxW: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Keys and values [X, W * PG, K, D] in `dtype`: the listed pages, concatenated (page NP
+    reads zeros)."""
     x, w = table_XxW.shape
-    got = jnp.take(pages_NxPxKxD, table_XxW, axis=0, mode="fill", fill_value=0)
-    return got.reshape(x, w * pages_NxPxKxD.shape[1], *pages_NxPxKxD.shape[2:]).astype(dtype)
+    got = jnp.take(kv_NxPx2KxD, table_XxW, axis=0, mode="fill", fill_value=0)
+    got = got.reshape(x, w * kv_NxPx2KxD.shape[1], *kv_NxPx2KxD.shape[2:]).astype(dtype)
+    return got[:, :, 0::2], got[:, :, 1::2]
 
 
 def _partial(q_XxKxGxTxD, k_XxSxKxD, v_XxSxKxD, allowed_XxTxS):
@@ -195,35 +214,33 @@ def _switch(widths, index, fn, operands):
     return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], operands)
 
 
-def _own_part(q, k_pages, v_pages, view: PagedView, t: int):
+def _own_part(q, kv_pages, view: PagedView, t: int):
     """The rows' own tokens (causal): partials [B, K, G, T, ...]."""
-    pg = k_pages.shape[1]
+    pg = kv_pages.shape[1]
 
     def one(width, operands):
-        q, k_pages, v_pages, table, own_len = operands
-        k = _gather(k_pages, table[:, :width], q.dtype)
-        v = _gather(v_pages, table[:, :width], q.dtype)
+        q, kv_pages, table, own_len = operands
+        k, v = _gather(kv_pages, table[:, :width], q.dtype)
         s = jnp.arange(width * pg)
         allowed = s[None, None, :] <= (own_len[:, None] + jnp.arange(t)[None, :])[..., None]
         return _partial(q, k, v, allowed)
 
-    operands = (q, k_pages, v_pages, view.own_table_BxM, view.own_len_B)
+    operands = (q, kv_pages, view.own_table_BxM, view.own_len_B)
     return _switch(view.own_widths, pick(view.own_widths, view.own_pages), one, operands)
 
 
-def _prompt_part(q, k_pages, v_pages, view: PagedView):
+def _prompt_part(q, kv_pages, view: PagedView):
     """The rows' prompts: by instance for decode steps, per row otherwise."""
-    pg = k_pages.shape[1]
+    pg = kv_pages.shape[1]
     instances = view.prompt_table_IxM.shape[0]
 
     def one(width, operands):
-        q, k_pages, v_pages, table_IxM, len_I, inst_B = operands
+        q, kv_pages, table_IxM, len_I, inst_B = operands
         if view.grouped:
             # [I, N, K, G, 1, D] -> [I, K, G, N, D]: an instance's rows as its queries.
             qg = jnp.take(q, view.members_IxN, axis=0, mode="fill", fill_value=0)
             qg = qg[:, :, :, :, 0].transpose(0, 2, 3, 1, 4)
-            k = _gather(k_pages, table_IxM[:, :width], q.dtype)
-            v = _gather(v_pages, table_IxM[:, :width], q.dtype)
+            k, v = _gather(kv_pages, table_IxM[:, :width], q.dtype)
             s = jnp.arange(width * pg)
             n = qg.shape[3]
             allowed = jnp.broadcast_to(
@@ -239,9 +256,8 @@ def _prompt_part(q, k_pages, v_pages, view: PagedView):
                 jnp.where(real[..., None], at(o), 0.0),
             )
         inst = jnp.minimum(inst_B, instances - 1)
-        table = jnp.where((inst_B < instances)[:, None], table_IxM[inst], k_pages.shape[0])
-        k = _gather(k_pages, table[:, :width], q.dtype)
-        v = _gather(v_pages, table[:, :width], q.dtype)
+        table = jnp.where((inst_B < instances)[:, None], table_IxM[inst], kv_pages.shape[0])
+        k, v = _gather(kv_pages, table[:, :width], q.dtype)
         s = jnp.arange(width * pg)
         length = jnp.where(inst_B < instances, len_I[inst], 0)
         allowed = jnp.broadcast_to(
@@ -249,20 +265,68 @@ def _prompt_part(q, k_pages, v_pages, view: PagedView):
         )
         return _partial(q, k, v, allowed)
 
-    operands = (q, k_pages, v_pages, view.prompt_table_IxM, view.prompt_len_I, view.inst_B)
+    operands = (q, kv_pages, view.prompt_table_IxM, view.prompt_len_I, view.inst_B)
     return _switch(view.prompt_widths, pick(view.prompt_widths, view.prompt_pages), one, operands)
 
 
-def attend(q_BxTxHxD, k_pages, v_pages, view: PagedView) -> jax.Array:
+def row_pages(view: PagedView, page_size: int, t: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's tokens as one page list, the kernel's layout: ([B, Mp + Mo] its prompt's
+    full pages, then its own; [B] its tokens once this call's `t` are written). Needs
+    `prompt_len_I` in whole pages (the engine's layout: the partly filled last page is the
+    row's first own page)."""
+    instances, mp = view.prompt_table_IxM.shape
+    b, mo = view.own_table_BxM.shape
+    real_B = view.inst_B < instances
+    inst_B = jnp.minimum(view.inst_B, instances - 1)
+    prompt_B = jnp.where(real_B, view.prompt_len_I[inst_B], 0)
+    full_B = prompt_B // page_size
+    j = jnp.arange(mp + mo)[None]
+    from_prompt = jnp.take_along_axis(
+        view.prompt_table_IxM[inst_B], jnp.broadcast_to(jnp.minimum(j, mp - 1), (b, mp + mo)),
+        axis=1,
+    )  # fmt: skip
+    from_own = jnp.take_along_axis(view.own_table_BxM, jnp.clip(j - full_B[:, None], 0, mo - 1),
+                                   axis=1)  # fmt: skip
+    pages_BxM = jnp.where(j < full_B[:, None], from_prompt, from_own)
+    return pages_BxM, prompt_B + view.own_len_B + t
+
+
+def _kernel_decode(q_BxTxHxD, kv_pages) -> bool:
+    """Whether a decode step runs the Pallas TPU kernel (`paged_kernels`): one token per
+    row, a program traced for TPU devices, shapes the kernel takes."""
+    from m2po_jax.models import attention_kernels, paged_kernels
+
+    b, t, h, d = q_BxTxHxD.shape
+    if t != 1 or attention_kernels.target_platform() != "tpu":
+        return False
+    mesh = attention_kernels.target_mesh()
+    tensor = 1
+    if mesh is not None and "tensor" in mesh.axis_names and "tensor" not in mesh.manual_axes:
+        tensor = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))["tensor"]
+    pg, kh = kv_pages.shape[1], kv_pages.shape[2] // 2
+    return paged_kernels.tpu_decode_supported(pg, h, kh, d, kv_pages.dtype, tensor)
+
+
+def attend(q_BxTxHxD, kv_pages, view: PagedView, valid_BxT=None) -> jax.Array:
     """softmax over [the row's prompt, its own tokens so far (causal)] of q k^T / sqrt(D),
     times v; H = K * G query heads share K kv heads (head h uses kv head h // G).
     The call's keys and values must already be written (`write`). Returns [B, T, H, D]
     in q's dtype."""
     b, t, h, d = q_BxTxHxD.shape
-    kh = k_pages.shape[2]
+    if _kernel_decode(q_BxTxHxD, kv_pages):  # a TPU decode step: each row's page list
+        from m2po_jax.models import paged_kernels
+
+        pages_BxM, lengths_B = row_pages(view, kv_pages.shape[1], t)
+        if valid_BxT is not None:
+            lengths_B = jnp.where(valid_BxT[:, 0], lengths_B, 0)  # empty slots: output 0
+        out = paged_kernels.tpu_decode_attention_sharded(
+            q_BxTxHxD[:, 0], kv_pages, lengths_B, pages_BxM, sm_scale=d**-0.5
+        )
+        return out[:, None].astype(q_BxTxHxD.dtype)
+    kh = kv_pages.shape[2] // 2
     q = q_BxTxHxD.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    m1, l1, o1 = _prompt_part(q, k_pages, v_pages, view)
-    m2, l2, o2 = _own_part(q, k_pages, v_pages, view, t)
+    m1, l1, o1 = _prompt_part(q, kv_pages, view)
+    m2, l2, o2 = _own_part(q, kv_pages, view, t)
     m = jnp.maximum(m1, m2)
     a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
     total = l1 * a1 + l2 * a2

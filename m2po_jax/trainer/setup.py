@@ -411,7 +411,7 @@ def memory_plan(
         rows = local * cfg.gconfig.n_samples
         slots = min(r.engine_slots // shards or rows, rows)
         prompt = local * -(-cfg.task.max_prompt_len // page)
-        own = -(-cfg.gconfig.max_new_tokens // page)
+        own = engines.own_pages(cfg.gconfig.max_new_tokens, page)
         cap = budget // _page_bytes(cfg, model_config, placement)
         pages = shards * engines.pool_pages(prompt, slots, own, cap)
     return _memory_plan(cfg, model_config, placement, pages)

@@ -112,3 +112,37 @@ def test_members_list_each_instances_rows_in_order():
 def test_buckets_and_pick():
     assert paged.buckets(5) == (1, 2, 4, 5) and paged.buckets(1) == (1,)
     assert [int(paged.pick((1, 2, 4, 5), n)) for n in (0, 1, 2, 3, 5, 9)] == [0, 0, 1, 2, 3, 3]
+
+
+def test_a_rows_page_list_is_its_context_as_the_kernel_reads_it():
+    """The engine's layout (each prompt's full pages shared, its partly filled last page
+    copied into each row's first own page): `row_pages` gives each row one page list and
+    length, and jax's reference for the TPU kernel over them equals `attend`'s two parts
+    merged (GQA: head h reads kv head h // G; keys at even, values at odd kv indices)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    rng = np.random.default_rng(5)
+    h, kh, d, n_pages = 4, 2, 8, 40
+    kv = jnp.asarray(rng.normal(size=(n_pages, PG, 2 * kh, d)), jnp.float32)
+    none = n_pages
+    prompt_table = [[0, 1, 2], [3, 4, none]]  # instance 0: 9 tokens, 1: 5 tokens
+    full = [8, 4]  # the prompt part: whole pages only
+    tails = [1, 1]  # copied into each row's own page 0
+    inst = [0, 1, 1, 0, 2]  # row 4: a padding row (no instance)
+    completion = [3, 0, 6, 2, 0]
+    own_len = [t + c for t, c in zip([*tails, tails[1], tails[0], 0], completion, strict=True)]
+    pages = iter(range(5, n_pages))
+    own_table = [[next(pages) for _ in range(-(-(n + 1) // PG))] for n in own_len]
+    own_table = [t + [none] * (3 - len(t)) for t in own_table]
+    view = _view(own_table, own_len, inst, prompt_table, full, grouped=True, n=2)
+    q = jnp.asarray(rng.normal(size=(5, 1, h, d)), jnp.float32)
+    want = np.asarray(paged.attend(q, kv, view))[:4, 0]
+    page_list, lengths = paged.row_pages(view, PG, 1)
+    np.testing.assert_array_equal(np.asarray(lengths)[:4], np.add(full, 0)[[0, 1, 1, 0]] + np.asarray(own_len[:4]) + 1)
+    np.testing.assert_array_equal(np.asarray(page_list)[0, :5], [0, 1, *own_table[0][:3]])
+    np.testing.assert_array_equal(np.asarray(page_list)[1, :4], [3, *own_table[1][:3]])
+    got = rpa.ref_ragged_paged_attention(
+        q[:4, 0], kv, lengths[:4], page_list[:4], jnp.arange(5, dtype=jnp.int32),
+        jnp.asarray([4], jnp.int32), sm_scale=d**-0.5,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)

@@ -61,14 +61,14 @@ def test_greedy_equals_the_static_sampler(params):
     assert got.preemptions == 0 and got.live_steps == int(np.sum(want.completion_len_B - 1))
 
 
-@pytest.mark.parametrize("pages", [0, 20])
+@pytest.mark.parametrize("pages", [0, 21])
 def test_sampled_rows_are_the_continuous_engines_and_a_forward_s_preempted_or_not(
     params, sampled, continuous, pages
 ):
     """The same keys give the continuous engine's tokens; the behaviour log-probs equal a
-    teacher-forced forward over the whole row. With 20 pages (the 12 prompts take 17,
-    a completion up to 3) sequences are preempted, recomputed, and give the
-    same rows."""
+    teacher-forced forward over the whole row. With 21 pages (the 12 prompts take 17, a
+    completion up to 4 with its prompt's partly filled last page copied) sequences are
+    preempted, recomputed, and give the same rows."""
     engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=pages)
     got = engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
     out = jax.device_get(got.out)
@@ -172,24 +172,24 @@ def _mesh_placement():
 def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, continuous):
     """The trainer's rollout placement: params sharded over fsdp x tensor, prompts over the
     batch axes (4 batch shards of 3 prompts); one engine per shard, each with 2 slots and
-    its quarter of the pool (8 of 32 pages, short enough to preempt), gives the single
+    its quarter of the pool (9 of 36 pages, short enough to preempt), gives the single
     device's rows."""
     mesh, placement = _mesh_placement()
     sharded_params = placement.for_sampling(placement.put_params(params))
     tokens, valid = placement.to_global((TOKENS, VALID))
-    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=32, mesh=mesh)
+    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=36, mesh=mesh)
     got = engine.generate(sharded_params, tokens, valid, jax.random.key(3), n_samples=N)
     _assert_same_rollouts(placement.to_host(got.out), jax.device_get(continuous.out))
-    assert got.preemptions > 0 and got.pages == 8 and 0 < got.peak_pages <= 8
+    assert got.preemptions > 0 and got.pages == 9 and 0 < got.peak_pages <= 9
     size = engine.sizes(len(TOKENS), WIDTH, N)
-    assert (size["shards"], size["slots"], size["pages"], size["jobs"]) == (4, 2, 8, 6)
+    assert (size["shards"], size["slots"], size["pages"], size["jobs"]) == (4, 2, 9, 6)
     # Each device holds its shard's pages only: the pool is split 4 ways by pages,
     programs, _ = engine._compiled(len(TOKENS), WIDTH, N)
     state = programs["prefill"](sharded_params, tokens, valid, np.int32(0))
-    pool_k = state.pool.k[0]
-    assert pool_k.shape[0] == 32
-    # and its KV heads split over "tensor".
-    assert {s.data.shape for s in pool_k.addressable_shards} == {(8, PG, 1, pool_k.shape[3])}
+    pool_k = state.pool.kv[0]
+    assert pool_k.shape[0] == 36
+    # and its KV heads split over "tensor" (a head's keys and values together: 2 of 2K).
+    assert {s.data.shape for s in pool_k.addressable_shards} == {(9, PG, 2, pool_k.shape[3])}
     assert len(pool_k.addressable_shards) == mesh.size
 
 
@@ -226,19 +226,19 @@ def test_on_a_mesh_the_programs_compile_from_their_sharded_abstract_arguments(pa
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded_params
     )
-    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=32, mesh=mesh)
+    engine = PagedEngine(CONFIG, sampled, slots=8, page_size=PG, pages=36, mesh=mesh)
     programs = engine.programs(abstract, 12, N, prompt_len=WIDTH)
     names = ["engine_prefill", "engine_start", "engine_run", "engine_resume"]
     assert [p.name for p in programs] == names
-    what = "12 prompts into a pool of 8 pages of 4 tokens on each of 4 batch shards"
+    what = "12 prompts into a pool of 9 pages of 4 tokens on each of 4 batch shards"
     assert programs[0].what == what
     assert programs[1].args[2].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
     outputs = {}
     for program in programs:
         args = [outputs[a.program] if isinstance(a, OutputOf) else a for a in program.args]
         outputs[program.name] = program.jitted.lower(*args).compile().out_info
-    pool_k = outputs["engine_prefill"].pool.k[0]
-    assert pool_k.shape[0] == 32 and pool_k.sharding.shard_shape(pool_k.shape)[:3] == (8, PG, 1)
+    pool_k = outputs["engine_prefill"].pool.kv[0]
+    assert pool_k.shape[0] == 36 and pool_k.sharding.shard_shape(pool_k.shape)[:3] == (9, PG, 2)
 
 
 def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need():

@@ -16,7 +16,7 @@ from m2po_jax.rollout.engines.base import (
     register,
 )
 from m2po_jax.rollout.engines.continuous import ContinuousEngine, row_axes
-from m2po_jax.rollout.engines.paged import PagedEngine, PagedGeneration, pool_pages
+from m2po_jax.rollout.engines.paged import PagedEngine, PagedGeneration, own_pages, pool_pages
 from m2po_jax.rollout.engines.static import StaticEngine
 from m2po_jax.rollout.engines.turns import Turn, TurnQueue
 
@@ -34,6 +34,7 @@ __all__ = [
     "TurnQueue",
     "WeightSource",
     "engine_class",
+    "own_pages",
     "pool_pages",
     "register",
     "row_axes",

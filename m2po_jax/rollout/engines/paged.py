@@ -10,10 +10,12 @@ sampler's completions and a sampled run is reproducible under its key.
 
 Memory follows live tokens. Keys and values sit in a pool of `pages` pages of `page_size`
 tokens per layer (`models.paged`). Every prompt is prefilled once into its own pages (its
-real tokens only, from position 0), which its `n_samples` sequences reference and never
-copy; a decode step reads an instance's prompt pages once for all of its live rows. A
-sequence takes a page of its own each time its tokens cross a page boundary and returns
-them all when it ends.
+real tokens only, from position 0), whose full pages its `n_samples` sequences reference
+and never copy; its partly filled last page is copied into each sequence's first own page
+when the sequence takes it (`_copy_tails`: vLLM's layout, one page list per sequence, what
+the TPU kernel reads). On the XLA path a decode step reads an instance's prompt pages once
+for all of its live rows. A sequence takes a page of its own each time its tokens cross a
+page boundary and returns them all when it ends.
 
 Admission and preemption. A free slot takes the next queued sequence (its first token is
 drawn from its prompt's prefill). When a decode step needs more pages than are free, the
@@ -126,6 +128,12 @@ class PagedGeneration(Generation):
     preemptions: int = 0
     pages: int = 0  # the pool's pages (per batch shard on a mesh)
     peak_pages: int = 0  # the most pages in use at once (prompts included; the fullest shard's)
+
+
+def own_pages(max_new: int, page_size: int) -> int:
+    """A sequence's own pages at most: its prompt's partly filled last page (copied, up to
+    page_size - 1 tokens) and `max_new` tokens after it."""
+    return -(-(max_new + page_size - 1) // page_size)
 
 
 def pool_pages(prompt_pages: int, slots: int, own: int, cap: int | None = None) -> int:
@@ -305,7 +313,7 @@ class PagedEngine(RolloutEngine):
         local = prompts // shards
         rows = local * n_samples
         slots = min(self.slots // shards or rows, rows)
-        own = math.ceil(new / pg)
+        own = own_pages(new, pg)
         prompt = math.ceil(width / pg)
         cap = self.kv_budget // self.page_bytes if self.kv_budget else None
         pages = self.pages // shards or pool_pages(local * prompt, slots, own, cap)
@@ -479,6 +487,7 @@ class PagedEngine(RolloutEngine):
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
         state = programs["start"](state, keys_U, ids * 0, ids)
         stop_ids = set(self.sampling.stop_token_ids)
+        tail_J = self._host_tails(state, size)[0]
         turn_start = np.zeros(jobs, np.int64)  # where each sequence's current turn began
         pending: set[int] = set()  # rows whose turn the host has not answered yet
         steps_before, waited, updates = 0, 0, 0
@@ -505,7 +514,7 @@ class PagedEngine(RolloutEngine):
                 pending.update(t.row for t in turns)
                 answers.submit(turns)
             free_slots = int((job_S == jobs).sum())
-            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), free_slots, size)
+            job_L = _resumable(waiting_J, valid_JxN, int(free[0]), free_slots, size, tail_J)
             insertable = next_job[0] < jobs and free_slots and not waiting_J.any()
             busy = bool(live_S.any() or job_L.size or insertable)
             if not busy and not pending:
@@ -588,6 +597,13 @@ class PagedEngine(RolloutEngine):
                 f"{(prompt_pages + size['own']) * shards}"
             )
 
+    def _host_tails(self, state, size) -> np.ndarray:
+        """[shards, jobs per shard]: the tokens in each job's prompt's partly filled last
+        page (`_tails`), on the host (a shard's jobs are its prompts' samples in order)."""
+        lengths = np.asarray(_host(state.prompt_len_I)).reshape(size["shards"], -1)
+        n_samples = size["jobs"] // lengths.shape[1]
+        return np.repeat(lengths % self.page_size, n_samples, axis=1)
+
     def _loop(self, programs, size, params, state, keys_U, version, weights, steps):
         """Decode calls of `steps` steps until every sequence is done; between calls,
         preempted sequences resume where they can and newer weights are taken. Yields
@@ -596,6 +612,7 @@ class PagedEngine(RolloutEngine):
         jobs, shards, pages, updates = size["jobs"], size["shards"], size["pages"], 0
         table = np.asarray(_host(state.prompt_table_IxM)).reshape(shards, -1)
         prompt_pages_D = np.sum(table < pages, axis=1)
+        tail_DxJ = self._host_tails(state, size)
         progress = None
         while True:
             state = programs["run"](params, state, keys_U, jnp.int32(version), np.int32(steps))
@@ -625,7 +642,7 @@ class PagedEngine(RolloutEngine):
                 return
             job_DxL = [
                 _resumable(waiting_DxJ[d], valid_DxJxN[d], int(free_D[d]),
-                           int((job_DxS[d] == jobs).sum()), size)
+                           int((job_DxS[d] == jobs).sum()), size, tail_DxJ[d])
                 for d in range(shards)
             ]  # fmt: skip
             if any(job_L.size for job_L in job_DxL):
@@ -679,14 +696,15 @@ def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, spent, slots, up
     )
 
 
-def _resumable(waiting_J, valid_JxN, free: int, free_slots: int, size) -> np.ndarray:
+def _resumable(waiting_J, valid_JxN, free: int, free_slots: int, size, tail_J) -> np.ndarray:
     """The preempted sequences to resume now, oldest job first, while slots and pages
-    allow (`_resume_need`)."""
+    allow (`_resume_need`; `tail_J`: the tokens of each job's prompt in its last, partly
+    filled page, which the sequence's first own page holds)."""
     out = []
     for job in np.flatnonzero(waiting_J):
         if len(out) == min(free_slots, size["lanes"]):
             break
-        need = math.ceil(int(valid_JxN[job].sum()) / size["page_size"])
+        need = math.ceil((int(valid_JxN[job].sum()) + int(tail_J[job])) / size["page_size"])
         if need > free:
             break
         out.append(job)
@@ -746,7 +764,10 @@ def _push(state: _State, pages_X) -> _State:
 
 def _view(state: _State, rows_table, own_len, inst, *, grouped: bool, n: int) -> paged.PagedView:
     pool_pages = state.free_N.shape[0]
-    table_IxM, len_I = state.prompt_table_IxM, state.prompt_len_I
+    # The prompt part is each prompt's full pages; its last, partly filled page is copied
+    # into each sequence's first own page (`_copy_tails`).
+    table_IxM = state.prompt_table_IxM
+    len_I = state.prompt_len_I - state.prompt_len_I % state.pool.page_size
     members_IxN = rank_B = None
     if grouped:
         # Only the instances with a live row: at most one per row, so a step with fewer
@@ -935,19 +956,23 @@ def _decode(
     jobs = state.done_J.shape[0]
     pg = state.pool.page_size
     n_pages = state.free_N.shape[0]
-    own_len_S = state.step_S - 1  # own tokens in the cache; the pending one goes next
-    need_S = state.live_S & (own_len_S % pg == 0)
+    prompts = state.prompt_len_I.shape[0]
+    inst_S = jnp.minimum(state.job_S // n, prompts - 1)
+    # Own tokens in the cache (the prompt's tail, then the completion but its pending
+    # token, which goes next): a page where that token starts one.
+    own_len_S = _tails(state, inst_S) + state.step_S - 1
+    first_S = state.own_table_SxM[:, 0] >= n_pages  # no own page yet: the tail's goes first
+    need_S = state.live_S & ((own_len_S % pg == 0) | first_S)
     state, live_S = _preempt(state, need_S)
     need_S = need_S & live_S
     state, page_S = _pop(state, need_S)
     col_S = jnp.where(need_S, own_len_S // pg, state.own_table_SxM.shape[1])
     slots = jnp.arange(state.job_S.shape[0])
     own_table = state.own_table_SxM.at[slots, col_S].set(page_S, mode="drop")
-    state = state.replace(own_table_SxM=own_table)
-    prompts = state.prompt_len_I.shape[0]
-    inst_S = jnp.where(live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
+    state = _copy_tails(state.replace(own_table_SxM=own_table), need_S & first_S, inst_S, page_S)
+    inst_S = jnp.where(live_S, inst_S, prompts)
     view = _view(state, own_table, own_len_S, inst_S, grouped=True, n=n)
-    positions = (state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + own_len_S)[:, None]
+    positions = (state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + state.step_S - 1)[:, None]
     logits, pool = model_lib.apply(
         params,
         model_config,
@@ -1031,11 +1056,34 @@ def _run(
     return jax.lax.while_loop(cond, body, state)
 
 
+def _tails(state: _State, inst_X) -> jax.Array:
+    """Tokens of each prompt instance's last, partly filled page (0: its pages are full)."""
+    lengths = state.prompt_len_I[jnp.minimum(inst_X, state.prompt_len_I.shape[0] - 1)]
+    return lengths % state.pool.page_size
+
+
+def _copy_tails(state: _State, copy_X, inst_X, page_X) -> _State:
+    """Where `copy_X`: the prompt's partly filled last page copied into `page_X`, the
+    sequence's first own page (vLLM's layout: the one copy a sample makes of its prompt).
+    Only steps where some sequence takes its first page pay for it."""
+    pg, n_pages = state.pool.page_size, state.free_N.shape[0]
+    inst = jnp.minimum(inst_X, state.prompt_len_I.shape[0] - 1)
+    copy_X = copy_X & (_tails(state, inst) > 0)
+    last_X = state.prompt_table_IxM[inst, state.prompt_len_I[inst] // pg]
+    to_X = jnp.where(copy_X, page_X, n_pages)
+
+    def copy(pool):
+        return paged.copy_pages(pool, last_X, to_X)
+
+    return state.replace(pool=jax.lax.cond(jnp.any(copy_X), copy, lambda p: p, state.pool))
+
+
 def _resume_need(state: _State, job) -> jax.Array:
     """Pages a preempted sequence takes to resume and decode its pending token: those of
     all its tokens so far (at most a whole completion's: it always fits an empty pool)."""
     tokens = jnp.sum(state.valid_JxN[job], dtype=jnp.int32)
-    return -(-tokens // state.pool.page_size)
+    inst = job // (state.done_J.shape[0] // state.prompt_len_I.shape[0])
+    return -(-(tokens + _tails(state, inst)) // state.pool.page_size)
 
 
 def _resumable_now(state: _State) -> jax.Array:
@@ -1063,17 +1111,19 @@ def _resume(params, state: _State, job_L, version, *, model_config, sampling_con
     j_L = jnp.minimum(job_L, jobs - 1)
     step_L = jnp.sum(state.valid_JxN[j_L], axis=1, dtype=jnp.int32)
     own_L = jnp.where(use_L, step_L - 1, 0)  # tokens to recompute
-    pages_L = -(-own_L // pg)
+    prompts = state.prompt_len_I.shape[0]
+    inst_L = jnp.where(use_L, jnp.minimum(j_L // n, prompts - 1), prompts)
+    tail_L = jnp.where(use_L, _tails(state, inst_L), 0)  # copied, not recomputed
+    pages_L = -(-(tail_L + own_L) // pg)
     m = state.own_table_SxM.shape[1]
     need_LxM = use_L[:, None] & (jnp.arange(m)[None] < pages_L[:, None])
     state, flat = _pop(state, need_LxM.reshape(-1))
     table_LxM = flat.reshape(lanes, m)
+    state = _copy_tails(state, need_LxM[:, 0], inst_L, table_LxM[:, 0])
     tokens_LxW = jnp.take(state.tokens_JxN[j_L], jnp.arange(width), axis=1, mode="fill",
                           fill_value=sampling_config.pad_id)  # fmt: skip
     valid_LxW = (jnp.arange(width)[None] < own_L[:, None]) & use_L[:, None]
-    prompts = state.prompt_len_I.shape[0]
-    inst_L = jnp.where(use_L, jnp.minimum(j_L // n, prompts - 1), prompts)
-    view = _view(state, table_LxM, jnp.zeros(lanes, jnp.int32), inst_L, grouped=False, n=n)
+    view = _view(state, table_LxM, tail_L, inst_L, grouped=False, n=n)
     positions = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)][:, None] + jnp.arange(width)
     _, pool = model_lib.apply(
         params, model_config, tokens_LxW, positions, valid_LxW, hidden_only=True,
@@ -1122,23 +1172,26 @@ def _append(
     step_L = state.step_S[s_L]  # the sequence's tokens; its last is not in the cache yet
     state = _write_appended(state, job_L, step_L, use_L, delta_LxM, len_L)
     table_LxM = state.own_table_SxM[s_L]
+    prompts = state.prompt_len_I.shape[0]
+    tail_L = _tails(state, jnp.minimum(job_L // n, prompts - 1))
     have_L = jnp.sum(table_LxM < n_pages, axis=1, dtype=jnp.int32)
-    need_L = jnp.where(use_L, -(-(step_L + len_L) // pg) - have_L, 0)
+    need_L = jnp.where(use_L, -(-(tail_L + step_L + len_L) // pg) - have_L, 0)
     go_L = use_L & (jnp.cumsum(need_L) <= state.free_1[0])
     out_L = use_L & ~go_L
     col_M = jnp.arange(table_LxM.shape[1])
     new_LxM = go_L[:, None] & (col_M >= have_L[:, None]) & (col_M < (have_L + need_L)[:, None])
     state, flat = _pop(state, new_LxM.reshape(-1))
     table_LxM = jnp.where(new_LxM, flat.reshape(new_LxM.shape), table_LxM)
+    inst_L = jnp.where(go_L, jnp.minimum(job_L // n, prompts - 1), prompts)
+    state = _copy_tails(state, new_LxM[:, 0], inst_L, table_LxM[:, 0])  # a turn's first pages
     t_T = jnp.arange(m + 1, dtype=jnp.int32)
     tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
     valid_LxT = go_L[:, None] & (t_T[None] <= len_L[:, None])
-    prompts = state.prompt_len_I.shape[0]
-    inst_L = jnp.where(go_L, jnp.minimum(job_L // n, prompts - 1), prompts)
-    own_L = jnp.where(go_L, step_L - 1, 0)
+    own_L = jnp.where(go_L, tail_L + step_L - 1, 0)
     view = _view(state, jnp.where(go_L[:, None], table_LxM, n_pages), own_L, inst_L,
                  grouped=False, n=n)  # fmt: skip
-    positions_LxT = (state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)] + own_L)[:, None] + t_T
+    start_L = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)] + step_L - 1
+    positions_LxT = start_L[:, None] + t_T
     hidden_LxTxE, pool = model_lib.apply(
         params, model_config, tokens_LxT, positions_LxT, valid_LxT, hidden_only=True,
         paged=(state.pool, view),
