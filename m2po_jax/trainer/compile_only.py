@@ -338,6 +338,17 @@ class Report:
                 f"{r['decode_bound_s'] * 1e3:.2f} ms, {r['decode_tokens_s']:.0f} tokens/s per "
                 f"device at most"
             )
+        if r.get("paged_bytes"):
+            reads = "the ragged paged attention kernel's page reads added" if r[
+                "paged_kernel"] else "the XLA path"  # fmt: skip
+            lines.append(
+                f"roofline, one paged decode step ({r['paged_slots']} slots per batch shard, "
+                f"each {r['paged_live']} tokens live; {reads}): reads "
+                f"{r['paged_bytes'] / 1e9:.2f} GB per device against weights + unique live KV "
+                f"{r['paged_floor_bytes'] / 1e9:.2f} GB ({r['paged_ratio']:.2f}x) -> at least "
+                f"{r['paged_bound_s'] * 1e3:.2f} ms, {r['paged_tokens_s']:.0f} tokens/s per "
+                f"device at most"
+            )
         return "\n".join(lines)
 
 
@@ -502,6 +513,13 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         p.what = f"evaluation ({p.what}), {cfg.eval.batch_size} prompts x {cfg.eval.n_samples}"
         add(p)
     decode = add(_compile_decode(sampler_placement, sample_params, model_config, rows, seq_len))
+    start = next((p for p in programs if p.name == "engine_start" and not p.error), None)
+    if isinstance(engine, engines.PagedEngine) and start is not None:
+        probe = engine.decode_probe(sample_params, prompts, cfg.gconfig.n_samples,
+                                    prompt_len=prompt_len)  # fmt: skip
+        args = [_outputs(start.compiled) if isinstance(a, engines.OutputOf) else a
+                for a in probe.args]  # fmt: skip
+        add(compile_program(probe.name, probe.what, probe.jitted, *args)).probe = True
     for p in programs[programs.index(publish) + 1 :]:
         if p.name.startswith("evaluate"):
             p.resident_beside = state_bytes
@@ -513,6 +531,13 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     roofline = _roofline(
         tgt, model_config, train, decode, sample_params, rows, seq_len, sampler_placement
     )
+    run = next((p for p in programs if p.name == "paged_decode_step"), None)
+    if roofline and run is not None:
+        size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
+        weights = _bytes_per_device(sample_params)
+        roofline |= _paged_roofline(
+            tgt, model_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
+        )
     return Report(
         target=tgt,
         mesh_shape=dict(placement.mesh.shape),
@@ -660,6 +685,43 @@ def _roofline(tgt, model_config, train, decode, sample_params, rows, seq_len, pl
         cost_analysis=bool(train.bytes_accessed),
         decode_bound_s=decode_s,
         decode_tokens_s=(rows / batch_shards) / decode_s if decode_s else 0.0,
+    )
+
+
+def _paged_roofline(
+    tgt, model_config, run: Program, engine, size, prompt_len, n_samples, weights
+) -> dict:
+    """Lower bound of one decode step of the paged engine on `tgt`'s chip, every slot live
+    with its whole prompt and half the completion budget: what the step reads per device
+    (XLA's cost analysis of `engine_run`, which counts its loop body once: the weights, the
+    cache write and the bookkeeping; plus, where the decode attention is the Mosaic
+    kernel, whose reads the cost analysis does not count, each sequence's pages, its
+    prompt's shared pages read again per sequence) against the floor: the weights and the
+    unique live KV (each group's prompt pages once)."""
+    if tgt.chip is None or run.error or not run.bytes_accessed:
+        return {}
+    c = model_config
+    mesh = engine.mesh
+    tensor = 1 if mesh is None else mesh.shape.get("tensor", 1)
+    split = tensor if c.num_kv_heads % tensor == 0 else 1
+    itemsize = jnp.dtype(model_config_lib.as_dtype(c.dtype)).itemsize
+    token = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * itemsize // split
+    slots, new = size["slots"], engine.sampling.max_new_tokens
+    completion = new // 2
+    kernel = slots * (prompt_len + completion) * token if run.kernels else 0
+    groups = -(-slots // n_samples)  # the prompts of the live sequences
+    floor = weights + (groups * prompt_len + slots * completion) * token
+    step = run.bytes_accessed + kernel
+    seconds = step / tgt.hbm_bandwidth
+    return dict(
+        paged_slots=slots,
+        paged_live=prompt_len + completion,
+        paged_kernel=bool(run.kernels),
+        paged_bytes=step,
+        paged_floor_bytes=floor,
+        paged_ratio=step / floor,
+        paged_bound_s=seconds,
+        paged_tokens_s=slots / tensor / seconds,
     )
 
 

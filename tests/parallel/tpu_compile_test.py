@@ -154,6 +154,18 @@ def test_the_paged_engines_decode_runs_the_ragged_paged_attention_kernel(v5e_2x2
     )
     held = max(p.held_bytes for p in by_name.values()) - weights
     assert held <= kwargs["kv_cache_bytes"] <= 6 * held, (kwargs["kv_cache_bytes"], held)
+    # The decode roofline's probe: the model's pass of one step, the kernel in it; what it
+    # reads (XLA's count + the kernel's pages) is at least the floor it is measured against.
+    probe = engine.decode_probe(params, cfg.rollout.batch_size, n, prompt_len=width)
+    start = compile_only._outputs(by_name["engine_start"].compiled)
+    program = compile_only.compile_program(probe.name, probe.what, probe.jitted, params, start)
+    assert program.kernels >= 1 and not program.error
+    size = engine.sizes(cfg.rollout.batch_size, width, n)
+    r = compile_only._paged_roofline(v5e_2x2, model_config, program, engine, size, width, n, weights)
+    assert r["paged_kernel"] and r["paged_bytes"] >= r["paged_floor_bytes"] > weights
+    assert r["paged_tokens_s"] == pytest.approx(
+        size["slots"] / 2 / (r["paged_bytes"] / v5e_2x2.hbm_bandwidth)
+    )
 
 
 @needs_libtpu

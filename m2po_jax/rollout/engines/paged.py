@@ -220,6 +220,17 @@ class PagedEngine(RolloutEngine):
         split = tensor if self.model_config.num_kv_heads % tensor == 0 else 1
         return paged.pool_bytes(self.model_config, 1, self.page_size) // split
 
+    def decode_probe(self, params, prompts, n_samples, *, prompt_len) -> EngineProgram:
+        """The model's pass of one decode step over every slot, from "engine_start"'s state
+        (`programs`): compiled by `--compile_only` for the decode roofline, not run."""
+        phases, size = self._compiled(prompts, prompt_len, n_samples)
+        return EngineProgram(
+            "paged_decode_step",
+            f"one token for {size['slots']} slots per batch shard (roofline probe)",
+            phases["probe"],
+            (params, OutputOf("engine_start")),
+        )
+
     def programs(self, params, prompts, n_samples, *, prompt_len, max_append=0):
         """ "engine_prefill" (every prompt into its pages), "engine_start", "engine_run"
         (the decode loop) and "engine_resume" (its widest: every lane recomputes a whole
@@ -1009,6 +1020,23 @@ def _decode(
     )
 
 
+def _model_step(params, state: _State, *, model_config, n):
+    """The model's pass of one decode step over every slot as it stands (`_decode` runs
+    it between its page bookkeeping and the sampling): the decode roofline's probe.
+    Returns (next-token logits [S, V], the state with the step's keys and values
+    written)."""
+    prompts = state.prompt_len_I.shape[0]
+    inst_S = jnp.where(state.live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
+    own_len_S = _tails(state, inst_S) + state.step_S - 1
+    view = _view(state, state.own_table_SxM, own_len_S, inst_S, grouped=True, n=n)
+    positions = state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + state.step_S - 1
+    logits, pool = model_lib.apply(
+        params, model_config, state.last_token_S[:, None], positions[:, None],
+        state.live_S[:, None], last_only=True, paged=(state.pool, view),
+    )  # fmt: skip
+    return logits[:, 0], state.replace(pool=pool)
+
+
 def _run(
     params, state, keys_U, version, max_steps, *, model_config, sampling_config, lanes, n,
     turns=False,
@@ -1289,6 +1317,7 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
             "start": ((state, rep, rows, rows), state),
             "run": ((rep, state, rep, rep, rep), state),
             "resume": ((rep, state, rows, rep), state),
+            "probe": ((rep, state), (rows, state)),
         }
 
         # Manual over the row axes; "tensor" is left to XLA, the pool's KV heads split over
@@ -1298,12 +1327,14 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
         manual = set(row_axes(mesh))
 
         def split_heads(fn):
-            def constrained(*args):
-                state = fn(*args)
+            def constrained(*args):  # the state, or (..., the state)
+                out = fn(*args)
+                state = out[-1] if isinstance(out, tuple) else out
                 pool = jax.tree.map(
                     lambda x: jax.lax.with_sharding_constraint(x, heads), state.pool
                 )
-                return state.replace(pool=pool)
+                state = state.replace(pool=pool)
+                return (*out[:-1], state) if isinstance(out, tuple) else state
 
             return constrained
 
@@ -1331,7 +1362,9 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
         return resumes[width, lanes]
 
     run = functools.partial(_run, **statics, lanes=size["lanes"], n=n_samples, turns=turns)
+    probe = functools.partial(_model_step, model_config=model_config, n=n_samples)
     programs = {
+        "probe": jax.jit(on(probe, "probe"), donate_argnums=(1,)),
         "prefill": jax.jit(on(prefill, "prefill")),
         "start": jax.jit(on(start, "start"), donate_argnums=(0,)),
         "run": jax.jit(on(run, "run"), donate_argnums=(1,)),
