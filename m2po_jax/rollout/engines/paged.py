@@ -226,7 +226,7 @@ class PagedEngine(RolloutEngine):
         phases, size = self._compiled(prompts, prompt_len, n_samples)
         return EngineProgram(
             "paged_decode_step",
-            f"one token for {size['slots']} slots per batch shard (roofline probe)",
+            f"one token for {size['slots']} slots per batch shard",
             phases["probe"],
             (params, OutputOf("engine_start")),
         )
