@@ -1024,6 +1024,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "of: those tokens are attended twice",
     ),
     Mutant(
+        "paged-kernel-never-chosen",
+        "m2po_jax/models/paged.py",
+        '    if t != 1 or attention_kernels.target_platform() != "tpu":',
+        '    if t != 1 or attention_kernels.target_platform() != "tpu" or True:',
+        (T("tests/parallel/tpu_compile_test.py", "ragged_paged_attention_kernel"),),
+        "a decode step traced for a TPU runs the XLA path, never the ragged paged kernel",
+    ),
+    Mutant(
+        "paged-row-pages-one-prompt-page-too-many",
+        "m2po_jax/models/paged.py",
+        "    pages_BxM = jnp.where(j < full_B[:, None], from_prompt, from_own)",
+        "    pages_BxM = jnp.where(j <= full_B[:, None], from_prompt, from_own)",
+        (T("tests/models/paged_test.py", "kernel_reads"),),
+        "a row's page list for the kernel takes its prompt's partly filled last page, not "
+        "its own copy of it",
+    ),
+    Mutant(
         "paged-budget-pages-half-size",
         "m2po_jax/rollout/engines/paged.py",
         "        cap = self.kv_budget // self.page_bytes if self.kv_budget else None",

@@ -515,7 +515,18 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     decode = add(_compile_decode(sampler_placement, sample_params, model_config, rows, seq_len))
     start = next((p for p in programs if p.name == "engine_start" and not p.error), None)
     if isinstance(engine, engines.PagedEngine) and start is not None:
-        probe = engine.decode_probe(sample_params, prompts, cfg.gconfig.n_samples,
+        # The weights as the decode loop's body reads them: XLA hoists their cast to the
+        # compute dtype out of `engine_run`'s while loop (its HLO converts them in the
+        # entry computation), so one step reads them in the compute dtype.
+        dtype = model_config_lib.as_dtype(model_config.dtype)
+        step_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+                sharding=x.sharding,
+            ),
+            sample_params,
+        )  # fmt: skip
+        probe = engine.decode_probe(step_params, prompts, cfg.gconfig.n_samples,
                                     prompt_len=prompt_len)  # fmt: skip
         args = [_outputs(start.compiled) if isinstance(a, engines.OutputOf) else a
                 for a in probe.args]  # fmt: skip
@@ -534,7 +545,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     run = next((p for p in programs if p.name == "paged_decode_step"), None)
     if roofline and run is not None:
         size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
-        weights = _bytes_per_device(sample_params)
+        weights = _bytes_per_device(step_params)
         roofline |= _paged_roofline(
             tgt, model_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
         )
