@@ -1041,6 +1041,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "its own copy of it",
     ),
     Mutant(
+        "paged-prefill-reads-through-the-pages",
+        "m2po_jax/rollout/engines/paged.py",
+        "                 fresh=True)  # fmt: skip",
+        "                 fresh=False)  # fmt: skip",
+        (T("tests/parallel/tpu_compile_test.py", "ragged_paged_attention_kernel"),),
+        "the prompts' prefill attends through the pages (XLA) instead of splash on a TPU",
+    ),
+    Mutant(
         "paged-budget-pages-half-size",
         "m2po_jax/rollout/engines/paged.py",
         "        cap = self.kv_budget // self.page_bytes if self.kv_budget else None",

@@ -173,7 +173,11 @@ def splash_attention_sharded(
         return splash_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, segment_BxT, block_size)
     b, _, h, _ = q_BxTxHxD.shape
     k = k_BxKxSxD.shape[1]
-    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    # Inside a `shard_map` manual over some axes (the paged engine's batch shards) the
+    # arrays are those axes' shards already: split over the others only.
+    manual = set(getattr(mesh, "manual_axes", ()))
+    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+             if a not in manual}  # fmt: skip
     rows, used = [], 1
     for axis in BATCH_AXES:
         size = shape.get(axis, 1)
@@ -196,5 +200,6 @@ def splash_attention_sharded(
         mesh=mesh,
         in_specs=(q_spec, kv_spec, kv_spec, P(rows_axes, None)),
         out_specs=q_spec,
+        axis_names=set(shape),
         check_vma=False,
     )(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, segment_BxT)

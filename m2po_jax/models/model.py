@@ -248,13 +248,16 @@ class Attention(nn.Module):
         key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
         new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
-        if isinstance(cache_kv, paged_lib.PagedLayer):  # pages: written, then attended
-            out, new_kv = cache_kv.write_and_attend(
+        pages = cache_kv if isinstance(cache_kv, paged_lib.PagedLayer) else None
+        if pages is not None and not pages.view.fresh:  # pages: written, then attended
+            out, new_kv = pages.write_and_attend(
                 q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
             )
             o_axes = (("q_heads", "head_dim"), ("embed",))
             return projection(self, "o", out, (h, d, e), *o_axes, c), new_kv
-        if cache_kv is not None:
+        if pages is not None:  # a paged prefill: written, attended as without a cache
+            new_kv = pages.write(key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
+        elif cache_kv is not None:
             key = _cache_write(cache_kv[0], key, cache_index)
             value = _cache_write(cache_kv[1], value, cache_index)
             new_kv = (key, value)
@@ -425,7 +428,8 @@ class CausalLM(nn.Module):
             key_valid_BxS = cache.valid_BxS.at[jnp.arange(b), cache_index].set(
                 valid_BxT[:, 0], mode="drop"
             )
-        cached = cache is not None or prefix is not None or paged is not None
+        fresh = paged is not None and paged[1].fresh  # a paged prefill: no cache to read
+        cached = cache is not None or prefix is not None or (paged is not None and not fresh)
         impl = attention.resolve(c.attention, dt, c.dim_per_head, cached=cached)
         if paged is not None:  # the pages' view is the mask (`paged.attend`)
             key_valid_BxS = valid_BxT

@@ -69,12 +69,16 @@ class PagedLayer:
     view: PagedView
     valid_BxT: jax.Array
 
+    def write(self, k_BxTxKxD, v_BxTxKxD) -> jax.Array:
+        """The layer's pages with the call's keys and values written (`write`)."""
+        new = interleave(k_BxTxKxD, v_BxTxKxD)
+        view = self.view
+        return write(self.kv, new, view.own_table_BxM, view.own_len_B, self.valid_BxT)
+
     def write_and_attend(self, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD):
         """(attention output [B, T, H, D], the layer's new pages)."""
-        view = self.view
-        new = interleave(k_BxTxKxD, v_BxTxKxD)
-        kv = write(self.kv, new, view.own_table_BxM, view.own_len_B, self.valid_BxT)
-        return attend(q_BxTxHxD, kv, view, self.valid_BxT), kv
+        kv = self.write(k_BxTxKxD, v_BxTxKxD)
+        return attend(q_BxTxHxD, kv, self.view, self.valid_BxT), kv
 
 
 @flax.struct.dataclass
@@ -104,6 +108,10 @@ class PagedView:
     prompt_pages: jax.Array
     own_widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
     prompt_widths: tuple[int, ...] = flax.struct.field(pytree_node=False)
+    # A prefill: each row's context is this call's tokens alone (no prompt part, no own
+    # tokens before); the model attends to them with its own attention (splash on a TPU)
+    # and only writes them into the pages.
+    fresh: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def grouped(self) -> bool:

@@ -118,7 +118,7 @@ def test_the_paged_engines_decode_runs_the_ragged_paged_attention_kernel(v5e_2x2
     """fsdp x tensor, rollout.engine=paged, the engine the run builds on the chip: the
     decode loop's attention is jax's ragged paged attention kernel (a Mosaic
     `tpu_custom_call`, one engine per batch shard, the heads over tensor); the prompts'
-    prefill and the resume stay on the XLA path. The memory plan's engine figure, which
+    prefill runs splash, the resume the XLA path. The memory plan's engine figure, which
     sizes the pool, is an upper bound of what the TPU compiler holds for the engine's
     programs (it counts the resume's float32 scores, which the TPU compiler fuses away:
     here 4.4x over; XLA:CPU within 15%, memory_test)."""
@@ -145,8 +145,10 @@ def test_the_paged_engines_decode_runs_the_ragged_paged_attention_kernel(v5e_2x2
     assert not any(p.error for p in by_name.values())
     assert by_name["engine_run"].kernels >= 1
     assert "tpu_custom_call" in by_name["engine_run"].compiled.as_text()
-    for name in ("engine_prefill", "engine_resume"):
-        assert by_name[name].kernels == 0, name
+    # The prompts' prefill attends with splash (inside the engine's shard_map over the
+    # batch shards, the heads over tensor); the resume reads the prompt pages: XLA.
+    assert by_name["engine_prefill"].kernels >= 1
+    assert by_name["engine_resume"].kernels == 0
     _, kwargs = setup_lib.memory_plan(cfg, model_config, placement, v5e_2x2.hbm_bytes)
     weights = sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize

@@ -773,7 +773,9 @@ def _push(state: _State, pages_X) -> _State:
 # ------------------------------------------------------------------------- programs
 
 
-def _view(state: _State, rows_table, own_len, inst, *, grouped: bool, n: int) -> paged.PagedView:
+def _view(
+    state: _State, rows_table, own_len, inst, *, grouped: bool, n: int, fresh: bool = False
+) -> paged.PagedView:
     pool_pages = state.free_N.shape[0]
     # The prompt part is each prompt's full pages; its last, partly filled page is copied
     # into each sequence's first own page (`_copy_tails`).
@@ -808,6 +810,7 @@ def _view(state: _State, rows_table, own_len, inst, *, grouped: bool, n: int) ->
         prompt_pages=jnp.max(jnp.sum(table_IxM < pool_pages, axis=1)),
         own_widths=paged.buckets(rows_table.shape[1]),
         prompt_widths=paged.buckets(table_IxM.shape[1]),
+        fresh=fresh,
     )
 
 
@@ -829,7 +832,8 @@ def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_c
     table_QxM = jnp.where(used_QxM, ids, n_pages)
     state = _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config)
     none_Q = jnp.full((prompts,), prompts, jnp.int32)
-    view = _view(state, table_QxM, jnp.zeros(prompts, jnp.int32), none_Q, grouped=False, n=1)
+    view = _view(state, table_QxM, jnp.zeros(prompts, jnp.int32), none_Q, grouped=False, n=1,
+                 fresh=True)  # fmt: skip
     positions = jnp.broadcast_to(jnp.arange(width), (prompts, width))
     hidden, pool = model_lib.apply(
         params, model_config, tokens, positions, valid, hidden_only=True, paged=(pool, view)
