@@ -389,11 +389,10 @@ ROLLOUT_MODES = ("sync", "async")
 ROLLOUT_ENGINES = ("auto", *engines.ENGINES)  # m2po_jax/rollout/engines/
 # rollout.engine=auto takes the paged engine from this completion budget on. Measured on this
 # project's CPU side by side (docs/benchmarks.md, benchmarks/rollout_bench.py): completions
-# that all run to 32 or 64 new tokens decode 1.09-1.12x faster in the static sampler than in
-# either continuous-batching engine; long-tailed lengths (mean ~40, cap 512) 3.48x faster in
-# the paged engine than the static sampler and 1.42x than the continuous engine, at half the
-# continuous engine's KV memory (the static sampler decodes every row until its batch's
-# longest ends).
+# that all run to 32 or 64 new tokens decode 1.09-1.17x faster in the static sampler than in
+# the paged engine; long-tailed lengths (mean ~40, cap 512) 2.78x faster in the paged engine
+# than the static sampler and 1.17x than the continuous engine, at half the continuous
+# engine's KV memory (the static sampler decodes every row until its batch's longest ends).
 AUTO_PAGED_MIN_NEW_TOKENS = 128
 
 
