@@ -66,6 +66,18 @@ class MemoryPlan:
         weights)."""
         return self.total - self.kv_cache - self.sampling_weights
 
+    @property
+    def sampling(self) -> int:
+        """What a rollout holds: the train state (params and optimizer, resident between
+        steps), the sampler's weights and its KV cache or engine."""
+        return self.params + self.optimizer + self.sampling_weights + self.kv_cache
+
+    @property
+    def peak(self) -> int:
+        """The larger of the two phases (`train_step`, `sampling`): a run that samples and
+        trains on the same devices holds one of them at a time."""
+        return max(self.train_step, self.sampling)
+
     def format(self) -> str:
         """A small table in MiB."""
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape)
@@ -73,6 +85,7 @@ class MemoryPlan:
         for name in _FIELDS:
             rows.append(f"  {name:<17}{getattr(self, name) / 2**20:>12.2f} MiB")
         rows.append(f"  {'total':<17}{self.total / 2**20:>12.2f} MiB")
+        rows.append(f"  {'peak (phases)':<17}{self.peak / 2**20:>12.2f} MiB")
         return "\n".join(rows)
 
 
@@ -123,8 +136,10 @@ def memory_plan(
       the two layouts are the same (one device, or data-parallel only) or without a
       sampler (`kv_cache_batch` 0). With fsdp and no tensor axis every device then holds
       all the weights: the TPU compiler refuses Qwen3-8B's on a 16 GiB v5e chip.
-    `total` adds everything, an upper bound for a trainer that samples and trains on the
-    same devices; `train_step` leaves the KV cache out.
+    `total` adds everything; `train_step` leaves the sampler's KV cache and weights out,
+    `sampling` is what a rollout holds (the train state, the sampler's weights and KV);
+    `peak`, the larger of the two, is what the start-up check holds a device to (a trainer
+    that samples and trains on the same devices holds one phase at a time).
 
     `shared_prompt` (the step plan's `loss_prompt`): the trunk runs each group's prompt
     once (G = micro_batch / group_size prompts, split over the batch shards when they

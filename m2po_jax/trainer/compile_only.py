@@ -255,7 +255,7 @@ class Report:
     mesh_shape: dict
     programs: list[Program]
     state_bytes: int  # params + optimizer state per device, train layout
-    plan_total: int  # the analytic memory plan's total (`memory.memory_plan`)
+    plan_total: int  # the analytic memory plan's peak of its phases (`MemoryPlan.peak`)
     roofline: dict
     widths: list[int]
 
@@ -554,7 +554,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         mesh_shape=dict(placement.mesh.shape),
         programs=programs,
         state_bytes=state_bytes,
-        plan_total=plan.total,
+        plan_total=plan.peak,
         roofline=roofline,
         widths=widths,
     )
@@ -798,7 +798,7 @@ def run(cfg: Config, topology: str = "", architecture: str = "", say=print) -> R
         plan, kwargs = setup_lib.memory_plan(cfg, model_config, placement, tgt.hbm_bytes)
         # The plan's knobs, against the chip's memory scaled by how far the plan is from
         # the compiler's figure for this run.
-        limit = int(tgt.hbm_bytes * plan.total / max(peak.peak_bytes, 1))
+        limit = int(tgt.hbm_bytes * plan.peak / max(peak.peak_bytes, 1))
         fixes = memory_check.remedies(model_config, placement.mesh, limit, **kwargs)
         advice = (
             "it would fit with " + "; or ".join(f.split(" (")[0] for f in fixes)

@@ -43,8 +43,8 @@ def remedies(
     found = []
 
     def note(setting: str, plan: memory_lib.MemoryPlan) -> bool:
-        if plan.total <= limit:
-            found.append(f"{setting} ({plan.total / 2**30:.2f} GiB)")
+        if plan.peak <= limit:
+            found.append(f"{setting} ({plan.peak / 2**30:.2f} GiB)")
             return True
         return False
 
@@ -93,7 +93,8 @@ def check_fits(
     device_memory_bytes: int | None = None,
     remedies: list[str] | None = None,
 ) -> int | None:
-    """Raise MemoryError when `plan.total` exceeds the device memory.
+    """Raise MemoryError when `plan.peak` (the larger of the train step's and a rollout's
+    memory: they are not held at once) exceeds the device memory.
 
     Args:
       plan: from `memory_plan`.
@@ -107,7 +108,7 @@ def check_fits(
     limit = device_memory_bytes if device_memory_bytes is not None else device_memory_limit()
     if limit is None:
         return None
-    if plan.total > limit:
+    if plan.peak > limit:
         advice = (
             "it would fit with " + "; or ".join(remedies)
             if remedies
@@ -115,7 +116,7 @@ def check_fits(
             "sequence, or fewer rows per step"
         )
         raise MemoryError(
-            f"estimated {plan.total / 2**30:.3f} GiB ({plan.total} bytes) per device exceeds "
+            f"estimated {plan.peak / 2**30:.3f} GiB ({plan.peak} bytes) per device exceeds "
             f"the device memory {limit / 2**30:.3f} GiB ({limit} bytes); {advice}:\n"
             f"{plan.format()}"
         )

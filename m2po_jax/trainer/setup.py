@@ -184,16 +184,17 @@ def kv_budget(
     limit: int | None,
 ) -> int:
     """Bytes per device the paged engine's default pool may take: POOL_MEMORY_FRACTION of
-    `limit` less the memory plan's other lines (the train state, the step's activations,
-    the sampling weights, the engine's buffers beside its pool), at least 1; 0 (no cap)
-    where `limit` is None, `rollout.kv_pages` is set or the run's engine is not paged.
-    Under async rollouts the plan is the train devices' (an upper bound on the rollout
-    devices', which hold no train state)."""
+    `limit` less what a rollout holds beside the pool (the memory plan's `sampling` phase:
+    the train state, the sampling weights, the engine's other buffers; the train step's
+    activations are not held while it samples), at least 1; 0 (no cap) where `limit` is
+    None, `rollout.kv_pages` is set or the run's engine is not paged. Under async rollouts
+    the plan is the train devices' (an upper bound on the rollout devices', which hold no
+    train state)."""
     if limit is None or cfg.rollout.kv_pages or config_lib.rollout_engine(cfg) != "paged":
         return 0
     shards = _engine_shards(placement.mesh)
     one_page = _page_bytes(cfg, model_config, placement)
-    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].total - one_page
+    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].sampling - one_page
     return max(int(POOL_MEMORY_FRACTION * limit) - others, 1)
 
 
@@ -464,7 +465,7 @@ def check_memory(
     plan, kwargs = memory_plan(cfg, model_config, placement, limit)
     if jax.process_index() == 0:
         metrics_lib.say(f"memory plan per device:\n{plan.format()}")
-    if limit is not None and plan.total > limit:
+    if limit is not None and plan.peak > limit:
         fixes = memory_check.remedies(model_config, placement.mesh, limit, **kwargs)
         memory_check.check_fits(plan, limit, fixes)
     return plan

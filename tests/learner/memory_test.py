@@ -172,7 +172,12 @@ def test_a_run_that_does_not_fit_is_told_which_setting_fits():
     plan = memory.memory_plan(big_vocab, fsdp8, **sampled)
     assert plan.sampling_weights == big_vocab.num_params() * 4
     assert plan.sampling_weights > max(plan.logits, plan.optimizer, plan.activations)
-    limit = plan.total - plan.sampling_weights // 3
+    assert plan.peak == plan.sampling  # a rollout, not the train step, is the peak
+    swapped = sharding.make_mesh(
+        {"data": 1, "fsdp": 4, "tensor": 2}, fsdp8.devices.flatten().tolist()
+    )
+    limit = memory.memory_plan(big_vocab, swapped, **sampled).peak
+    assert limit < plan.peak
     fixes = memory_check.remedies(big_vocab, fsdp8, limit, **sampled)
     assert fixes and fixes[0].startswith("mesh.fsdp=4 mesh.tensor=2"), fixes
 

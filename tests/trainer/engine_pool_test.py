@@ -57,7 +57,7 @@ def test_the_default_pool_takes_what_the_plan_leaves_of_the_device(shape):
     # A device whose 90% holds the plan with about half of the slots' completions.
     _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least * full["shards"]}), placement, None)
     page = engine.page_bytes
-    half = least_plan.total + (full["pages"] - least) // 2 * page
+    half = least_plan.sampling + (full["pages"] - least) // 2 * page
     limit = int(half / setup_lib.POOL_MEMORY_FRACTION)
     engine, size, plan, kwargs = _pool(cfg, placement, limit)
     assert engine.kv_budget > 0
@@ -73,9 +73,9 @@ def test_the_default_pool_takes_what_the_plan_leaves_of_the_device(shape):
         shards=size["shards"], tensor=shape["tensor"] if shape else 1,
     )  # fmt: skip
     fraction = setup_lib.POOL_MEMORY_FRACTION * limit
-    assert plan.total <= fraction + 8 * size["pages"] < plan.total + page
+    assert plan.sampling <= fraction + 8 * size["pages"] < plan.sampling + page
     # A roomy device: the whole default, as without a limit.
-    assert _pool(cfg, placement, 100 * roomy_plan.total)[1]["pages"] == full["pages"]
+    assert _pool(cfg, placement, 100 * roomy_plan.peak)[1]["pages"] == full["pages"]
     # A pool the config sets is the config's, whatever the device.
     set_cfg = _cfg(**{"rollout.kv_pages": 2 * least * full["shards"]},
                    **({"mesh.data": 2, "mesh.tensor": 2} if shape else {}))  # fmt: skip
@@ -89,9 +89,9 @@ def test_a_device_without_room_for_the_least_pool_is_refused():
     _, full, _, _ = _pool(cfg, placement, None)
     least = full["pages"] - (full["slots"] - 1) * full["own"]
     _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least}), placement, None)
-    limit = int(least_plan.total * 0.95)  # not even the prompts and one completion fit
+    limit = int(least_plan.sampling * 0.95)  # a rollout with the least pool does not fit
     engine, size, plan, _ = _pool(cfg, placement, limit)
-    assert size["pages"] == least and plan.total > limit
+    assert size["pages"] == least and plan.peak > limit
     small = _cfg(**{"mesh.device_memory_gib": limit / 2**30})
     with pytest.raises(MemoryError, match="exceeds the device memory"):
         setup_lib.check_memory(small, MODEL, placement)
