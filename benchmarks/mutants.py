@@ -1049,6 +1049,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "the prompts' prefill attends through the pages (XLA) instead of splash on a TPU",
     ),
     Mutant(
+        "plan-peak-sums-the-phases",
+        "m2po_jax/learner/memory.py",
+        "        return max(self.train_step, self.sampling)",
+        "        return self.total",
+        (T("tests/learner/memory_test.py", "which_setting_fits"),),
+        "the start-up check holds a device to the train step and a rollout summed, as if "
+        "both were held at once",
+    ),
+    Mutant(
+        "pool-budget-counts-the-train-step",
+        "m2po_jax/trainer/setup.py",
+        "    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].sampling - one_page",
+        "    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].total - one_page",
+        (T("tests/trainer/engine_pool_test.py", "plan_leaves"),),
+        "the paged engine's pool leaves room for the train step's activations, which are not "
+        "held while it samples",
+    ),
+    Mutant(
         "paged-budget-pages-half-size",
         "m2po_jax/rollout/engines/paged.py",
         "        cap = self.kv_budget // self.page_bytes if self.kv_budget else None",

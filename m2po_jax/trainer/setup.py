@@ -23,10 +23,9 @@ from m2po_jax.common.types import PromptGroups, TrainBatch
 from m2po_jax.learner import batching, memory, optim
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import hf_format, lora, quant
+from m2po_jax.models import hf_format, lora, paged, quant
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
-from m2po_jax.models import paged
 from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.parallel import placement as placement_lib

@@ -138,7 +138,9 @@ def test_a_rows_page_list_is_its_context_as_the_kernel_reads_it():
     q = jnp.asarray(rng.normal(size=(5, 1, h, d)), jnp.float32)
     want = np.asarray(paged.attend(q, kv, view))[:4, 0]
     page_list, lengths = paged.row_pages(view, PG, 1)
-    np.testing.assert_array_equal(np.asarray(lengths)[:4], np.add(full, 0)[[0, 1, 1, 0]] + np.asarray(own_len[:4]) + 1)
+    np.testing.assert_array_equal(
+        np.asarray(lengths)[:4], np.add(full, 0)[[0, 1, 1, 0]] + np.asarray(own_len[:4]) + 1
+    )
     np.testing.assert_array_equal(np.asarray(page_list)[0, :5], [0, 1, *own_table[0][:3]])
     np.testing.assert_array_equal(np.asarray(page_list)[1, :4], [3, *own_table[1][:3]])
     got = rpa.ref_ragged_paged_attention(

@@ -163,7 +163,9 @@ def test_the_paged_engines_decode_runs_the_ragged_paged_attention_kernel(v5e_2x2
     program = compile_only.compile_program(probe.name, probe.what, probe.jitted, params, start)
     assert program.kernels >= 1 and not program.error
     size = engine.sizes(cfg.rollout.batch_size, width, n)
-    r = compile_only._paged_roofline(v5e_2x2, model_config, program, engine, size, width, n, weights)
+    r = compile_only._paged_roofline(
+        v5e_2x2, model_config, program, engine, size, width, n, weights
+    )
     assert r["paged_kernel"] and r["paged_bytes"] >= r["paged_floor_bytes"] > weights
     assert r["paged_tokens_s"] == pytest.approx(
         size["slots"] / 2 / (r["paged_bytes"] / v5e_2x2.hbm_bandwidth)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from configs import arith
 from m2po_jax import config as config_lib
 from m2po_jax.learner import memory
 from m2po_jax.models import model_config as model_config_lib
@@ -15,8 +16,6 @@ from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engines, sampling
 from m2po_jax.trainer import setup as setup_lib
-
-from configs import arith
 
 MODEL = model_config_lib.ModelConfig(
     vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -55,7 +54,9 @@ def test_the_default_pool_takes_what_the_plan_leaves_of_the_device(shape):
     assert engine.name == "paged" and engine.kv_budget == 0
     least = full["pages"] - (full["slots"] - 1) * full["own"]  # the prompts and one completion
     # A device whose 90% holds the plan with about half of the slots' completions.
-    _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least * full["shards"]}), placement, None)
+    _, _, least_plan, _ = _pool(
+        _cfg(**{"rollout.kv_pages": least * full["shards"]}), placement, None
+    )
     page = engine.page_bytes
     half = least_plan.sampling + (full["pages"] - least) // 2 * page
     limit = int(half / setup_lib.POOL_MEMORY_FRACTION)
