@@ -543,7 +543,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         tgt, model_config, train, decode, sample_params, rows, seq_len, sampler_placement
     )
     run = next((p for p in programs if p.name == "paged_decode_step"), None)
-    if roofline and run is not None:
+    if roofline and run is not None:  # the probe was compiled: `step_params` is its weights
         size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
         weights = _bytes_per_device(step_params)
         roofline |= _paged_roofline(

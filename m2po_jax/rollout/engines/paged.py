@@ -985,21 +985,10 @@ def _decode(
     slots = jnp.arange(state.job_S.shape[0])
     own_table = state.own_table_SxM.at[slots, col_S].set(page_S, mode="drop")
     state = _copy_tails(state.replace(own_table_SxM=own_table), need_S & first_S, inst_S, page_S)
-    inst_S = jnp.where(live_S, inst_S, prompts)
-    view = _view(state, own_table, own_len_S, inst_S, grouped=True, n=n)
-    positions = (state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + state.step_S - 1)[:, None]
-    logits, pool = model_lib.apply(
-        params,
-        model_config,
-        state.last_token_S[:, None],
-        positions,
-        live_S[:, None],
-        last_only=True,
-        paged=(state.pool, view),
-    )
+    logits, pool = _model_pass(params, state, live_S, own_len_S, model_config=model_config, n=n)
     job_S = jnp.where(live_S, state.job_S, jobs)
     token_S, logp_S = sampling.sample_token(
-        logits[:, 0], _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
+        logits, _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
     )
     stop_S = live_S & sampling.is_stop(token_S, sampling_config.stop_token_ids)
     ends_S = stop_S | (live_S & (state.step_S + 1 >= sampling_config.max_new_tokens))
@@ -1024,21 +1013,31 @@ def _decode(
     )
 
 
-def _model_step(params, state: _State, *, model_config, n):
-    """The model's pass of one decode step over every slot as it stands (`_decode` runs
-    it between its page bookkeeping and the sampling): the decode roofline's probe.
-    Returns (next-token logits [S, V], the state with the step's keys and values
-    written)."""
+def _model_pass(params, state: _State, live_S, own_len_S, *, model_config, n):
+    """The model's pass of a decode step: each live slot's pending token at own position
+    `own_len_S` (its pages already taken), written into its pages and attended. Returns
+    (next-token logits [S, V], the new pool)."""
     prompts = state.prompt_len_I.shape[0]
-    inst_S = jnp.where(state.live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
-    own_len_S = _tails(state, inst_S) + state.step_S - 1
+    inst_S = jnp.where(live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
     view = _view(state, state.own_table_SxM, own_len_S, inst_S, grouped=True, n=n)
     positions = state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + state.step_S - 1
     logits, pool = model_lib.apply(
         params, model_config, state.last_token_S[:, None], positions[:, None],
-        state.live_S[:, None], last_only=True, paged=(state.pool, view),
+        live_S[:, None], last_only=True, paged=(state.pool, view),
     )  # fmt: skip
-    return logits[:, 0], state.replace(pool=pool)
+    return logits[:, 0], pool
+
+
+def _model_step(params, state: _State, *, model_config, n):
+    """`_decode`'s model pass over every slot as it stands (no page bookkeeping, no
+    sampling): the decode roofline's probe. Returns (next-token logits [S, V], the state
+    with the step's keys and values written)."""
+    prompts = state.prompt_len_I.shape[0]
+    own_len_S = _tails(state, jnp.minimum(state.job_S // n, prompts - 1)) + state.step_S - 1
+    logits, pool = _model_pass(
+        params, state, state.live_S, own_len_S, model_config=model_config, n=n
+    )
+    return logits, state.replace(pool=pool)
 
 
 def _run(
