@@ -467,7 +467,7 @@ class CausalLM(nn.Module):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
                 if paged is not None:
                     pool, view = paged
-                    cache_kv = paged_lib.PagedLayer(pool.kv[i], view, valid_BxT)
+                    cache_kv = paged_lib.PagedLayer(pool.kv[i], view, valid_BxT, pool.layout)
                 if prefix is not None:
                     cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
                 layer = layer_cls(c, impl, widths, name=f"layers_{i}")
@@ -487,7 +487,7 @@ class CausalLM(nn.Module):
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_BxS=key_valid_BxS)
         if paged is not None:
-            new_cache = paged_lib.PagedPool(kv=tuple(new_k))
+            new_cache = paged[0].replace(kv=tuple(new_k))
         if return_kv:  # [L, B, K, T, D] each: a `Prefix` for rows that continue these
             return x, (new_k, new_v)
         if hidden_only:  # the caller applies the head (`logprobs.py`, in chunks)

@@ -1,6 +1,13 @@
-"""The Pallas TPU kernel for one decode step over a paged KV cache.
+"""The Pallas kernels for one decode step over a paged KV cache: TPU and GPU.
 
     out_BxHxD = tpu_decode_attention(q_BxHxD, kv, kv_lens_B, page_indices_BxM, sm_scale=d**-0.5)
+    out_BxHxD = gpu_decode_attention(q_BxHxD, k, v, kv_lens_B, page_indices_BxM, sm_scale=...)
+
+GPU: jax's Triton paged attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`)
+over the pool's split layout (keys and values [K, NP, PG, D] each, `paged.py`); power-of-two
+head dims and page sizes (`gpu_decode_supported`). It compiles for an H100 through jax's
+CUDA plugin with no GPU attached, and runs in Pallas' interpreter on a CPU (the tests).
+The rest of this doc is the TPU kernel's.
 
 jax's ragged paged attention kernel (`jax.experimental.pallas.ops.tpu.
 ragged_paged_attention`), called with one query token per sequence (`cu_q_lens` =
@@ -270,29 +277,155 @@ def tpu_decode_attention_sharded(
         queries_per_block=queries_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
     )
+
+    def specs(rows, heads):  # q, kv, kv_lens, page_indices; the output is q's
+        return P(rows, heads, None), P(rows, None, heads, None), P(rows), P(rows, None)
+
+    return _on_free_axes(
+        "tpu_decode_attention_sharded", call, specs, mesh, kv_NPxPGx2KxD.shape[0],
+        kv_NPxPGx2KxD.shape[2] // 2, q_BxHxD, kv_NPxPGx2KxD, kv_lens_B, page_indices_BxM,
+    )  # fmt: skip
+
+
+def _on_free_axes(name, call, specs, mesh, n_pages, kv_heads, q_BxHxD, *args):
+    """`call(q_BxHxD, *args)` in `jax.shard_map` over the mesh's axes not manual already:
+    sequences (and the pool's pages) over the batch axes, heads over "tensor" when it
+    divides the kv heads. `specs(rows, heads)` gives the in_specs (q's first, and it is
+    the output's)."""
     mesh = target_mesh() if mesh is None else mesh
     if mesh is None or mesh.size == 1 or mesh.are_all_axes_manual:
-        return call(q_BxHxD, kv_NPxPGx2KxD, kv_lens_B, page_indices_BxM)
+        return call(q_BxHxD, *args)
     manual = set(mesh.manual_axes)
     free = [a for a in mesh.axis_names if a not in manual]
     size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     rows = tuple(a for a in BATCH_AXES if a in free and size[a] > 1)
     shards = math.prod(size[a] for a in rows)
-    b, n_pages = q_BxHxD.shape[0], kv_NPxPGx2KxD.shape[0]
+    b = q_BxHxD.shape[0]
     if b % shards or n_pages % shards:
         raise ValueError(
-            f"tpu_decode_attention_sharded: {b} sequences and {n_pages} pages, expected "
+            f"{name}: {b} sequences and {n_pages} pages, expected "
             f"both to divide over the {shards} batch shards of {rows}"
         )
     tensor = size["tensor"] if "tensor" in free else 1
-    heads = "tensor" if tensor > 1 and (kv_NPxPGx2KxD.shape[2] // 2) % tensor == 0 else None
-    rows_axes = rows or None
-    q_spec = P(rows_axes, heads, None)
+    heads = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
+    in_specs = specs(rows or None, heads)
     return jax.shard_map(
-        call,
-        mesh=mesh,
-        in_specs=(q_spec, P(rows_axes, None, heads, None), P(rows_axes), P(rows_axes, None)),
-        out_specs=q_spec,
-        axis_names=set(free),
+        call, mesh=mesh, in_specs=in_specs, out_specs=in_specs[0], axis_names=set(free),
         check_vma=False,
-    )(q_BxHxD, kv_NPxPGx2KxD, kv_lens_B, page_indices_BxM)
+    )(q_BxHxD, *args)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPU_DTYPES = ("float32", "bfloat16", "float16")
+GPU_BLOCK_TOKENS = 64  # keys per compute block (pages_per_compute_block x page size)
+GPU_MAX_SPLITS = 16  # jax's default k_splits: partitions of a sequence's pages
+
+
+def _gpu_kernel(*args, **kwargs):
+    """jax's Triton `paged_attention` (`jax.experimental.pallas.ops.gpu`)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    return paged_attention.paged_attention(*args, **kwargs)
+
+
+def _why_gpu_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype) -> str | None:
+    """Why the GPU kernel cannot take these shapes, or None (Triton blocks are powers of
+    two: the head dim, and a compute block of whole pages of at least 16 keys)."""
+    if jnp.dtype(dtype).name not in GPU_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name}, expected one of {GPU_DTYPES}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim}, expected a power of two >= 16"
+    if page_size < 1 or page_size & (page_size - 1) or page_size > GPU_BLOCK_TOKENS:
+        return f"page_size {page_size}, expected a power of two <= {GPU_BLOCK_TOKENS}"
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        return f"{num_q_heads} query heads, expected a multiple of the {num_kv_heads} kv heads"
+    return None
+
+
+def gpu_decode_supported(
+    page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, tensor: int = 1
+) -> bool:
+    """Whether the GPU kernel takes these shapes (else use the XLA path, `paged.attend`);
+    `tensor` as for `tpu_decode_supported`."""
+    heads = _local_heads(num_q_heads, num_kv_heads, tensor)
+    return _why_gpu_unsupported(page_size, *heads, head_dim, dtype) is None
+
+
+def gpu_decode_block_sizes(page_size: int, pages_per_seq: int) -> tuple[int, int, int]:
+    """(pages_per_compute_block, k_splits, padded pages per sequence): compute blocks of
+    `GPU_BLOCK_TOKENS` keys (at least 16), as many partitions of a sequence as it has
+    blocks (at most `GPU_MAX_SPLITS`), the page table padded to whole partitions."""
+    block = max(GPU_BLOCK_TOKENS // page_size, 1)
+    blocks = -(-pages_per_seq // block)
+    splits = min(blocks, GPU_MAX_SPLITS)
+    per_split = -(-blocks // splits) * block
+    return block, splits, per_split * splits
+
+
+def gpu_decode_attention(
+    q_BxHxD: jax.Array,
+    k_KxNPxPGxD: jax.Array,
+    v_KxNPxPGxD: jax.Array,
+    kv_lens_B: jax.Array,
+    page_indices_BxM: jax.Array,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+) -> jax.Array:
+    """One decode step of every sequence by jax's Triton paged attention kernel.
+
+    The same attention as `tpu_decode_attention`, over keys and values in the pool's split
+    layout ([K, NP, PG, D] each, `paged.py`). The kernel has no scale: q is scaled first.
+    Page ids are clamped to [0, NP) and the table padded to the kernel's partitions
+    (`gpu_decode_block_sizes`); columns beyond a sequence's length are masked by the
+    kernel. A sequence of length 0 gives 0.
+
+    `interpret`: run the kernel in Pallas' interpreter (on a CPU, for tests).
+
+    Raises:
+      ValueError: shapes that do not match or that the kernel cannot take; the message
+        names them.
+    """
+    b, h, d = q_BxHxD.shape
+    kh, n_pages, page_size, d_kv = k_KxNPxPGxD.shape
+    m = page_indices_BxM.shape[-1]
+    if (
+        v_KxNPxPGxD.shape != k_KxNPxPGxD.shape or d_kv != d or kv_lens_B.shape != (b,)
+        or page_indices_BxM.shape != (b, m)
+    ):  # fmt: skip
+        raise ValueError(
+            f"gpu_decode_attention: q {q_BxHxD.shape}, k {k_KxNPxPGxD.shape}, v "
+            f"{v_KxNPxPGxD.shape}, kv_lens {kv_lens_B.shape}, page_indices "
+            f"{page_indices_BxM.shape}; expected [B, H, D], [K, NP, PG, D] twice, [B], [B, M]"
+        )
+    dtype = k_KxNPxPGxD.dtype
+    reason = _why_gpu_unsupported(page_size, h, kh, d, dtype)
+    if reason:
+        raise ValueError(f"gpu_decode_attention: k {k_KxNPxPGxD.shape}: {reason}")
+    block, splits, padded = gpu_decode_block_sizes(page_size, m)
+    pages_BxM = jnp.clip(page_indices_BxM.astype(jnp.int32), 0, n_pages - 1)
+    pages_BxM = jnp.pad(pages_BxM, ((0, 0), (0, padded - m)))
+    lengths_B = jnp.clip(kv_lens_B.astype(jnp.int32), 0, m * page_size)
+    out = _gpu_kernel(
+        (q_BxHxD * sm_scale).astype(dtype), k_KxNPxPGxD, v_KxNPxPGxD, pages_BxM, lengths_B,
+        block_h=16, pages_per_compute_block=block, k_splits=splits, interpret=interpret,
+    )  # fmt: skip
+    return jnp.where((kv_lens_B > 0)[:, None, None], out, 0).astype(q_BxHxD.dtype)
+
+
+def gpu_decode_attention_sharded(
+    q_BxHxD, k_KxNPxPGxD, v_KxNPxPGxD, kv_lens_B, page_indices_BxM, *, sm_scale, mesh=None
+) -> jax.Array:
+    """`gpu_decode_attention` on every device's sequences and heads of a mesh, split as
+    `tpu_decode_attention_sharded` splits them (pages on axis 1, kv heads on axis 0)."""
+    call = functools.partial(gpu_decode_attention, sm_scale=sm_scale)
+
+    def specs(rows, heads):
+        kv = P(heads, rows, None, None)
+        return P(rows, heads, None), kv, kv, P(rows), P(rows, None)
+
+    return _on_free_axes(
+        "gpu_decode_attention_sharded", call, specs, mesh, k_KxNPxPGxD.shape[1],
+        k_KxNPxPGxD.shape[0], q_BxHxD, k_KxNPxPGxD, v_KxNPxPGxD, kv_lens_B, page_indices_BxM,
+    )  # fmt: skip

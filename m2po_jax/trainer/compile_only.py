@@ -11,8 +11,8 @@ engine's programs (`RolloutEngine.programs`), the greedy evaluation, one decode
 step, and in an async run the rollout and train devices split as the trainer splits them.
 Nothing is allocated: every argument is a `jax.ShapeDtypeStruct` with its sharding.
 
-Per program it reports compile seconds, XLA's memory analysis per chip, the Mosaic kernels
-in the compiled code (`tpu_custom_call`), and the peak it holds with what stays resident
+Per program it reports compile seconds, XLA's memory analysis per chip, the kernels in the
+compiled code (Mosaic `tpu_custom_call`s, cuDNN attention, Triton calls), and the peak it holds with what stays resident
 beside it (the train state while the sampler runs). The run fits when the largest peak is
 within the chip's HBM (`chips.py`); when it is not, `check` raises `MemoryError` naming a
 setting that would fit. A roofline follows from XLA's cost analysis and the chip's peak
@@ -45,6 +45,10 @@ from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engines, sampling
 
 _GIB = 2**30
+# The kernels a compiled program calls: Mosaic (Pallas TPU), cuDNN attention, Triton (Pallas GPU).
+KERNEL_CALL = re.compile(
+    r"custom_call_target=\"(tpu_custom_call|__cudnn\$fmha\w*|__gpu\$xla\.gpu\.triton)"
+)
 
 
 # ----------------------------------------------------------------------------- devices
@@ -162,7 +166,7 @@ class Program:
     temp_bytes: int
     flops: float
     bytes_accessed: float
-    kernels: int  # Mosaic (Pallas TPU) or cuDNN attention custom calls in the compiled code
+    kernels: int  # Mosaic (Pallas TPU), cuDNN attention or Triton custom calls in the code
     resident_beside: int = 0  # bytes resident on the chip while it runs, not its arguments
     compiled: Any = dataclasses.field(default=None, repr=False)
     error: str = ""  # the compiler's refusal (out of HBM): the program does not fit
@@ -218,7 +222,7 @@ def compile_program(name: str, what: str, jitted, *args, **kwargs) -> Program:
         temp_bytes=int(memory.temp_size_in_bytes),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        kernels=len(re.findall(r"custom_call_target=\"(tpu_custom_call|__cudnn\$fmha)", text)),
+        kernels=len(KERNEL_CALL.findall(text)),
         compiled=compiled,
     )
 

@@ -236,3 +236,131 @@ def test_the_sharded_kernel_compiles_for_a_v5e_2x2_mesh(v5e_2x2):
     text = _compile(mesh, specs.get, engine, 8, 4, 2, 16, 8, 64).as_text()
     kernel_call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
     assert "bf16[4,2,128]" in kernel_call and "bf16[32,16,2,128]" in kernel_call
+
+
+# ----------------------------------------------------------------------------- GPU
+# jax's Triton paged attention kernel runs in Pallas' interpreter on a CPU: its numerics
+# are checked here, in the pool's split layout ([K, NP, PG, D] keys and values).
+
+
+def _split(kv_NxPxCxD):
+    """The interleaved case as the split layout's keys and values, [K, NP, PG, D] each."""
+    return kv_NxPxCxD[:, :, 0::2].transpose(2, 0, 1, 3), kv_NxPxCxD[:, :, 1::2].transpose(
+        2, 0, 1, 3
+    )
+
+
+def _interpreted(monkeypatch, seen=None):
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    def kernel(q, k, v, pages, lens, **kw):
+        if seen is not None:
+            seen.append(
+                (
+                    q.shape,
+                    k.shape,
+                    pages.shape,
+                    {a: kw[a] for a in ("pages_per_compute_block", "k_splits")},
+                )
+            )
+        return paged_attention.paged_attention(q, k, v, pages, lens, **{**kw, "interpret": True})
+
+    monkeypatch.setattr(pk, "_gpu_kernel", kernel)
+
+
+def test_gpu_kernel_matches_numpy_in_the_interpreter(monkeypatch):
+    """Ragged lengths, "no page" ids beyond a length, an empty slot (exactly 0), and a
+    page table padded to the kernel's partitions (16 pages of 4 tokens: 4-page compute
+    blocks: M = 4 pages here, one block in one partition, the table padded to 16)."""
+    seen = []
+    _interpreted(monkeypatch, seen)
+    q, kv, lens, pages = make_case(np.random.default_rng(3))
+    k, v = _split(kv)
+    out = pk.gpu_decode_attention(q, k, v, lens, pages, sm_scale=SCALE)
+    np.testing.assert_allclose(out, numpy_decode(q, kv, lens, pages, SCALE), atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(out)[4])
+    assert seen[0][3] == dict(pages_per_compute_block=16, k_splits=1) and seen[0][2] == (B, 16)
+
+
+def test_gpu_kernel_long_tables_split_into_partitions(monkeypatch):
+    """37 pages of 4 tokens per sequence: 16-page compute blocks, 3 partitions, the
+    table padded to 48 pages; lengths up to the whole table."""
+    seen = []
+    _interpreted(monkeypatch, seen)
+    rng = np.random.default_rng(4)
+    m, n_pages, b = 37, 120, 3
+    q = rng.standard_normal((b, H, D)).astype(np.float32)
+    kv = rng.standard_normal((n_pages, PG, 2 * K, D)).astype(np.float32)
+    lens = np.asarray([m * PG, 65, 5], np.int32)
+    pages = np.stack([rng.choice(n_pages, m, replace=False) for _ in range(b)]).astype(np.int32)
+    k, v = _split(kv)
+    out = pk.gpu_decode_attention(q, k, v, lens, pages, sm_scale=SCALE)
+    want = numpy_decode(q, kv, lens, pages, SCALE)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    assert pk.gpu_decode_block_sizes(PG, m) == (16, 3, 48)
+    assert seen[0][2] == (b, 48) and seen[0][3] == dict(pages_per_compute_block=16, k_splits=3)
+
+
+def test_gpu_sharded_splits_sequences_pools_and_heads(monkeypatch):
+    """data=2 x tensor=2 through the interpreter: each device its 6 sequences, its own 12
+    pages (local ids) and one kv head with its 2 query heads."""
+    seen = []
+    _interpreted(monkeypatch, seen)
+    (q, kv, lens, pages), expected = _split_case(np.random.default_rng(5), shards=2)
+    k, v = _split(kv)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        call = functools.partial(pk.gpu_decode_attention_sharded, sm_scale=SCALE)
+        out = jax.jit(call)(q, k, v, lens, pages)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert seen[0][:2] == ((B, H // 2, D), (1, 12, PG, D))
+
+
+def test_gpu_shapes_the_kernel_cannot_take_raise_naming_them():
+    q, kv, lens, pages = make_case(np.random.default_rng(6))
+    k, v = _split(kv)
+    with pytest.raises(ValueError, match=r"head_dim 96, expected a power of two"):
+        pk.gpu_decode_attention(q[..., :96], k[..., :96], v[..., :96], lens, pages, sm_scale=SCALE)
+    with pytest.raises(ValueError, match=r"expected \[B, H, D\], \[K, NP, PG, D\] twice"):
+        pk.gpu_decode_attention(q, k, v[:1], lens, pages, sm_scale=SCALE)
+    with pytest.raises(ValueError, match="dtype int32"):
+        pk.gpu_decode_attention(
+            q, k.astype(np.int32), v.astype(np.int32), lens, pages, sm_scale=SCALE
+        )
+    assert pk.gpu_decode_supported(16, 32, 8, 128, jnp.bfloat16, tensor=4)
+    assert not pk.gpu_decode_supported(12, 32, 8, 128, jnp.bfloat16)  # page size not 2^k
+    assert not pk.gpu_decode_supported(16, 32, 8, 80, jnp.bfloat16)
+
+
+def test_attend_on_a_gpu_runs_the_kernel_on_each_rows_page_list(monkeypatch):
+    """A decode step traced for a GPU in the split layout goes through the Triton kernel
+    (interpreted here) over `row_pages`, and gives the XLA path's output; multi-token
+    calls and the interleaved layout stay on the XLA path."""
+    from m2po_jax.models import attention_kernels, paged
+
+    calls = []
+    _interpreted(monkeypatch, calls)
+    rng = np.random.default_rng(7)
+    n_pages, pg, none = 40, 4, 40
+    kv = jnp.asarray(rng.normal(size=(2, K, n_pages, pg, 16)), jnp.float32)
+    view = paged.PagedView(
+        own_table_BxM=jnp.asarray([[5, 6, none], [7, none, none], [none] * 3], jnp.int32),
+        own_len_B=jnp.asarray([5, 1, 0], jnp.int32),
+        inst_B=jnp.asarray([0, 1, 2], jnp.int32),
+        prompt_table_IxM=jnp.asarray([[0, 1], [2, none]], jnp.int32),
+        prompt_len_I=jnp.asarray([8, 4], jnp.int32),
+        members_IxN=None, rank_B=None,
+        own_pages=jnp.int32(2), prompt_pages=jnp.int32(2),
+        own_widths=(1, 2, 3), prompt_widths=(1, 2),
+    )  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(3, 1, H, 16)), jnp.float32)
+    valid = jnp.asarray([[True], [True], [False]])
+    want = paged.attend(q, kv, view, valid, layout="split")  # the XLA path on a CPU
+    assert not calls
+    monkeypatch.setattr(attention_kernels, "target_platform", lambda: "gpu")
+    got = paged.attend(q, kv, view, valid, layout="split")
+    assert len(calls) == 1 and calls[0][0] == (3, H, 16)
+    np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], atol=1e-5)
+    assert not np.any(np.asarray(got)[2])  # the empty slot
+    paged.attend(jnp.concatenate([q, q], 1), kv, view, valid.repeat(2, 1), layout="split")
+    assert len(calls) == 1

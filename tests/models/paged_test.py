@@ -48,15 +48,19 @@ def _right_padded(seqs, width):
     return tokens, valid
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_qk_norm"])
-def test_paged_rows_see_their_shared_prompt_and_their_own_tokens(name):
+@pytest.mark.parametrize(
+    "name, layout",
+    [("llama_gqa", "split"), ("qwen3_qk_norm", "split"), ("llama_gqa", "interleaved")],
+)
+def test_paged_rows_see_their_shared_prompt_and_their_own_tokens(name, layout):
     config = CONFIGS[name]
     params = random_params(config, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 61, 5).tolist(), rng.integers(1, 61, 7).tolist()]
     apply = jax.jit(M.apply, static_argnums=(1,), static_argnames=("last_only",))
     dense = lambda seq: np.asarray(apply(params, config, jnp.asarray([seq]))[0])
-    pool = paged.init_pool(config, pages=64, page_size=PG)
+    pool = paged.init_pool(config, pages=64, page_size=PG, layout=layout)
+    assert pool.layout == layout
     none = pool.pages
 
     # The prompts: rows without a prompt whose own pages are the instances' prompt pages.
@@ -137,6 +141,10 @@ def test_a_rows_page_list_is_its_context_as_the_kernel_reads_it():
     view = _view(own_table, own_len, inst, prompt_table, full, grouped=True, n=2)
     q = jnp.asarray(rng.normal(size=(5, 1, h, d)), jnp.float32)
     want = np.asarray(paged.attend(q, kv, view))[:4, 0]
+    # The split layout ([2, K, NP, PG, D]: keys, then values) attends the same.
+    split = jnp.stack([kv[:, :, 0::2], kv[:, :, 1::2]]).transpose(0, 3, 1, 2, 4)
+    got_split = np.asarray(paged.attend(q, split, view, layout="split"))[:4, 0]
+    np.testing.assert_allclose(got_split, want, atol=1e-6)
     page_list, lengths = paged.row_pages(view, PG, 1)
     np.testing.assert_array_equal(
         np.asarray(lengths)[:4], np.add(full, 0)[[0, 1, 1, 0]] + np.asarray(own_len[:4]) + 1

@@ -263,3 +263,23 @@ def test_the_dry_runs_train_step_call_is_the_trainers_with_a_kl_penalty(
     shape = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
     assert shape(dry_ref) == shape(trainer.ref_params)
     assert (dry_ref is None) == bool(lora_rank)
+
+
+@pytest.mark.skipif(
+    not __import__("m2po_jax.parallel.gpu_targets").parallel.gpu_targets.cuda_plugin_installed(),
+    reason="jax's CUDA plugin is not installed (pip install 'jax[cuda12-local]' nvidia-cudnn-cu12)",
+)
+def test_the_paged_engines_decode_runs_the_triton_kernel_on_gpus():
+    """h100:2 (fsdp x tensor), rollout.engine=paged: the pool takes the split layout and
+    the decode loop's attention is jax's Triton paged attention kernel (a Triton custom
+    call), the heads split over tensor. (XLA attention elsewhere: no cuDNN needed.)"""
+    changes = {"rollout.engine": "paged", "gconfig.max_new_tokens": 256, "model.attention": "xla"}
+    cfg = _cfg(tensor=2, **changes)
+    said = []
+    report = compile_only.dry_run(cfg, _model(cfg), compile_only.target("h100:2"), say=said.append)
+    by_name = {p.name: p for p in report.programs}
+    run, resume = by_name["engine_run"], by_name["engine_resume"]
+    assert not run.error and run.kernels >= 1
+    assert "__gpu$xla.gpu.triton" in run.compiled.as_text()
+    assert "paged_attention" in run.compiled.as_text()
+    assert resume.kernels == 0  # multi-token calls: the XLA path

@@ -186,10 +186,11 @@ def test_on_a_mesh_the_engine_gives_the_rows_of_one_device(params, sampled, cont
     # Each device holds its shard's pages only: the pool is split 4 ways by pages,
     programs, _ = engine._compiled(len(TOKENS), WIDTH, N)
     state = programs["prefill"](sharded_params, tokens, valid, np.int32(0))
-    pool_k = state.pool.kv[0]
-    assert pool_k.shape[0] == 36
-    # and its KV heads split over "tensor" (a head's keys and values together: 2 of 2K).
-    assert {s.data.shape for s in pool_k.addressable_shards} == {(9, PG, 2, pool_k.shape[3])}
+    pool_k = state.pool.kv[0]  # [2, K, NP, PG, D]: the split layout off a TPU
+    assert state.pool.layout == "split" and pool_k.shape[2] == 36
+    # and its KV heads split over "tensor" (1 of the 2 per device).
+    k, d = CONFIG.num_kv_heads, pool_k.shape[4]
+    assert {s.data.shape for s in pool_k.addressable_shards} == {(2, k // 2, 9, PG, d)}
     assert len(pool_k.addressable_shards) == mesh.size
 
 
@@ -238,7 +239,7 @@ def test_on_a_mesh_the_programs_compile_from_their_sharded_abstract_arguments(pa
         args = [outputs[a.program] if isinstance(a, OutputOf) else a for a in program.args]
         outputs[program.name] = program.jitted.lower(*args).compile().out_info
     pool_k = outputs["engine_prefill"].pool.kv[0]
-    assert pool_k.shape[0] == 36 and pool_k.sharding.shard_shape(pool_k.shape)[:3] == (9, PG, 2)
+    assert pool_k.shape[2] == 36 and pool_k.sharding.shard_shape(pool_k.shape)[:4] == (2, 1, 9, PG)
 
 
 def test_a_short_pool_preempts_the_youngest_sequences_as_few_as_cover_the_need():
@@ -412,3 +413,36 @@ def test_a_slow_answer_holds_back_its_own_episode_only(params, continuous_episod
     print(f"blocking {blocked_s:.2f}s, non-blocking {free_s:.2f}s, "
           f"{free.decode_steps_while_waiting} of {free.decode_steps} decode steps while waiting")  # fmt: skip
     assert free_s < blocked_s - 0.5, (free_s, blocked_s)
+
+
+def test_on_a_gpu_the_triton_kernels_decode_gives_the_same_rollouts(
+    params, sampled, continuous, monkeypatch
+):
+    """Traced for a GPU, the decode steps run jax's Triton paged attention kernel (in
+    Pallas' interpreter here) over the split pool: greedy rows are the static sampler's,
+    and a pool short enough to preempt gives the continuous engine's sampled rows."""
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    from m2po_jax.models import attention_kernels, paged_kernels
+
+    calls = []
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return paged_attention.paged_attention(*args, **{**kwargs, "interpret": True})
+
+    monkeypatch.setattr(paged_kernels, "_gpu_kernel", interpreted)
+    monkeypatch.setattr(attention_kernels, "target_platform", lambda: "gpu")
+    settings = sampling.SamplingConfig(max_new_tokens=10, greedy=True, pad_id=PAD,
+                                       stop_token_ids=(5, 17, 33))  # fmt: skip
+    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), settings, N)
+    got = PagedEngine(CONFIG, settings, slots=4, page_size=PG).generate(
+        params, TOKENS, VALID, jax.random.key(0), n_samples=N
+    )
+    assert calls and all(shape == (4, CONFIG.num_heads, CONFIG.dim_per_head) for shape in calls)
+    _assert_same_rollouts(jax.device_get(got.out), jax.device_get(want))
+    got = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=21).generate(
+        params, TOKENS, VALID, jax.random.key(3), n_samples=N
+    )
+    _assert_same_rollouts(jax.device_get(got.out), jax.device_get(continuous.out))
+    assert got.preemptions > 0

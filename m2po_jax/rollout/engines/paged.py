@@ -331,7 +331,7 @@ class PagedEngine(RolloutEngine):
         lanes = min(self.insert_lanes or max(slots // 4, 1), slots)
         return dict(
             slots=slots, lanes=lanes, own=own, prompt=prompt, pages=pages, page_size=pg,
-            jobs=rows, shards=shards,
+            jobs=rows, shards=shards, layout=paged.layout_for(self.mesh),
         )  # fmt: skip
 
     def _compiled(self, prompts, width, n_samples, turns=False) -> tuple[dict, dict]:
@@ -781,7 +781,8 @@ def _view(
     # into each sequence's first own page (`_copy_tails`).
     table_IxM = state.prompt_table_IxM
     len_I = state.prompt_len_I - state.prompt_len_I % state.pool.page_size
-    members_IxN = rank_B = None
+    members_IxN = rank_B = live = None
+    instance_widths = ()
     if grouped:
         # Only the instances with a live row: at most one per row, so a step with fewer
         # rows than prompts reads min(I, B) prompts' pages, not every prompt's.
@@ -796,6 +797,10 @@ def _view(
             live_C = jnp.minimum(live_C, instances - 1)
             table_IxM = jnp.where(real_C[:, None], table_IxM[live_C], pool_pages)
             len_I = jnp.where(real_C, len_I[live_C], 0)
+            # Live ones first: a step reads as many as are live (bucketed from a full
+            # group's rows: rows / n when every live row's group is whole).
+            live = jnp.sum(real_C, dtype=jnp.int32)
+            instance_widths = paged.buckets(rows, smallest=-(-rows // n))
         members_IxN, rank_B = paged.members(inst, table_IxM.shape[0], n)
     own_pages = jnp.max(jnp.sum(rows_table < pool_pages, axis=1))  # free rows hold none
     return paged.PagedView(
@@ -810,6 +815,8 @@ def _view(
         prompt_pages=jnp.max(jnp.sum(table_IxM < pool_pages, axis=1)),
         own_widths=paged.buckets(rows_table.shape[1]),
         prompt_widths=paged.buckets(table_IxM.shape[1]),
+        instances=live,
+        instance_widths=instance_widths,
         fresh=fresh,
     )
 
@@ -820,7 +827,7 @@ def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_c
     tokens_QxP, valid_QxP = tokens_QxP.astype(jnp.int32), valid_QxP.astype(bool)
     prompts, width = tokens_QxP.shape
     n_pages, per = size["pages"], size["prompt"]
-    pool = paged.init_pool(model_config, n_pages, size["page_size"])
+    pool = paged.init_pool(model_config, n_pages, size["page_size"], layout=size["layout"])
     len_Q = jnp.sum(valid_QxP, axis=1, dtype=jnp.int32)
     # Left-padded -> from column 0 (the pages hold real tokens only).
     col_QxP = jnp.minimum(jnp.arange(width)[None] + (width - len_Q)[:, None], width - 1)
@@ -1315,6 +1322,10 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
         rows, rep = P(row_axes(mesh)), P()
         names = [field.name for field in dataclasses.fields(_State)]
         state = _State(**dict.fromkeys(names, rows)).replace(prefill_version=rep)
+        if size["layout"] == paged.SPLIT:  # [2, K, NP, PG, D]: pages on the third axis
+            layers = model_config.num_layers
+            pages = P(None, None, row_axes(mesh))
+            state = state.replace(pool=paged.PagedPool(kv=(pages,) * layers, layout=paged.SPLIT))
         specs = {  # (in_specs, out_specs) by phase
             "prefill": ((rep, rows, rows, rep), state),
             "start": ((state, rep, rows, rows), state),
@@ -1326,13 +1337,15 @@ def _programs(model_config, sampling_config, n_samples, size, mesh, turns=False)
         # Manual over the row axes; "tensor" is left to XLA, the pool's KV heads split over
         # it (when they divide) and the params as they come (the sampling layout).
         tensor = mesh.shape.get("tensor", 1)
-        heads = P(None, None, "tensor") if model_config.num_kv_heads % tensor == 0 else P()
         manual = set(row_axes(mesh))
 
         def split_heads(fn):
             def constrained(*args):  # the state, or (..., the state)
                 out = fn(*args)
                 state = out[-1] if isinstance(out, tuple) else out
+                heads = P()
+                if model_config.num_kv_heads % tensor == 0:
+                    heads = P(*[None] * state.pool.heads_axis, "tensor")
                 pool = jax.tree.map(
                     lambda x: jax.lax.with_sharding_constraint(x, heads), state.pool
                 )
