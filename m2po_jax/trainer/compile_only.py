@@ -43,6 +43,7 @@ from m2po_jax.parallel import chips as chips_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engines, sampling
+from m2po_jax.trainer import hlo_traffic
 
 _GIB = 2**30
 # The kernels a compiled program calls: Mosaic (Pallas TPU), cuDNN attention, Triton (Pallas GPU).
@@ -347,8 +348,10 @@ class Report:
                 "paged_kernel"] else "the XLA path"  # fmt: skip
             lines.append(
                 f"roofline, one paged decode step ({r['paged_slots']} slots per batch shard, "
-                f"each {r['paged_live']} tokens live; {reads}): reads "
-                f"{r['paged_bytes'] / 1e9:.2f} GB per device against weights + unique live KV "
+                f"each {r['paged_live']} tokens live; {reads}): moves "
+                f"{r['paged_bytes'] / 1e9:.2f} GB per device to and from HBM (XLA's cost "
+                f"analysis, which also counts on-chip copies: {r['paged_cost_bytes'] / 1e9:.2f}"
+                f" GB) against weights + unique live KV "
                 f"{r['paged_floor_bytes'] / 1e9:.2f} GB ({r['paged_ratio']:.2f}x) -> at least "
                 f"{r['paged_bound_s'] * 1e3:.2f} ms, {r['paged_tokens_s']:.0f} tokens/s per "
                 f"device at most"
@@ -707,12 +710,13 @@ def _paged_roofline(
     tgt, model_config, run: Program, engine, size, prompt_len, n_samples, weights
 ) -> dict:
     """Lower bound of one decode step of the paged engine on `tgt`'s chip, every slot live
-    with its whole prompt and half the completion budget: what the step reads per device
-    (XLA's cost analysis of `engine_run`, which counts its loop body once: the weights, the
-    cache write and the bookkeeping; plus, where the decode attention is the Mosaic
-    kernel, whose reads the cost analysis does not count, each sequence's pages, its
-    prompt's shared pages read again per sequence) against the floor: the weights and the
-    unique live KV (each group's prompt pages once)."""
+    with its whole prompt and half the completion budget: what the step (the probe `run`)
+    moves to and from HBM per device (`hlo_traffic.hbm_bytes` of its compiled HLO: the
+    weights, the cache write and the bookkeeping; plus, where the decode attention is the
+    Mosaic kernel, which that count leaves out, each sequence's pages, its prompt's
+    shared pages read again per sequence) against the floor: the weights and the unique
+    live KV (each group's prompt pages once). `paged_cost_bytes`: the same with XLA's cost
+    analysis instead, which also counts the on-chip copies of the weights."""
     if tgt.chip is None or run.error or not run.bytes_accessed:
         return {}
     c = model_config
@@ -726,13 +730,15 @@ def _paged_roofline(
     kernel = slots * (prompt_len + completion) * token if run.kernels else 0
     groups = -(-slots // n_samples)  # the prompts of the live sequences
     floor = weights + (groups * prompt_len + slots * completion) * token
-    step = run.bytes_accessed + kernel
+    hbm = hlo_traffic.hbm_bytes(run.compiled.as_text()) if run.compiled is not None else 0.0
+    step = (hbm or run.bytes_accessed) + kernel
     seconds = step / tgt.hbm_bandwidth
     return dict(
         paged_slots=slots,
         paged_live=prompt_len + completion,
         paged_kernel=bool(run.kernels),
         paged_bytes=step,
+        paged_cost_bytes=run.bytes_accessed + kernel,
         paged_floor_bytes=floor,
         paged_ratio=step / floor,
         paged_bound_s=seconds,
