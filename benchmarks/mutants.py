@@ -1024,6 +1024,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "of: those tokens are attended twice",
     ),
     Mutant(
+        "paged-resume-chunk-forgets-earlier-chunks",
+        "m2po_jax/rollout/engines/paged.py",
+        "        view = _view(state.replace(pool=pool), table_LxM, tail_L + start, inst_L,",
+        "        view = _view(state.replace(pool=pool), table_LxM, tail_L, inst_L,",
+        (T("tests/rollout/paged_engine_test.py", "sampled_rows"),),
+        "a resume's chunk writes its tokens over the first chunk's and attends as if no "
+        "chunk came before it",
+    ),
+    Mutant(
         "paged-kernel-never-chosen",
         "m2po_jax/models/paged.py",
         '    if t != 1 or platform not in ("tpu", "gpu"):',

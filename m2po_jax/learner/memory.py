@@ -21,7 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from m2po_jax.learner import logprobs
-from m2po_jax.models import attention, lora, quant
+from m2po_jax.models import attention, lora, paged, quant
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -396,8 +396,9 @@ def engine_bytes(
       decode step reads one layer's cache at a time (S x (P + N) x c / layers);
     - paged: the pool (`pages` x page size x c; 0 = every prompt's pages and every slot's
       whole completion, the engine's default), page tables, logits and output rows; its
-      prefill runs Q x P tokens, its resume (the widest: lanes x the completion's width
-      rounded to a power of two) lanes x W tokens over W + P columns.
+      prefill runs Q x P tokens, its resume (lanes sequences recomputed up to the
+      completion's width W rounded to a power of two) chunks of lanes x min(W, 256) tokens
+      (`paged.RESUME_CHUNK`) over W + P columns.
     A multi-token pass holds per token ~(2E + (H + 2K) D + 2F) activations in the compute
     dtype and, per query head, float32 scores and probabilities over the columns it reads.
     `shards`, `tensor`: the paged engine on a mesh (`PagedEngine.shards` batch shards, a
@@ -443,7 +444,8 @@ def engine_bytes(
     prefill = held + tokens(prompts, prompt_len, 2 * prompt_cols)
     lanes = min(insert_lanes or max(slots // 4, 1), slots)
     width = max(8, 1 << max(max_new - 1, 0).bit_length())
-    resume = held + tokens(lanes, width, min(width, own * page_size) + prompt_cols)
+    chunk = min(width, paged.RESUME_CHUNK)
+    resume = held + tokens(lanes, chunk, min(width, own * page_size) + prompt_cols)
     step = slots * own * page_size + min(prompts, slots) * prompt_cols
     run = held + step * column // c.num_layers
     return int(max(prefill, resume, run))

@@ -54,6 +54,9 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
+# Tokens a preempted sequence's recompute runs per model pass (the paged engine's resume):
+# a power of two; the memory plan counts a chunk's activations and scores.
+RESUME_CHUNK = 256
 INTERLEAVED, SPLIT = "interleaved", "split"
 _PAGES_AXIS = {INTERLEAVED: 0, SPLIT: 2}
 

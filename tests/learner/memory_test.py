@@ -239,3 +239,31 @@ def test_engine_plan_is_within_15_percent_of_xla(engine, pages, shards):
         shards=shards, tensor=2 if shards > 1 else 1,
     )  # fmt: skip
     assert 0.85 <= plan / xla <= 1.15, [(p.name, p.held_bytes - weights) for p in programs]
+
+
+def test_a_resume_in_chunks_holds_one_chunks_activations(monkeypatch):
+    """1,024 new tokens: the paged engine's resume recomputes a preempted sequence in
+    chunks of `paged.RESUME_CHUNK` tokens; XLA:CPU holds about a quarter for chunks of 256
+    of what one pass over the whole width holds, and the plan's figure falls with it."""
+    from m2po_jax.models import model as model_lib
+    from m2po_jax.models import paged
+    from m2po_jax.rollout import engines, sampling
+    from m2po_jax.trainer import compile_only
+
+    config = model_config_lib.ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    params = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0)))
+    settings = sampling.SamplingConfig(max_new_tokens=1024, stop_token_ids=(3,))
+    held = {}
+    for size in (1024, 256):
+        monkeypatch.setattr(paged, "RESUME_CHUNK", size)
+        built = engines.PagedEngine(config, settings, slots=16, pages=200)
+        programs = compile_only._compile_engine(built, params, 16, 4, 64)
+        resume = next(p for p in programs if p.name == "engine_resume")
+        plan = memory.engine_bytes(config, "paged", prompts=16, n_samples=4, prompt_len=64,
+                                   max_new=1024, slots=16, pages=200)  # fmt: skip
+        held[size] = (resume.held_bytes, plan)
+    assert held[1024][0] > 150e6  # one pass: the whole width's scores
+    assert held[256][0] < 0.35 * held[1024][0] and held[256][1] < 0.35 * held[1024][1]

@@ -61,14 +61,18 @@ def test_greedy_equals_the_static_sampler(params):
     assert got.preemptions == 0 and got.live_steps == int(np.sum(want.completion_len_B - 1))
 
 
-@pytest.mark.parametrize("pages", [0, 21])
+@pytest.mark.parametrize("pages, chunk", [(0, 256), (21, 256), (21, 4)])
 def test_sampled_rows_are_the_continuous_engines_and_a_forward_s_preempted_or_not(
-    params, sampled, continuous, pages
+    params, sampled, continuous, pages, chunk, monkeypatch
 ):
     """The same keys give the continuous engine's tokens; the behaviour log-probs equal a
     teacher-forced forward over the whole row. With 21 pages (the 12 prompts take 17, a
     completion up to 4 with its prompt's partly filled last page copied) sequences are
-    preempted, recomputed, and give the same rows."""
+    preempted, recomputed, and give the same rows; also when the recompute runs in chunks
+    of 4 tokens (up to 3 of them: each attends to the pages the ones before it wrote)."""
+    from m2po_jax.models import paged
+
+    monkeypatch.setattr(paged, "RESUME_CHUNK", chunk)
     engine = PagedEngine(CONFIG, sampled, slots=4, page_size=PG, pages=pages)
     got = engine.generate(params, TOKENS, VALID, jax.random.key(3), n_samples=N)
     out = jax.device_get(got.out)

@@ -1137,8 +1137,10 @@ def _resumable_now(state: _State) -> jax.Array:
 
 def _resume(params, state: _State, job_L, version, *, model_config, sampling_config, n, width):
     """Resumes preempted sequences `job_L` (J: unused lane) in free slots: their tokens so
-    far but the last are recomputed into new pages by one prefill; the last is pending,
-    as a decode step left it."""
+    far but the last are recomputed into new pages by a prefill in chunks of
+    `paged.RESUME_CHUNK` tokens (each attends to the pages the chunks before it wrote: the
+    activations and scores held are a chunk's, not the whole width's); the last is
+    pending, as a decode step left it."""
     del version
     slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
     n_pages = state.free_N.shape[0]
@@ -1160,13 +1162,28 @@ def _resume(params, state: _State, job_L, version, *, model_config, sampling_con
     state = _copy_tails(state, need_LxM[:, 0], inst_L, table_LxM[:, 0])
     tokens_LxW = jnp.take(state.tokens_JxN[j_L], jnp.arange(width), axis=1, mode="fill",
                           fill_value=sampling_config.pad_id)  # fmt: skip
-    valid_LxW = (jnp.arange(width)[None] < own_L[:, None]) & use_L[:, None]
-    view = _view(state, table_LxM, tail_L, inst_L, grouped=False, n=n)
-    positions = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)][:, None] + jnp.arange(width)
-    _, pool = model_lib.apply(
-        params, model_config, tokens_LxW, positions, valid_LxW, hidden_only=True,
-        paged=(state.pool, view),
-    )  # fmt: skip
+    prompt_L = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)]
+    chunk = min(width, paged.RESUME_CHUNK)  # both powers of two: chunks tile the width
+
+    def recompute(carry):  # chunk c: columns c * chunk .. into the pages after its own
+        c, pool = carry
+        start = c * chunk
+        cols = start + jnp.arange(chunk)
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_LxW, start, chunk, axis=1)
+        valid = (cols[None] < own_L[:, None]) & use_L[:, None]
+        view = _view(state.replace(pool=pool), table_LxM, tail_L + start, inst_L,
+                     grouped=False, n=n)  # fmt: skip
+        _, pool = model_lib.apply(
+            params, model_config, tokens, prompt_L[:, None] + cols, valid, hidden_only=True,
+            paged=(pool, view),
+        )  # fmt: skip
+        return c + 1, pool
+
+    if chunk == width:  # one pass (no loop: XLA holds less around it)
+        _, pool = recompute((0, state.pool))
+    else:
+        chunks = -(-jnp.max(own_L) // chunk)
+        _, pool = jax.lax.while_loop(lambda cp: cp[0] < chunks, recompute, (0, state.pool))
     slot_go = jnp.where(use_L, slot_L, slots)
     job_go = jnp.where(use_L, job_L, jobs)
     age_L = state.admitted_1[0] + jnp.arange(lanes, dtype=jnp.int32)
