@@ -1033,6 +1033,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk came before it",
     ),
     Mutant(
+        "plan-leaves-out-the-evaluation-engine",
+        "m2po_jax/trainer/setup.py",
+        "            held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
+        "            0 * held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
+        (T("tests/trainer/engine_pool_test.py", "evaluation_engine"),),
+        "the memory plan counts the rollouts' engine only: an evaluation of more sequences "
+        "gets a pool sized without its own buffers and overfills the device",
+    ),
+    Mutant(
         "paged-kernel-never-chosen",
         "m2po_jax/models/paged.py",
         '    if t != 1 or platform not in ("tpu", "gpu"):',
@@ -1069,8 +1078,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pool-budget-counts-the-train-step",
         "m2po_jax/trainer/setup.py",
-        "    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].sampling - one_page",
-        "    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].total - one_page",
+        "    return max(int(POOL_MEMORY_FRACTION * limit) - (plan.sampling - one_page), 1)",
+        "    return max(int(POOL_MEMORY_FRACTION * limit) - (plan.total - one_page), 1)",
         (T("tests/trainer/engine_pool_test.py", "plan_leaves"),),
         "the paged engine's pool leaves room for the train step's activations, which are not "
         "held while it samples",
@@ -1086,8 +1095,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "plan-pool-one-shard",
         "m2po_jax/trainer/setup.py",
-        "        pages = shards * engines.pool_pages(prompt, slots, own, cap)",
-        "        pages = engines.pool_pages(prompt, slots, own, cap)",
+        "    return shards * engines.pool_pages(prompt, slots, own, cap)",
+        "    return engines.pool_pages(prompt, slots, own, cap)",
         (T("tests/trainer/engine_pool_test.py", "plan_leaves"),),
         "the memory plan counts one batch shard's pool where the mesh has several",
     ),

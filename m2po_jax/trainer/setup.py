@@ -184,8 +184,9 @@ def kv_budget(
 ) -> int:
     """Bytes per device the paged engine's default pool may take: POOL_MEMORY_FRACTION of
     `limit` less what a rollout holds beside the pool (the memory plan's `sampling` phase:
-    the train state, the sampling weights, the engine's other buffers; the train step's
-    activations are not held while it samples), at least 1; 0 (no cap) where `limit` is
+    the train state, the sampling weights, the engine's other buffers, the rollouts' or the
+    evaluation's, whichever hold more; the train step's activations are not held while it
+    samples), at least 1; 0 (no cap) where `limit` is
     None, `rollout.kv_pages` is set or the run's engine is not paged. Under async rollouts
     the plan is the train devices' (an upper bound on the rollout devices', which hold no
     train state)."""
@@ -193,8 +194,8 @@ def kv_budget(
         return 0
     shards = _engine_shards(placement.mesh)
     one_page = _page_bytes(cfg, model_config, placement)
-    others = _memory_plan(cfg, model_config, placement, pages=shards)[0].sampling - one_page
-    return max(int(POOL_MEMORY_FRACTION * limit) - others, 1)
+    plan = _memory_plan(cfg, model_config, placement, pages=shards, eval_pages=shards)[0]
+    return max(int(POOL_MEMORY_FRACTION * limit) - (plan.sampling - one_page), 1)
 
 
 def _page_bytes(cfg: Config, model_config, placement) -> int:
@@ -402,23 +403,31 @@ def memory_plan(
     """The run's analytic per-device memory plan, and the `memory.memory_plan` keyword
     arguments it was made with (for `memory_check.remedies`); a paged engine's default pool
     as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped)."""
-    pages = cfg.rollout.kv_pages
+    pages = eval_pages = cfg.rollout.kv_pages
     budget = kv_budget(cfg, model_config, placement, limit)
     if budget:
-        r, shards = cfg.rollout, _engine_shards(placement.mesh)
-        page = r.page_size
-        local = r.batch_size // shards
-        rows = local * cfg.gconfig.n_samples
-        slots = min(r.engine_slots // shards or rows, rows)
-        prompt = local * -(-cfg.task.max_prompt_len // page)
-        own = engines.own_pages(cfg.gconfig.max_new_tokens, page)
         cap = budget // _page_bytes(cfg, model_config, placement)
-        pages = shards * engines.pool_pages(prompt, slots, own, cap)
-    return _memory_plan(cfg, model_config, placement, pages)
+        pages = _pool_pages(cfg, placement, cfg.rollout.batch_size, cfg.gconfig.n_samples, cap)
+        eval_pages = _pool_pages(cfg, placement, cfg.eval.batch_size, cfg.eval.n_samples, cap)
+    return _memory_plan(cfg, model_config, placement, pages, eval_pages)
 
 
-def _memory_plan(cfg: Config, model_config, placement, pages: int):
-    """`memory_plan` with the paged engine's pool at `pages` pages (0: its default)."""
+def _pool_pages(cfg: Config, placement, prompts: int, n_samples: int, cap: int) -> int:
+    """The pages of a paged engine's default pool for `prompts` x `n_samples` within `cap`
+    pages per batch shard, on all shards (`PagedEngine.sizes`)."""
+    r, shards = cfg.rollout, _engine_shards(placement.mesh)
+    local = prompts // shards
+    rows = local * n_samples
+    slots = min(r.engine_slots // shards or rows, rows)
+    prompt = local * -(-cfg.task.max_prompt_len // r.page_size)
+    own = engines.own_pages(cfg.gconfig.max_new_tokens, r.page_size)
+    return shards * engines.pool_pages(prompt, slots, own, cap)
+
+
+def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: int = 0):
+    """`memory_plan` with the paged engine's pool at `pages` pages (0: its default) for the
+    rollouts and `eval_pages` for the evaluation (the same engine, its own batch): the
+    engine's line is the larger of the two."""
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
     kwargs = dict(
         batch=rows_mb,
@@ -432,19 +441,23 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int):
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):
         r = cfg.rollout
-        kwargs["kv_cache_bytes"] = memory.engine_bytes(
+        held = functools.partial(
+            memory.engine_bytes,
             model_config,
             engine,
-            prompts=r.batch_size,
-            n_samples=cfg.gconfig.n_samples,
             prompt_len=cfg.task.max_prompt_len,
             max_new=cfg.gconfig.max_new_tokens,
             slots=r.engine_slots,
-            pages=pages if engine == "paged" else 0,
             page_size=r.page_size,
             insert_lanes=r.insert_lanes,
             shards=_engine_shards(placement.mesh) if engine == "paged" else 1,
             tensor=1 if placement.mesh is None else placement.mesh.shape.get("tensor", 1),
+        )
+        if engine != "paged":
+            pages = eval_pages = 0
+        kwargs["kv_cache_bytes"] = max(
+            held(prompts=r.batch_size, n_samples=cfg.gconfig.n_samples, pages=pages),
+            held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),
         )
     return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
 

@@ -140,9 +140,8 @@ def test_default_and_presets_build():
             preset = config_lib.from_configdict(module.get_config(name))
             engine = "paged" if preset.gconfig.max_new_tokens >= 128 else "static"
             engine = "continuous" if preset.agent.env else engine
-            engine = "static" if name == "qwen3-4b-base" else engine  # paged: over the chip
             assert config_lib.rollout_engine(preset) == engine, name
-    assert config_lib.rollout_engine(m) == "static"  # the 4B: paged is over the chip
+    assert config_lib.rollout_engine(m) == "paged"
     small = config_lib.from_configdict(math_config.get_config("qwen3-1.7b-base"))
     assert config_lib.rollout_engine(small) == "paged"
     tools = config_lib.from_configdict(gsm8k.get_config("qwen2.5-0.5b,tools"))

@@ -103,3 +103,27 @@ def test_pool_pages_stays_between_the_least_pool_and_the_whole_default():
     assert engines.pool_pages(10, 4, 3, cap=17) == 17
     assert engines.pool_pages(10, 4, 3, cap=5) == 13  # the prompts and one completion
     assert engines.pool_pages(10, 4, 3, cap=100) == 22
+
+
+def test_the_evaluation_engine_counts_where_it_holds_more():
+    """An evaluation of 16 prompts x 8 (128 sequences) against rollouts of 8 x 4: the plan's
+    engine line is the evaluation's engine at the pool it takes, and on a device that
+    caps the pool the evaluation's engine with its pool stays within 90% of it by the
+    plan (the rollouts' figure alone would leave the evaluation's buffers out)."""
+    cfg = _cfg(**{"eval.batch_size": 16, "eval.n_samples": 8, "eval.temperature": 0.6})
+    placement = _placement(cfg)
+    _, _, roomy, _ = _pool(cfg, placement, None)
+    limit = int(0.8 * roomy.sampling / setup_lib.POOL_MEMORY_FRACTION)
+    engine, size, plan, kwargs = _pool(cfg, placement, limit)
+    evaluation = engine.sizes(16, cfg.task.max_prompt_len, 8)
+    held = dict(
+        prompt_len=cfg.task.max_prompt_len, max_new=cfg.gconfig.max_new_tokens,
+        slots=cfg.rollout.engine_slots, page_size=cfg.rollout.page_size,
+        insert_lanes=cfg.rollout.insert_lanes,
+    )  # fmt: skip
+    evaluating = memory.engine_bytes(MODEL, "paged", prompts=16, n_samples=8,
+                                     pages=evaluation["pages"], **held)  # fmt: skip
+    rolling = memory.engine_bytes(MODEL, "paged", prompts=cfg.rollout.batch_size,
+                                  n_samples=cfg.gconfig.n_samples, pages=size["pages"], **held)  # fmt: skip
+    assert kwargs["kv_cache_bytes"] == evaluating > rolling
+    assert plan.sampling <= setup_lib.POOL_MEMORY_FRACTION * limit
