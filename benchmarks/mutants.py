@@ -1042,6 +1042,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "gets a pool sized without its own buffers and overfills the device",
     ),
     Mutant(
+        "paged-page-copy-changes-the-pools-layout",
+        "m2po_jax/models/paged.py",
+        "        kv = tuple(kv.at[to_XxP, pos_XxP].set(kv[src_XxP, pos_XxP], mode=\"drop\")",
+        "        kv = tuple(kv.at[to_X].set(kv[src_XxP[:, 0]], mode=\"drop\")",
+        (T("tests/parallel/tpu_compile_test.py", "ragged_paged_attention_kernel"),),
+        "the prompt's tail page is copied by whole-page indexing: the TPU compiler changes "
+        "every layer's pool to another layout and back around it, each decode step",
+    ),
+    Mutant(
         "paged-kernel-never-chosen",
         "m2po_jax/models/paged.py",
         '    if t != 1 or platform not in ("tpu", "gpu"):',

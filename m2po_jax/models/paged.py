@@ -200,11 +200,16 @@ def interleave(k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array) -> jax.Array:
 def copy_pages(pool: PagedPool, from_X: jax.Array, to_X: jax.Array) -> PagedPool:
     """Every layer's page `to_X[x]` set to page `from_X[x]` (`to` NP: none)."""
     n = pool.pages
-    src = jnp.minimum(from_X, n - 1)
+    # Token rows (page, position), as `write` indexes them: whole-page indexing makes the
+    # TPU compiler change the pool's layout for it, a copy of every layer's pool.
+    src_XxP = jnp.minimum(from_X, n - 1)[:, None]
+    to_XxP, pos_XxP = to_X[:, None], jnp.arange(pool.page_size)[None]
     if pool.layout == SPLIT:
-        kv = tuple(kv.at[:, :, to_X].set(kv[:, :, src], mode="drop") for kv in pool.kv)
+        kv = tuple(kv.at[:, :, to_XxP, pos_XxP].set(kv[:, :, src_XxP, pos_XxP], mode="drop")
+                   for kv in pool.kv)  # fmt: skip
     else:
-        kv = tuple(kv.at[to_X].set(kv[src], mode="drop") for kv in pool.kv)
+        kv = tuple(kv.at[to_XxP, pos_XxP].set(kv[src_XxP, pos_XxP], mode="drop")
+                   for kv in pool.kv)  # fmt: skip
     return pool.replace(kv=kv)
 
 

@@ -8,6 +8,7 @@ The `tpu` extra installs libtpu, and `.ci/run` installs it; without it these tes
 
 import importlib.util
 import math
+import re
 
 import jax
 import pytest
@@ -145,6 +146,12 @@ def test_the_paged_engines_decode_runs_the_ragged_paged_attention_kernel(v5e_2x2
     assert not any(p.error for p in by_name.values())
     assert by_name["engine_run"].kernels >= 1
     assert "tpu_custom_call" in by_name["engine_run"].compiled.as_text()
+    # The decode loop updates the pool in place: no copy of a layer's pages (a `lax.cond`
+    # around a page copy, or whole-page indexing the compiler changes the layout for,
+    # copied every layer's pool every step).
+    size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, cfg.gconfig.n_samples)
+    layer = rf"bf16\[{size['pages']},{size['page_size']},2,128\]\S* copy\("
+    assert not re.search(layer, by_name["engine_run"].compiled.as_text())
     # The prompts' prefill attends with splash (inside the engine's shard_map over the
     # batch shards, the heads over tensor); the resume reads the prompt pages: XLA.
     assert by_name["engine_prefill"].kernels >= 1

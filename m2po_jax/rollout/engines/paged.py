@@ -1103,17 +1103,15 @@ def _tails(state: _State, inst_X) -> jax.Array:
 def _copy_tails(state: _State, copy_X, inst_X, page_X) -> _State:
     """Where `copy_X`: the prompt's partly filled last page copied into `page_X`, the
     sequence's first own page (vLLM's layout: the one copy a sample makes of its prompt).
-    Only steps where some sequence takes its first page pay for it."""
+    Every call reads X pages and writes those it copies (the others' writes are dropped),
+    with no branch around the pool: compiled for a TPU with whole-page copies, a
+    `lax.cond` here made XLA copy every layer's pool in both branches, every step."""
     pg, n_pages = state.pool.page_size, state.free_N.shape[0]
     inst = jnp.minimum(inst_X, state.prompt_len_I.shape[0] - 1)
     copy_X = copy_X & (_tails(state, inst) > 0)
     last_X = state.prompt_table_IxM[inst, state.prompt_len_I[inst] // pg]
     to_X = jnp.where(copy_X, page_X, n_pages)
-
-    def copy(pool):
-        return paged.copy_pages(pool, last_X, to_X)
-
-    return state.replace(pool=jax.lax.cond(jnp.any(copy_X), copy, lambda p: p, state.pool))
+    return state.replace(pool=paged.copy_pages(state.pool, last_X, to_X))
 
 
 def _resume_need(state: _State, job) -> jax.Array:
