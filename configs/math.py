@@ -57,8 +57,8 @@ def _qwen3_4b_base(c):
     c.rollout.batch_size = 32
     c.actor.ppo_n_minibatches = 8
     c.actor.mb_spec.max_tokens_per_mb = 8 * 2560
-    # rollout.engine=auto: the paged engine, its pool derived (compiled for v5e:4x4: 12.99
-    # GiB per chip at the peak, the evaluation's decode loop; the static sampler: 9.81).
+    # rollout.engine=auto: the paged engine, its pool derived (compiled for v5e:4x4: 8.54
+    # GiB per chip at the peak, the evaluation's resume; the static sampler: 9.81).
 
 
 PRESETS = {"qwen3-1.7b-base": _qwen3_17b_base, "qwen3-4b-base": _qwen3_4b_base}
