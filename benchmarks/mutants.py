@@ -1051,6 +1051,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "every layer's pool to another layout and back around it, each decode step",
     ),
     Mutant(
+        "gpu-paged-kernel-unscaled",
+        "m2po_jax/models/paged_kernels.py",
+        "        (q_BxHxD * sm_scale).astype(dtype), k_KxNPxPGxD, v_KxNPxPGxD, pages_BxM, lengths_B,",
+        "        q_BxHxD.astype(dtype), k_KxNPxPGxD, v_KxNPxPGxD, pages_BxM, lengths_B,",
+        (T("tests/models/paged_kernels_test.py", "gpu"),),
+        "the Triton kernel has no scale: q passed unscaled gives softmax(q k) instead of "
+        "softmax(q k / sqrt(D))",
+    ),
+    Mutant(
+        "hlo-traffic-in-place-update-counts-the-buffer",
+        "m2po_jax/trainer/hlo_traffic.py",
+        "        moved = _in_hbm(shapes.get(root.operands[_IN_PLACE[root.op]], \"\"))",
+        "        moved = _in_hbm(i.shape)",
+        (T("tests/trainer/hlo_traffic_test.py", "by_hand"),),
+        "an in-place cache write counted as a write of the whole pool, not of its update",
+    ),
+    Mutant(
         "paged-kernel-never-chosen",
         "m2po_jax/models/paged.py",
         '    if t != 1 or platform not in ("tpu", "gpu"):',
