@@ -228,6 +228,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.rejection_sampling.agg = "mean"  # sequence aggregation: sum | mean | max
     c.actor.rejection_sampling.upper = 5.0  # upper bound on the metric (inclusive)
     c.actor.rejection_sampling.lower = placeholder(float)  # lower bound (inclusive); None = none
+    # The weight of the tokens rejection sampling keeps (verl's algorithm.rollout_correction;
+    # its keys are read too: docs/algorithm.md): token (rho, AReaL) | sequence (the row's
+    # product of rho) | geometric (the row's geometric mean) | none (1)
+    c.actor.rollout_correction = ml_collections.ConfigDict()
+    c.actor.rollout_correction.is_level = "token"
+    # truncated importance sampling: weight = min(weight, is_threshold); None = untruncated
+    c.actor.rollout_correction.is_threshold = placeholder(float)
     c.actor.importance_sampling_level = "token"  # token (PPO) | sequence (GSPO)
     c.actor.use_sapo_loss = False  # SAPO soft gate (needs use_decoupled_loss=False)
     c.actor.sapo_tau_pos = 1.0  # SAPO temperature for positive advantages

@@ -4,7 +4,8 @@
 Semantics follow docs/algorithm.md ("The loss") and, where it is silent, AReaL's
 `areal/utils/functional/functional.py` (`ppo_actor_loss_fn`,
 `apply_rejection_sampling`, `_compute_sequence_level_ratio_and_advantages`,
-`sapo_loss_fn`) and `RejectionSamplingConfig` in `areal/api/cli_args.py`.
+`sapo_loss_fn`) and `RejectionSamplingConfig` in `areal/api/cli_args.py`; the rollout
+correction's weights follow verl's `algorithm.rollout_correction`.
 
 Deliberate differences from AReaL, all documented where they apply:
 - `rejection_sampling=None` still multiplies the loss by the behaviour weight
@@ -25,8 +26,11 @@ from jax.typing import ArrayLike
 
 # RS_* and build_rejection_sampling are re-exported: the correction is an option of the loss.
 from m2po_jax.algorithm.rejection import (
+    BehaviourWeights,
     RejectionSampling,
+    RolloutCorrection,
     behaviour_correction,
+    check_composition,
     row_mean,
 )
 from m2po_jax.common.checks import check_choice, is_number
@@ -54,12 +58,19 @@ def _checked_inputs(logp, prox, behav, adv, mask, valid):
     return logp, prox, behav, adv, mask.astype(bool), valid
 
 
-def _check_options(eps_clip, eps_clip_higher, c_clip, sapo_taus, rejection_sampling) -> None:
+def _check_options(
+    eps_clip, eps_clip_higher, c_clip, sapo_taus, rejection_sampling, rollout_correction
+) -> None:
     """Ranges of the concrete scalar options (traced ones are the caller's)."""
     if rejection_sampling is not None and not isinstance(rejection_sampling, RejectionSampling):
         raise TypeError(
             "rejection_sampling must be a RejectionSampling or None, got "
             f"{type(rejection_sampling).__name__}"
+        )
+    if not isinstance(rollout_correction, RolloutCorrection):
+        raise TypeError(
+            "rollout_correction must be a RolloutCorrection, got "
+            f"{type(rollout_correction).__name__}"
         )
     if eps_clip is None and eps_clip_higher is not None:
         raise ValueError(
@@ -131,19 +142,31 @@ class LossSettings:
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     denominator: str = "kept"
+    rollout_correction: RolloutCorrection = RolloutCorrection()  # noqa: B008 (frozen)
 
     def __post_init__(self):
         check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         check_choice("denominator", self.denominator, DENOMINATORS)
         taus = (self.sapo_tau_pos, self.sapo_tau_neg)
         _check_options(
-            self.eps_clip, self.eps_clip_higher, self.c_clip, taus, self.rejection_sampling
+            self.eps_clip,
+            self.eps_clip_higher,
+            self.c_clip,
+            taus,
+            self.rejection_sampling,
+            self.rollout_correction,
         )
         if self.use_sapo_loss and self.use_decoupled_loss:
             raise ValueError(
                 "use_sapo_loss=True is not compatible with use_decoupled_loss=True; "
                 "pass use_decoupled_loss=False (AReaL: actor.use_decoupled_loss=false)"
             )
+        check_composition(
+            self.rollout_correction,
+            self.rejection_sampling,
+            use_decoupled_loss=self.use_decoupled_loss,
+            use_sapo_loss=self.use_sapo_loss,
+        )
 
 
 def policy_loss(
@@ -163,6 +186,7 @@ def policy_loss(
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
     denominator: str = "kept",
+    rollout_correction: RolloutCorrection = RolloutCorrection(),  # noqa: B008 (frozen)
     valid_mask_BxT: ArrayLike | None = None,
     count: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict]:
@@ -173,8 +197,10 @@ def policy_loss(
     `L = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_higher))`,
     or `L = -A * r` without a ratio clip (`eps_clip=None`: the paper's M2PO variant),
     with dual clip (`c_clip > 1`) `L = min(L, c_clip * |A|)` where A < 0, then
-    `L *= rho` with `rho = stop_grad(exp(prox_logp - behav_logp))` after
-    `rejection_sampling` (see `RejectionSampling`; None keeps plain rho).
+    `L *= w` on the tokens `rejection_sampling` keeps (see `RejectionSampling`; None keeps
+    every token), with w the `rollout_correction` weight (see `RolloutCorrection`): by
+    default `rho = stop_grad(exp(prox_logp - behav_logp))`, else the row's product or
+    geometric mean of rho, or 1, each optionally truncated at `is_threshold`.
     Without the decoupled loss prox := behav (so rho = 1).
 
     GSPO (`importance_sampling_level="sequence"`): r and A are replaced on each token
@@ -203,10 +229,11 @@ def policy_loss(
       c_clip: dual-clip factor > 1, or None.
       use_decoupled_loss: AReaL's decoupled PPO; False sets prox := behav.
       importance_sampling_level: "token" or "sequence" (GSPO).
-      rejection_sampling: behaviour correction; None disables it.
+      rejection_sampling: which tokens the behaviour correction keeps; None keeps all.
       use_sapo_loss: SAPO instead of the clipped objective.
       sapo_tau_pos, sapo_tau_neg: SAPO temperatures (> 0).
       denominator: "kept" or "valid".
+      rollout_correction: the behaviour weight of the kept tokens (level, truncation).
       valid_mask_BxT: the mask before M2PO; required for denominator "valid".
       count: the denominator n, when it is counted over more tokens than these.
 
@@ -217,11 +244,14 @@ def policy_loss(
       "actor/loss", "actor/clip_fraction", "actor/clip_low_fraction",
       "actor/clip_high_fraction", "actor/dual_clip_fraction",
       "actor/importance_weight_{min,mean,max}" (r as used in the loss),
-      "actor/behav_weight_{mean,max}" (rho after correction),
+      "actor/behav_weight_{mean,max}" (the weight w as the loss takes it),
       "actor/approx_kl" (mean of r - 1 - log r over kept tokens with the token-level
       r = exp(logp - prox_logp): the k3 estimate of KL(prox || theta), >= 0),
       "actor/kept_tokens", "actor/rejected_tokens" (mask tokens dropped by the
-      correction), "actor/clamped_tokens" (kept tokens whose rho was clamped).
+      correction), "actor/clamped_tokens" (kept tokens whose rho was clamped),
+      "rollout_corr/is_mean" (mean of w before `is_threshold` over kept tokens),
+      "rollout_corr/is_truncated_fraction" (share of kept tokens whose w the threshold
+      cut), "rollout_corr/truncated_tokens" (their number).
     """
     settings = LossSettings(
         eps_clip=eps_clip,
@@ -234,6 +264,7 @@ def policy_loss(
         sapo_tau_pos=sapo_tau_pos,
         sapo_tau_neg=sapo_tau_neg,
         denominator=denominator,
+        rollout_correction=rollout_correction,
     )
     return policy_loss_with(
         settings,
@@ -265,11 +296,11 @@ def policy_loss_with(
     logp, prox, behav, adv, mask, valid_mask = _checked_inputs(
         logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, valid_mask_BxT
     )
-    per_token, keep, clamped, r, rho, log_r, flags = _token_terms(o, logp, prox, behav, adv, mask)
+    per_token, weights, r, log_r, flags = _token_terms(o, logp, prox, behav, adv, mask)
     if count is None:
         count = mask.sum() if o.denominator == "kept" else valid_mask.astype(bool).sum()
-    loss = jnp.where(keep, per_token, 0.0).sum() / jnp.maximum(count, 1)
-    return loss, _stats(loss, mask, keep, clamped, r, rho, log_r, flags)
+    loss = jnp.where(weights.keep_BxT, per_token, 0.0).sum() / jnp.maximum(count, 1)
+    return loss, _stats(loss, mask, weights, r, log_r, flags)
 
 
 def token_losses(
@@ -281,12 +312,12 @@ def token_losses(
     logp, prox, behav, adv, mask, _ = _checked_inputs(
         logp_BxT, prox_logp_BxT, behav_logp_BxT, advantages_BxT, mask_BxT, None
     )
-    per_token, keep, *_ = _token_terms(settings, logp, prox, behav, adv, mask)
-    return jnp.where(keep, per_token, 0.0), keep
+    per_token, weights, *_ = _token_terms(settings, logp, prox, behav, adv, mask)
+    return jnp.where(weights.keep_BxT, per_token, 0.0), weights.keep_BxT
 
 
 def _token_terms(o: LossSettings, logp, prox, behav, adv, mask):
-    """(per-token loss, keep, clamped, r, rho, log-ratio, clip flags) of checked inputs."""
+    """(per-token loss, `BehaviourWeights`, r, log-ratio, clip flags) of checked inputs."""
     logp = logp.astype(jnp.float32)
     behav = jax.lax.stop_gradient(behav.astype(jnp.float32))
     prox = jax.lax.stop_gradient(prox.astype(jnp.float32))
@@ -295,11 +326,16 @@ def _token_terms(o: LossSettings, logp, prox, behav, adv, mask):
     adv = jax.lax.stop_gradient(adv.astype(jnp.float32))
 
     if o.use_sapo_loss:
-        rho, keep, clamped = jnp.where(mask, 1.0, 0.0), mask, jnp.zeros_like(mask)
+        ones, no = jnp.where(mask, 1.0, 0.0), jnp.zeros_like(mask)
+        weights = BehaviourWeights(ones, mask, no, no, ones)
     else:
-        rho, keep, clamped = behaviour_correction(prox, behav, mask, o.rejection_sampling)
+        weights = behaviour_correction(
+            prox, behav, mask, o.rejection_sampling, o.rollout_correction
+        )
 
-    log_r, r, adv = _ratio_and_advantage(logp, prox, adv, keep, o.importance_sampling_level)
+    log_r, r, adv = _ratio_and_advantage(
+        logp, prox, adv, weights.keep_BxT, o.importance_sampling_level
+    )
 
     if o.use_sapo_loss:
         per_token, clip_low, clip_high, dual = _sapo_objective(
@@ -309,14 +345,14 @@ def _token_terms(o: LossSettings, logp, prox, behav, adv, mask):
         per_token, clip_low, clip_high, dual = _clipped_objective(
             r, adv, o.eps_clip, o.eps_clip_higher, o.c_clip
         )
-        per_token = per_token * rho
+        per_token = per_token * weights.weight_BxT
     flags = {
         "actor/clip_fraction": clip_low | clip_high,
         "actor/clip_low_fraction": clip_low,
         "actor/clip_high_fraction": clip_high,
         "actor/dual_clip_fraction": dual,
     }
-    return per_token, keep, clamped, r, rho, log_r, flags
+    return per_token, weights, r, log_r, flags
 
 
 def _ratio_and_advantage(logp, prox, adv, keep, level: str):
@@ -334,7 +370,8 @@ def _ratio_and_advantage(logp, prox, adv, keep, level: str):
     return log_r, r, adv
 
 
-def _stats(loss, mask, keep, clamped, r, rho, log_r, flags) -> dict:
+def _stats(loss, mask, weights: BehaviourWeights, r, log_r, flags) -> dict:
+    keep, rho = weights.keep_BxT, weights.weight_BxT
     r = jax.lax.stop_gradient(r)
     token_log_r = jax.lax.stop_gradient(log_r)
     n_mask = jnp.maximum(mask.sum(), 1).astype(jnp.float32)
@@ -360,7 +397,10 @@ def _stats(loss, mask, keep, clamped, r, rho, log_r, flags) -> dict:
             "actor/approx_kl": kept_mean(jnp.expm1(token_log_r) - token_log_r),
             "actor/kept_tokens": n_keep,
             "actor/rejected_tokens": (mask & ~keep).sum(),
-            "actor/clamped_tokens": clamped.sum(),
+            "actor/clamped_tokens": weights.clamped_BxT.sum(),
+            "rollout_corr/is_mean": kept_mean(weights.untruncated_BxT),
+            "rollout_corr/is_truncated_fraction": weights.truncated_BxT.sum() / safe_keep,
+            "rollout_corr/truncated_tokens": weights.truncated_BxT.sum(),
         }
     )
     return {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}

@@ -1,15 +1,20 @@
-"""Behaviour correction of the decoupled loss: the weight rho and AReaL's rejection sampling.
+"""Behaviour correction of the decoupled loss: AReaL's rejection sampling decides which
+tokens are kept, the rollout correction (verl's `algorithm.rollout_correction` importance
+weights) the weight of the kept ones.
 
 Semantics follow docs/algorithm.md ("The loss") and, where it is silent, AReaL's
 `apply_rejection_sampling` (`areal/utils/functional/functional.py`) and
-`RejectionSamplingConfig` (`areal/api/cli_args.py`). Deliberate difference: KL metrics use
-the sanitised float32 log rho (non-finite -> 0) like the ratio metric (AReaL recomputes
-them unsanitised).
+`RejectionSamplingConfig` (`areal/api/cli_args.py`), and verl's
+`compute_rollout_correction_weights` (`verl/trainer/ppo/rollout_corr_helper.py`).
+Deliberate differences: KL metrics use the sanitised float32 log rho (non-finite -> 0) like
+the ratio metric (AReaL recomputes them unsanitised); the token-level weight is not clamped
+to exp(+-20) (verl clamps log rho first; AReaL does not, and the default keeps AReaL's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,10 @@ RS_LEVELS = ("token", "sequence")
 RS_ACTIONS = ("mask", "clamp")
 RS_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
 RS_AGGS = ("sum", "mean", "max")
+IS_WEIGHT_LEVELS = ("token", "sequence", "geometric", "none")
+# verl's SAFETY_BOUND: a row's log weight is clipped to [-20, 20] before exp (sequence and
+# geometric levels), so a long row's product cannot overflow float32 (exp(89) is inf).
+LOG_WEIGHT_BOUND = 20.0
 
 
 def _check_rejection_sampling(rs, where: str) -> None:
@@ -99,6 +108,125 @@ def build_rejection_sampling(
     return RejectionSampling(**{name: getattr(section, name) for name in fields})
 
 
+def _check_rollout_correction(rc, where: str) -> None:
+    check_choice(f"{where}.is_level", rc.is_level, IS_WEIGHT_LEVELS)
+    threshold = rc.is_threshold
+    if threshold is not None and not is_number(threshold):
+        raise TypeError(f"{where}.is_threshold must be a number or None, got {threshold!r}")
+    if threshold is not None and not 0.0 < threshold < float("inf"):
+        raise ValueError(f"{where}.is_threshold must be > 0 and finite or None, got {threshold}")
+    if threshold is not None and rc.is_level == "none":
+        raise ValueError(
+            f"{where}.is_threshold={threshold} truncates a weight that is_level='none' sets to "
+            f"1: set {where}.is_threshold=None or pick an is_level with a weight"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrection:
+    """The behaviour weight of the tokens rejection sampling keeps (verl's
+    `algorithm.rollout_correction`: engine / trainer mismatch and staleness).
+
+    With `log_rho = prox_logp - behav_logp` (float32, non-finite -> 0, no gradient):
+
+    - `is_level="token"`: `rho = exp(log_rho)` per token, AReaL's weight (under AReaL's
+      sequence-level ratio rejection the row's geometric mean, see `RejectionSampling`);
+    - `"sequence"`: the row's product of token ratios, `exp(clip(sum log_rho, -20, 20))`
+      over the row's mask tokens, on each of its tokens (verl's sequence-level IS);
+    - `"geometric"`: the row's geometric mean, `exp(clip(mean log_rho, -20, 20))`;
+    - `"none"`: 1 (verl's decoupled PPO without a rollout IS weight).
+
+    Sequence and geometric weights are taken in log space with log rho clipped to +-20
+    before exp, as verl's (`LOG_WEIGHT_BOUND`); their rows are the mask tokens after M2PO
+    and before rejection, as AReaL's geometric mean. `is_threshold` (> 0) truncates the
+    weight, `min(weight, is_threshold)` (truncated importance sampling, TIS; verl's
+    `rollout_is_threshold`); None keeps it whole (AReaL). The default (token, None) is
+    today's rho, bit for bit.
+    """
+
+    is_level: str = "token"
+    is_threshold: float | None = None
+
+    def __post_init__(self):
+        _check_rollout_correction(self, "rollout_correction")
+
+
+def build_rollout_correction(section, where: str = "actor.rollout_correction") -> RolloutCorrection:
+    """The weight an `actor.rollout_correction` config section asks for; errors name
+    `<where>.<field>` (`config.validate` calls this too)."""
+    _check_rollout_correction(section, where)
+    return RolloutCorrection(is_level=section.is_level, is_threshold=section.is_threshold)
+
+
+def check_composition(
+    rollout_correction: RolloutCorrection,
+    rejection_sampling,
+    *,
+    use_decoupled_loss: bool = True,
+    use_sapo_loss: bool = False,
+    prefix: str = "",
+) -> None:
+    """Refuses a rollout correction that does not compose with the loss's other options;
+    errors name `<prefix><field>` (`prefix="actor."` from the config).
+
+    `rejection_sampling` is a `RejectionSampling`, None, or a config section with
+    `enabled`. Rules: a weight other than today's rho needs the decoupled loss without SAPO
+    (elsewhere prox := behav and there is no weight); `action="clamp"` sets the weight
+    itself, so it takes neither a second truncation (`is_threshold`) nor another weight
+    level; AReaL's sequence-level ratio rejection already weighs each token by the row's
+    geometric mean, so is_level sequence / geometric cannot replace it. GSPO
+    (`importance_sampling_level="sequence"`) composes: it replaces the ratio r and the
+    advantage, the weight multiplies the loss after, as verl's GSPO loss does with its
+    rollout IS weights.
+    """
+    rc, rs, p = rollout_correction, rejection_sampling, prefix
+    if rs is not None and not getattr(rs, "enabled", True):
+        rs = None
+    if rc == RolloutCorrection():
+        return
+    if use_sapo_loss or not use_decoupled_loss:
+        what = "use_sapo_loss=True" if use_sapo_loss else "use_decoupled_loss=False"
+        raise ValueError(
+            f"{p}rollout_correction (is_level={rc.is_level!r}, is_threshold={rc.is_threshold}) "
+            f"weighs the decoupled loss's behaviour ratio, which {p}{what} does not have "
+            f"(prox := behav): leave {p}rollout_correction at its default"
+        )
+    if rs is not None and rs.action == "clamp" and rc.is_threshold is not None:
+        raise ValueError(
+            f"{p}rollout_correction.is_threshold={rc.is_threshold} and "
+            f"{p}rejection_sampling.action='clamp' are two truncations of one weight: pick "
+            f"one (is_threshold=None, or action='mask')"
+        )
+    if rs is not None and rs.action == "clamp" and rc.is_level != "token":
+        raise ValueError(
+            f"{p}rejection_sampling.action='clamp' clamps the token weight rho, which "
+            f"{p}rollout_correction.is_level={rc.is_level!r} replaces: use action='mask' "
+            "or is_level='token'"
+        )
+    if (
+        rs is not None
+        and rs.level == "sequence"
+        and rs.metric == "ratio"
+        and rc.is_level in ("sequence", "geometric")
+    ):
+        raise ValueError(
+            f"{p}rollout_correction.is_level={rc.is_level!r} with "
+            f"{p}rejection_sampling level='sequence', metric='ratio': AReaL's sequence ratio "
+            "already replaces rho by the row's geometric mean; use is_level='token' (that "
+            "weight) or a KL metric (kl_k1 bounds the row's mean log rho)"
+        )
+
+
+class BehaviourWeights(NamedTuple):
+    """What `behaviour_correction` decides, each [B, T]."""
+
+    weight_BxT: jax.Array  # the loss's weight: 0 outside keep_BxT
+    keep_BxT: jax.Array  # tokens kept (a subset of the mask)
+    clamped_BxT: jax.Array  # kept tokens whose weight rejection sampling's clamp changed
+    truncated_BxT: jax.Array  # kept tokens whose weight is_threshold cut
+    untruncated_BxT: jax.Array  # the weight before is_threshold (0 outside keep_BxT)
+
+
 def row_sum(x_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
     """Sum over each row's mask tokens, [B, 1]."""
     return jnp.where(mask_BxT, x_BxT, 0.0).sum(-1, keepdims=True)
@@ -115,23 +243,29 @@ def behaviour_correction(
     behav_logp_BxT: ArrayLike,
     mask_BxT: ArrayLike,
     rejection_sampling: RejectionSampling | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rollout_correction: RolloutCorrection | None = None,
+) -> BehaviourWeights:
     """Behaviour weights and the tokens that survive rejection sampling.
 
     `rho = exp(prox_logp - behav_logp)` (float32, no gradient; non-finite log rho
-    -> 0), then `rejection_sampling` as described on `RejectionSampling`.
+    -> 0), then `rejection_sampling` as described on `RejectionSampling` (which tokens are
+    kept), then `rollout_correction` as described on `RolloutCorrection` (their weight;
+    None: the default, rho).
 
     Args:
       prox_logp_BxT: proximal log-probs, [B, T].
       behav_logp_BxT: behaviour log-probs, [B, T].
       mask_BxT: bool, tokens that count (after M2PO), [B, T].
-      rejection_sampling: the correction, or None for plain rho.
+      rejection_sampling: the rejection, or None for none.
+      rollout_correction: the weight of the kept tokens, or None for rho.
 
     Returns:
-      (rho_BxT, keep_BxT, clamped_BxT): the weight (0 outside `keep`), the
-      tokens kept (a subset of `mask_BxT`), and the kept tokens whose weight the
-      clamp changed.
+      `BehaviourWeights`: the weight (0 outside `keep`), the tokens kept (a subset of
+      `mask_BxT`), the kept tokens whose weight the clamp changed, the kept tokens whose
+      weight `is_threshold` cut, and the weight before that cut.
     """
+    rc = RolloutCorrection() if rollout_correction is None else rollout_correction
+    check_composition(rc, rejection_sampling)
     prox = jnp.asarray(prox_logp_BxT, jnp.float32)
     behav = jnp.asarray(behav_logp_BxT, jnp.float32)
     mask = jnp.asarray(mask_BxT).astype(bool)
@@ -142,10 +276,29 @@ def behaviour_correction(
         )
     log_rho = jax.lax.stop_gradient(prox - behav)
     log_rho = jnp.where(jnp.isfinite(log_rho), log_rho, 0.0)
+    rho, keep, clamped = _rejection(log_rho, mask, rejection_sampling)
+    if rc.is_level == "sequence":
+        log_w = jnp.clip(row_sum(log_rho, mask), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+        rho = jnp.broadcast_to(jnp.exp(log_w), mask.shape)
+    elif rc.is_level == "geometric":
+        log_w = jnp.clip(row_mean(log_rho, mask), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+        rho = jnp.broadcast_to(jnp.exp(log_w), mask.shape)
+    elif rc.is_level == "none":
+        rho = jnp.ones(mask.shape, jnp.float32)
+    untruncated = jnp.where(keep, rho, 0.0)
+    if rc.is_threshold is None:
+        return BehaviourWeights(untruncated, keep, clamped, jnp.zeros_like(keep), untruncated)
+    truncated = keep & (rho > rc.is_threshold)
+    weight = jnp.where(keep, jnp.minimum(rho, rc.is_threshold), 0.0)
+    return BehaviourWeights(weight, keep, clamped, truncated, untruncated)
+
+
+def _rejection(log_rho, mask, rs: RejectionSampling | None):
+    """(rho, keep, clamped) of sanitised log rho under `rs` (see `RejectionSampling`);
+    rho is not yet zeroed outside keep."""
     rho = jnp.exp(log_rho)
-    rs = rejection_sampling
     if rs is None:
-        return jnp.where(mask, rho, 0.0), mask, jnp.zeros_like(mask)
+        return rho, mask, jnp.zeros_like(mask)
 
     if rs.metric == "ratio":
         metric = rho  # sequence level aggregates log rho instead (below), as AReaL
@@ -182,4 +335,4 @@ def behaviour_correction(
         clamped_rho = jnp.clip(rho, 0.0 if lower is None else lower, rs.upper)
         rho = clamped_rho if rs.level == "token" else jnp.where(ok_BxT, rho, clamped_rho)
     clamped = keep & (rho != raw_rho)
-    return jnp.where(keep, rho, 0.0), keep, clamped
+    return rho, keep, clamped

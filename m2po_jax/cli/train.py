@@ -31,7 +31,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import m2po_jax.configs
-from m2po_jax.common.errors import M2poError
+from m2po_jax.common.errors import ConfigError, M2poError
 from m2po_jax.rollout.worker import RolloutWorkerError
 
 DEFAULT_CONFIG = str(Path(m2po_jax.configs.__file__).parent / "default.py")
@@ -98,6 +98,27 @@ def define_flags() -> None:
 # `--config.a.b=None` sets a field to None (config_flags cannot parse None itself).
 _NONE_ARG = re.compile(r"--config\.([\w.]+)=(None|none|null)")
 _none_keys: list[str] = []
+# verl's `algorithm.rollout_correction.rollout_is=token` (Hydra's spelling, or with `--`):
+# m2po_jax.config.verl translates them; values are read as YAML (null, 2.0, token).
+_VERL_ARG = re.compile(r"(?:--)?(algorithm\.[\w.]+)=(.*)")
+_verl_args: dict[str, object] = {}
+
+
+def verl_section(args: dict) -> dict:
+    """verl's `algorithm.*` command-line keys as its rollout_correction section (without
+    the prefix); any other `algorithm.*` key is refused."""
+    from m2po_jax.config import verl
+
+    nested: dict = {}
+    for dotted, value in args.items():
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for name in parents:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"command line: {dotted}: {name} is given a value too")
+        node[leaf] = value
+    return verl.split(nested, "command line")[1]
 
 
 def _fail(message: str, what: str = "config error") -> None:
@@ -121,11 +142,19 @@ def _report(error: BaseException, what: str) -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors for config typos and `=None` overrides."""
+    import yaml
+
     kept = [argv[0]]
     for arg in argv[1:]:
         match = _NONE_ARG.fullmatch(arg)
+        verl = _VERL_ARG.fullmatch(arg)
         if match:
             _none_keys.append(match.group(1))
+        elif verl:
+            try:
+                _verl_args[verl.group(1)] = yaml.safe_load(verl.group(2))
+            except yaml.YAMLError:
+                _verl_args[verl.group(1)] = verl.group(2)
         else:
             kept.append(arg)
     for arg in kept:
@@ -139,29 +168,42 @@ def parse_flags(argv: list[str]) -> list[str]:
         _fail(_clean(e))
 
 
+def config_from_flags():
+    """The run's typed config from the parsed flags: `--config` and its overrides, the
+    `--overrides` file (the command line wins over it), `=None` keys and verl's keys."""
+    from m2po_jax import config as config_lib
+    from m2po_jax.config import overrides as overrides_lib
+
+    config = FLAGS.config
+    # The command line's own keys: none may be one verl's section decides.
+    native = {*config_flags.get_override_values(FLAGS["config"]), *_none_keys}
+    verl_args = verl_section(_verl_args)
+    if FLAGS.overrides:
+        ignored = overrides_lib.overlay_file(config, FLAGS.overrides, verl_args, native)
+        if ignored:
+            print(
+                f"m2po-train: {FLAGS.overrides}: AReaL keys not used here (launcher, "
+                f"servers, services): {', '.join(ignored)}",
+                file=sys.stderr,
+            )
+        # The command line wins over the file.
+        config.update_from_flattened_dict(config_flags.get_override_values(FLAGS["config"]))
+    else:
+        overrides_lib.apply_verl(config, verl_args, native, "command line")
+    config_lib.apply_dotted(config, dict.fromkeys(_none_keys))
+    return config_lib.from_configdict(config)
+
+
 def main(argv) -> None:
     del argv
     from m2po_jax import config as config_lib
-    from m2po_jax.config import overrides as overrides_lib
 
     if not FLAGS["verbosity"].present:
         # orbax logs every file it writes at INFO; the progress bar says what matters.
         logging.set_verbosity(logging.WARNING)
 
     try:
-        config = FLAGS.config
-        if FLAGS.overrides:
-            ignored = overrides_lib.overlay_file(config, FLAGS.overrides)
-            if ignored:
-                print(
-                    f"m2po-train: {FLAGS.overrides}: AReaL keys not used here (launcher, "
-                    f"servers, services): {', '.join(ignored)}",
-                    file=sys.stderr,
-                )
-            # The command line wins over the file.
-            config.update_from_flattened_dict(config_flags.get_override_values(FLAGS["config"]))
-        config_lib.apply_dotted(config, dict.fromkeys(_none_keys))
-        cfg = config_lib.from_configdict(config)
+        cfg = config_from_flags()
     except (config_lib.ConfigError, ValueError, TypeError) as e:
         _report(e, "config error")
 

@@ -131,6 +131,12 @@ class RejectionSamplingSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSection:
+    is_level: str  # token | sequence | geometric | none
+    is_threshold: float | None  # None: no truncation
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardNormSection:
     mean_level: str | None
     std_level: str | None
@@ -175,6 +181,7 @@ class ActorSection:
     prox_logp_method: str
     loss_denominator: str
     rejection_sampling: RejectionSamplingSection
+    rollout_correction: RolloutCorrectionSection
     importance_sampling_level: str
     use_sapo_loss: bool
     sapo_tau_pos: float

@@ -2,7 +2,8 @@
 
 The face of `m2po_jax.config`: `from_configdict` builds a validated `Config` from a
 ConfigDict (`configs/*.py`); the sections live in `m2po_jax.common.config_schema`, the
-validation in `validate`, the overrides in `overrides`, AReaL experiment files in `areal`.
+validation in `validate`, the overrides in `overrides`, AReaL experiment files in `areal`,
+verl's rollout-correction keys in `verl`.
 """
 
 from m2po_jax.common.config_schema import (
@@ -19,6 +20,7 @@ from m2po_jax.common.config_schema import (
     OptimizerSection,
     RejectionSamplingSection,
     RewardNormSection,
+    RolloutCorrectionSection,
     RolloutSection,
     SftSection,
     TaskSection,
@@ -54,6 +56,7 @@ __all__ = [
     "OptimizerSection",
     "RejectionSamplingSection",
     "RewardNormSection",
+    "RolloutCorrectionSection",
     "RolloutSection",
     "SftSection",
     "TaskSection",

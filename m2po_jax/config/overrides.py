@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +77,62 @@ def dotted_keys(config: ml_collections.ConfigDict, prefix: str = "") -> set[str]
     return keys
 
 
-def overlay_file(config: ml_collections.ConfigDict, path: str) -> list[str]:
+def overlay_file(
+    config: ml_collections.ConfigDict,
+    path: str,
+    verl_args: dict | None = None,
+    native_keys: Iterable[str] = (),
+) -> list[str]:
     """Applies an overrides file: this config's nested keys, or an AReaL experiment file
-    (`m2po_jax.config.areal`); `${a.b}` interpolations are resolved in both. Returns the AReaL
-    launcher keys that were ignored."""
-    from m2po_jax.config import areal
+    (`m2po_jax.config.areal`), either beside verl's `algorithm.rollout_correction` section
+    (`m2po_jax.config.verl`); `${a.b}` interpolations are resolved in all. `verl_args`: verl
+    keys of the command line (they win over the file's), `native_keys`: this config's keys
+    it sets (none may be one a verl section decides). Returns the AReaL launcher keys that
+    were ignored."""
+    from m2po_jax.config import areal, verl
 
     data = areal.resolve(load_overrides(path), path)
+    data, section = verl.split(data, path)
+    ignored: list[str] = []
     if not areal.is_areal_file(data):
         apply_overrides(config, data)
-        return []
-    dotted, ignored = areal.translate(data, dotted_keys(config), path)
-    apply_dotted(config, dotted)
+        keys = _leaf_keys(data)
+    else:
+        dotted, ignored = areal.translate(data, dotted_keys(config), path)
+        apply_dotted(config, dotted)
+        keys = set(dotted)
+    apply_verl(config, {**section, **(verl_args or {})}, {*keys, *native_keys}, path)
     return ignored
+
+
+def apply_verl(
+    config: ml_collections.ConfigDict, section: dict, native_keys: Iterable[str], source: str
+) -> None:
+    """verl's `algorithm.rollout_correction` keys (`section`, without the prefix) over
+    `config`; refused beside any of `native_keys` that a verl section decides."""
+    from m2po_jax.config import verl
+
+    if not section:
+        return
+    sections = tuple(f"{name}." for name in verl.CORRECTION_SECTIONS)
+    clash = sorted(k for k in native_keys if k.startswith(sections))
+    if clash:
+        raise ConfigError(
+            f"{source}: {verl.PREFIX} decides {' and '.join(verl.CORRECTION_SECTIONS)} "
+            f"whole, and {clash[0]} is set too: use verl's keys or these, not both"
+        )
+    apply_dotted(config, verl.translate(section, source))
+
+
+def _leaf_keys(node: dict, prefix: str = "") -> set[str]:
+    """The dotted keys of a nested overrides dict."""
+    keys = set()
+    for key, value in node.items():
+        if isinstance(value, dict):
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
 
 
 def apply_dotted(config: ml_collections.ConfigDict, values: dict) -> None:

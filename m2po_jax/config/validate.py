@@ -250,6 +250,9 @@ def validate(cfg: Config) -> Config:
     # Finite here; the ranges (which depend on the metric) are the library's, built below.
     _check_range("actor.rejection_sampling.upper", a.rejection_sampling.upper)
     _check_range("actor.rejection_sampling.lower", a.rejection_sampling.lower)
+    rc = a.rollout_correction
+    _check_choice("actor.rollout_correction.is_level", rc.is_level, rejection_lib.IS_WEIGHT_LEVELS)
+    _check_range("actor.rollout_correction.is_threshold", rc.is_threshold, 0.0, low_open=True)
     _check_range("actor.ppo_n_minibatches", a.ppo_n_minibatches, 1)
     _check_range("actor.mb_spec.n_mbs", a.mb_spec.n_mbs, 1)
     _check_range("actor.mb_spec.max_tokens_per_mb", a.mb_spec.max_tokens_per_mb, 0)
@@ -477,16 +480,25 @@ def tool_names(text: str) -> list[str]:
 def build_library_objects(cfg: Config) -> dict:
     """What the run builds from `cfg` alone, by the builders the run uses: its checks
     raise here, as ConfigError, before any work. Returns {"rejection_sampling": ...,
-    "sampling": ...} (the decoding settings without the tokenizer's stop / pad ids)."""
+    "rollout_correction": ..., "sampling": ...} (the decoding settings without the
+    tokenizer's stop / pad ids)."""
     from m2po_jax.rollout import sampling
 
+    a = cfg.actor
     try:
-        return {
-            "rejection_sampling": rejection_lib.build_rejection_sampling(
-                cfg.actor.rejection_sampling
-            ),
+        built = {
+            "rejection_sampling": rejection_lib.build_rejection_sampling(a.rejection_sampling),
+            "rollout_correction": rejection_lib.build_rollout_correction(a.rollout_correction),
             "sampling": sampling.from_gconfig(cfg.gconfig),
         }
+        rejection_lib.check_composition(
+            built["rollout_correction"],
+            built["rejection_sampling"],
+            use_decoupled_loss=a.use_decoupled_loss,
+            use_sapo_loss=a.use_sapo_loss,
+            prefix="actor.",
+        )
+        return built
     except (ValueError, TypeError) as err:  # the builders name the config field
         raise ConfigError(str(err)) from None
 

@@ -50,6 +50,7 @@ class ActorSettings:
                 sapo_tau_pos=actor.sapo_tau_pos,
                 sapo_tau_neg=actor.sapo_tau_neg,
                 denominator=actor.loss_denominator,
+                rollout_correction=rejection.build_rollout_correction(actor.rollout_correction),
             ),
             advantages=adv_lib.AdvantageSettings(
                 group_size=rn.group_size,

@@ -469,7 +469,7 @@ class HandComputedTest(parameterized.TestCase):
     def test_nonfinite_log_rho_is_zero(self):
         prox = np.array([[-1.0, -np.inf, -1.0]], np.float32)
         behav = np.array([[-np.inf, -np.inf, np.nan]], np.float32)  # log rho: +inf, nan, nan
-        rho, keep, _ = behaviour_correction(prox, behav, np.ones((1, 3), bool), RS())
+        rho, keep, *_ = behaviour_correction(prox, behav, np.ones((1, 3), bool), RS())
         np.testing.assert_array_equal(rho, 1.0)
         np.testing.assert_array_equal(keep, True)
         loss, _ = policy_loss(one(-1.0), one(-1.0), one(-np.inf), one(1.0), np.ones((1, 1), bool))
@@ -848,7 +848,7 @@ class ErrorTest(parameterized.TestCase):
             )
 
     def test_behaviour_correction_kl_k1_allows_negative_upper(self):
-        rho, keep, _ = behaviour_correction(
+        rho, keep, *_ = behaviour_correction(
             one(0.0), one(0.5), np.ones((1, 1), bool), RS(metric="kl_k1", upper=-0.4)
         )
         self.assertTrue(bool(keep[0, 0]))  # kl_k1 = -0.5 <= -0.4

@@ -392,6 +392,79 @@ def test_rejection_sampling_ranges_are_the_librarys():
         build(**{"actor.rejection_sampling.upper": float("nan")})
 
 
+# actor.rollout_correction: its own ranges and the combinations that do not compose,
+# refused at start-up naming the config's fields.
+ROLLOUT_CORRECTION_ERRORS = [
+    (
+        {"actor.rollout_correction.is_level": "row"},
+        r"actor\.rollout_correction\.is_level='row' is not one of \['token', 'sequence', "
+        r"'geometric', 'none'\]",
+    ),
+    (
+        {"actor.rollout_correction.is_threshold": 0.0},
+        r"actor\.rollout_correction\.is_threshold=0\.0 is out of range; allowed \(0\.0, inf\)",
+    ),
+    (
+        {"actor.rollout_correction.is_level": "none", "actor.rollout_correction.is_threshold": 2.0},
+        r"actor\.rollout_correction\.is_threshold=2\.0 truncates a weight that is_level='none'",
+    ),
+    (
+        {"actor.rollout_correction.is_level": "sequence", "actor.use_decoupled_loss": False},
+        r"^actor\.rollout_correction \(is_level='sequence', is_threshold=None\) weighs the "
+        r"decoupled loss's behaviour ratio, which actor\.use_decoupled_loss=False does not have",
+    ),
+    (
+        {
+            "actor.rollout_correction.is_threshold": 2.0,
+            "actor.use_decoupled_loss": False,
+            "actor.use_sapo_loss": True,
+        },
+        r"which actor\.use_sapo_loss=True does not have",
+    ),
+    (
+        {"actor.rollout_correction.is_threshold": 2.0, "actor.rejection_sampling.action": "clamp"},
+        r"actor\.rollout_correction\.is_threshold=2\.0 and actor\.rejection_sampling\.action="
+        r"'clamp' are two truncations of one weight: pick one",
+    ),
+    (
+        {"actor.rollout_correction.is_level": "none", "actor.rejection_sampling.action": "clamp"},
+        r"actor\.rejection_sampling\.action='clamp' clamps the token weight rho, which "
+        r"actor\.rollout_correction\.is_level='none' replaces",
+    ),
+    (
+        {
+            "actor.rollout_correction.is_level": "geometric",
+            "actor.rejection_sampling.level": "sequence",
+        },
+        r"actor\.rollout_correction\.is_level='geometric' with actor\.rejection_sampling "
+        r"level='sequence', metric='ratio': AReaL's sequence ratio already replaces rho",
+    ),
+]
+
+
+@pytest.mark.parametrize("changes, message", ROLLOUT_CORRECTION_ERRORS)
+def test_rollout_correction_errors_are_config_errors(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**changes)
+
+
+def test_rollout_correction_reaches_the_loss_settings():
+    from m2po_jax.learner.actor_settings import ActorSettings
+
+    fields = {"actor.rollout_correction.is_level": "geometric"}
+    cfg = build(**fields, **{"actor.rollout_correction.is_threshold": 2.0})
+    want = rejection_lib.RolloutCorrection("geometric", 2.0)
+    assert config_lib.build_library_objects(cfg)["rollout_correction"] == want
+    assert ActorSettings.build(cfg.actor).loss.rollout_correction == want
+    # The disabled rejection composes with anything; GSPO composes with a row weight.
+    build(
+        **fields,
+        **{"actor.rejection_sampling.enabled": False, "actor.rejection_sampling.level": "sequence"},
+    )
+    build(**fields, **{"actor.importance_sampling_level": "sequence"})
+    assert build().actor.rollout_correction == config_lib.RolloutCorrectionSection("token", None)
+
+
 def test_library_objects_are_built_by_the_runs_builders():
     from m2po_jax.learner.actor_settings import ActorSettings
     from m2po_jax.rollout import sampling

@@ -58,6 +58,8 @@ FIELDS = [
     ({}, "loss_denominator", "valid"),
     ({}, "rejection_sampling.upper", 3.0),
     ({}, "rejection_sampling.level", "sequence"),
+    ({}, "rollout_correction.is_level", "geometric"),
+    ({}, "rollout_correction.is_threshold", 2.0),
     ({}, "importance_sampling_level", "sequence"),
     ({"use_decoupled_loss": False}, "use_sapo_loss", True),
     ({"use_decoupled_loss": False, "use_sapo_loss": True}, "sapo_tau_pos", 0.5),

@@ -549,3 +549,38 @@ def test_masked_share_of_the_loss_and_gradient_is_that_of_the_masked_tokens(n_mb
     )
     g_kept = jax.grad(functools.partial(loss_over, kept))(params)
     np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(g_kept), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------- rollout correction
+
+
+def test_the_step_weighs_the_loss_by_actor_rollout_correction():
+    """One minibatch at the step's own params (r = 1), M2PO off (a smaller program): the
+    step's loss and truncation count are the library's under actor.rollout_correction
+    (each row's product of rho, truncated at 1.5), which differ from the default's."""
+    a = actor(
+        ppo_n_minibatches=1,
+        m2_threshold=None,
+        rollout_correction={"is_level": "sequence", "is_threshold": 1.5},
+    )
+    params, state, step = setup(a)
+    b = batch(params, seed=4)
+    _, metrics = step(state, b, jax.random.key(0), None)
+
+    settings = ActorSettings.build(a)
+    prox, _ = _sequence_logp(params, b.tokens_BxT, b.valid_BxT)
+    behav, valid = b.behav_logp_BxT, b.loss_mask_BxT
+    adv = adv_lib.token_advantages(settings.advantages, b.rewards_B, valid, behav, None)
+
+    def reference(loss_settings):
+        return losses.policy_loss_with(loss_settings, prox, prox, behav, adv, valid)
+
+    want, stats = reference(settings.loss)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+    assert (
+        int(metrics["rollout_corr/truncated_tokens"])
+        == int(stats["rollout_corr/truncated_tokens"])
+        > 0
+    )
+    # Both fields matter: the threshold cut tokens (above), the default weighs otherwise.
+    assert abs(float(want) - float(reference(losses.LossSettings())[0])) > 1e-3
