@@ -228,10 +228,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.rejection_sampling.agg = "mean"  # sequence aggregation: sum | mean | max
     c.actor.rejection_sampling.upper = 5.0  # upper bound on the metric (inclusive)
     c.actor.rejection_sampling.lower = placeholder(float)  # lower bound (inclusive); None = none
-    # The weight of the tokens rejection sampling keeps (verl's algorithm.rollout_correction;
-    # its keys are read too: docs/algorithm.md): token (rho, AReaL) | sequence (the row's
-    # product of rho) | geometric (the row's geometric mean) | none (1)
+    # The weight of the tokens rejection sampling keeps (verl's algorithm.rollout_correction,
+    # whose keys are read too: docs/algorithm.md)
     c.actor.rollout_correction = ml_collections.ConfigDict()
+    # token (rho, AReaL) | sequence (the row's product of rho) | geometric (the row's
+    # geometric mean of rho) | none (1)
     c.actor.rollout_correction.is_level = "token"
     # truncated importance sampling: weight = min(weight, is_threshold); None = untruncated
     c.actor.rollout_correction.is_threshold = placeholder(float)

@@ -444,6 +444,7 @@ def usage() -> str:
         "",
         "Any config field: --config.SECTION.FIELD=VALUE (AReaL's --SECTION.FIELD=VALUE too);",
         "=None sets a field to None. Every field is commented in configs/default.py.",
+        "verl's algorithm.rollout_correction.KEY=VALUE too (docs/algorithm.md, the loss).",
         f"Sections: {', '.join(_SECTIONS)}.",
         "",
         "examples:",
