@@ -530,6 +530,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/algorithm/losses_test.py", "behaviour_weight or numpy_reference"),),
         "the behaviour weight is exp(behav - prox), the inverse of rho",
     ),
+    Mutant(
+        "rejection-row-weight-over-kept",
+        "m2po_jax/algorithm/rejection.py",
+        "log_w = jnp.clip(row_sum(log_rho, mask), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)",
+        "log_w = jnp.clip(row_sum(log_rho, keep), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)",
+        (T("tests/algorithm/rejection_test.py", "compose_with_token_rejection"),),
+        "the row's product of rho (is_level=sequence) only over the tokens rejection kept",
+    ),
+    Mutant(
+        "verl-token-k1-bounds-unnegated",
+        "m2po_jax/config/verl.py",
+        'level="token", metric="kl_k1", upper=-math.log(lower), lower=-math.log(upper)',
+        'level="token", metric="kl_k1", upper=math.log(upper), lower=math.log(lower)',
+        (T("tests/config/verl_test.py", "weigh_and_keep_as_verl"),),
+        "verl's token_k1 bounds taken as bounds on log rho (verl's k1 is -log rho)",
+    ),
     # ------------------------------------------------------------------ advantages
     Mutant(
         "advantages-leave1out-divides-by-n",
