@@ -109,6 +109,7 @@ def build_rejection_sampling(
 
 
 def _check_rollout_correction(rc, where: str) -> None:
+    """`RolloutCorrection`'s own checks; errors name `<where>.<field>`."""
     check_choice(f"{where}.is_level", rc.is_level, IS_WEIGHT_LEVELS)
     threshold = rc.is_threshold
     if threshold is not None and not is_number(threshold):
@@ -140,8 +141,8 @@ class RolloutCorrection:
     before exp, as verl's (`LOG_WEIGHT_BOUND`); their rows are the mask tokens after M2PO
     and before rejection, as AReaL's geometric mean. `is_threshold` (> 0) truncates the
     weight, `min(weight, is_threshold)` (truncated importance sampling, TIS; verl's
-    `rollout_is_threshold`); None keeps it whole (AReaL). The default (token, None) is
-    today's rho, bit for bit.
+    `rollout_is_threshold`); None keeps it whole (AReaL). The default (token, None) gives
+    the loss and gradient the loss gave before this option existed, bit for bit.
     """
 
     is_level: str = "token"
@@ -170,7 +171,7 @@ def check_composition(
     errors name `<prefix><field>` (`prefix="actor."` from the config).
 
     `rejection_sampling` is a `RejectionSampling`, None, or a config section with
-    `enabled`. Rules: a weight other than today's rho needs the decoupled loss without SAPO
+    `enabled`. Rules: a weight other than the default needs the decoupled loss without SAPO
     (elsewhere prox := behav and there is no weight); `action="clamp"` sets the weight
     itself, so it takes neither a second truncation (`is_threshold`) nor another weight
     level; AReaL's sequence-level ratio rejection already weighs each token by the row's

@@ -120,7 +120,7 @@ def test_row_weights_compose_with_token_rejection(level):
     ],
     ids=["no_rejection", "token_mask", "sequence_ratio"],
 )
-def test_token_without_threshold_is_todays_rho_bit_for_bit(rs):
+def test_token_without_threshold_keeps_rho_bit_for_bit(rs):
     """The default is rho as before: a threshold above every weight cuts nothing, and
     under jit the weight, loss and gradient equal the default's bit for bit (a clamp
     refuses a threshold; the pre-change code gave these losses and gradients bit for bit,
