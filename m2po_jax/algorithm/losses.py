@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-# RS_* and build_rejection_sampling are re-exported: the correction is an option of the loss.
 from m2po_jax.algorithm.rejection import (
     BehaviourWeights,
     RejectionSampling,
