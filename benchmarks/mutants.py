@@ -1035,8 +1035,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "plan-leaves-out-the-evaluation-engine",
         "m2po_jax/trainer/setup.py",
-        "            held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
-        "            0 * held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
+        "            held(trained, prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples,",
+        "            0 * held(trained, prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples,",
         (T("tests/trainer/engine_pool_test.py", "evaluation_engine"),),
         "the memory plan counts the rollouts' engine only: an evaluation of more sequences "
         "gets a pool sized without its own buffers and overfills the device",
