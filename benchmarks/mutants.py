@@ -280,6 +280,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "a decode step reads one attention bucket less than its queries need",
     ),
     Mutant(
+        "kv-dtype-rounded-only-with-a-cache",
+        "m2po_jax/models/model.py",
+        "        if c.kv_dtype:  # as a cache holds them, with a cache or without (attended in dt)",
+        "        if c.kv_dtype and cache_kv is not None:",
+        (T("tests/rollout/kv_dtype_test.py", "teacher_forced"),),
+        "a teacher-forced forward of the rollout config attends to unrounded keys and "
+        "values: it no longer gives the engines' behaviour log-probs",
+    ),
+    Mutant(
+        "kv-float8-cast-unsaturated",
+        "m2po_jax/models/model.py",
+        "    if dtype == jnp.float8_e4m3fn:\n        big = float(jnp.finfo(dtype).max)",
+        "    if dtype == jnp.float8_e5m2:\n        big = float(jnp.finfo(dtype).max)",
+        (T("tests/rollout/kv_dtype_test.py", "teacher_forced and float8"),),
+        "a float8 cache casts keys past 448 without clipping them: NaN scores",
+    ),
+    Mutant(
         "engine-bucket-by-nearest-slot",
         "m2po_jax/rollout/engines/slots.py",
         "needed = jnp.max(jnp.where(live_S, column_S + 1, 1))",
@@ -1051,8 +1068,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "plan-leaves-out-the-evaluation-engine",
         "m2po_jax/trainer/setup.py",
-        "            held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
-        "            0 * held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),",
+        "            held(trained, prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples,",
+        "            0 * held(trained, prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples,",
         (T("tests/trainer/engine_pool_test.py", "evaluation_engine"),),
         "the memory plan counts the rollouts' engine only: an evaluation of more sequences "
         "gets a pool sized without its own buffers and overfills the device",

@@ -146,6 +146,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # mesh.device_memory_gib)
     c.rollout.kv_pages = 0
     c.rollout.page_size = 16  # paged: tokens per page
+    # the rollout engines' KV cache (static, continuous, paged): "" (model.dtype) | bfloat16 |
+    # float8_e4m3fn (no scales, saturated at +-448); evaluation keeps model.dtype
+    c.rollout.kv_dtype = ""
     # async + continuous: between decode calls of `chunk_steps` steps, take newer weights;
     # sequences in flight go on under them and each token records its version
     c.rollout.inflight_updates = False

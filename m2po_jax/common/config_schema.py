@@ -98,6 +98,7 @@ class RolloutSection:
     insert_lanes: int
     kv_pages: int
     page_size: int
+    kv_dtype: str  # "" (model.dtype) | bfloat16 | float8_e4m3fn
     inflight_updates: bool
     chunk_steps: int
     stream_batches: int

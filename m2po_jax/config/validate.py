@@ -294,6 +294,7 @@ def validate(cfg: Config) -> Config:
     _check_range("rollout.insert_lanes", r.insert_lanes, 0)
     _check_range("rollout.kv_pages", r.kv_pages, 0)
     _check_range("rollout.page_size", r.page_size, 1)
+    _check_choice("rollout.kv_dtype", r.kv_dtype, ("", *model_config.KV_DTYPES))
     _check_range("rollout.chunk_steps", r.chunk_steps, 1)
     _check_range("rollout.stream_batches", r.stream_batches, 1)
     engine = rollout_engine(cfg)

@@ -110,6 +110,7 @@ def memory_plan(
     compute_dtype_bytes: int | None = None,
     shared_prompt: logprobs.SharedPrompt | None = None,
     kv_cache_bytes: int | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -128,9 +129,11 @@ def memory_plan(
       layer recomputed and its gradients;
     - logits: the output head's float32 chunk (`logp_chunk` tokens x V, V split over
       tensor), its softmax and its gradient;
-    - kv_cache: k and v [b,S,K,D] per layer in compute dtype, b split over data x
-      fsdp and K over tensor (0 when `kv_cache_batch` is 0) for the static sampler, or
-      `kv_cache_bytes` when given: a continuous-batching engine's peak (`engine_bytes`);
+    - kv_cache: k and v [b,S,K,D] per layer at `kv_dtype_bytes` each (default: the
+      config's `cache_dtype`; the rollouts' `kv_dtype`, `setup.rollout_model_config`), b
+      split over data x fsdp and K over tensor (0 when `kv_cache_batch` is 0) for the
+      static sampler, or `kv_cache_bytes` when given: a continuous-batching engine's peak
+      (`engine_bytes`);
     - sampling_weights: the params resharded for sampling (`sharding.SAMPLE_RULES`:
       split over tensor only), which the sampler holds beside the train state; 0 when
       the two layouts are the same (one device, or data-parallel only) or without a
@@ -209,7 +212,8 @@ def memory_plan(
     logits = 3 * b * columns * trunk.split(c.vocab_size) * 4
 
     kv_b = _per_device(kv_cache_batch, sharding.batch_shards(mesh))
-    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * cbytes
+    kvbytes = kv_dtype_bytes or c.cache_dtype.itemsize
+    kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * kvbytes
     if kv_cache_bytes is not None and kv_cache_batch:
         kv_cache = kv_cache_bytes
     return MemoryPlan(
@@ -389,16 +393,18 @@ def engine_bytes(
     XLA's analysis of `RolloutEngine.programs`).
 
     Q prompts of P columns, J = Q x n sequences of N new tokens, S slots, a cache column
-    c = 2 x layers x K x D x dtype bytes (keys and values):
+    c = 2 x layers x K x D x bytes of the config's `cache_dtype` (keys and values; c' the
+    same in the compute dtype, what attention reads them as):
     - continuous: the prefixes Q x P x c and the prompts' logits [Q, V] float32; the slots'
       rows S x (P + N) x c and the output rows (J x N x 14 bytes: tokens, log-probs,
       versions, masks); its prefill builds Q full-width rows, (Q x (P + N) x c), and its
-      decode step reads one layer's cache at a time (S x (P + N) x c / layers);
+      decode step reads one layer's cache at a time (S x (P + N) x c' / layers);
     - paged: the pool (`pages` x page size x c; 0 = every prompt's pages and every slot's
       whole completion, the engine's default), page tables, logits and output rows; its
       prefill runs Q x P tokens, its resume (lanes sequences recomputed up to the
       completion's width W rounded to a power of two) chunks of lanes x min(W, 256) tokens
-      (`paged.RESUME_CHUNK`) over W + P columns.
+      (`paged.RESUME_CHUNK`) over W + P columns; a decode step gathers each live row's
+      pages of one layer (x c' / layers).
     A multi-token pass holds per token ~(2E + (H + 2K) D + 2F) activations in the compute
     dtype and, per query head, float32 scores and probabilities over the columns it reads.
     `shards`, `tensor`: the paged engine on a mesh (`PagedEngine.shards` batch shards, a
@@ -409,7 +415,8 @@ def engine_bytes(
     c = model_config
     cbytes = model_config_lib.as_dtype(c.dtype).itemsize
     split = tensor if engine == "paged" and c.num_kv_heads % tensor == 0 else 1
-    column = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * cbytes // split
+    column = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * c.cache_dtype.itemsize // split
+    read = column * cbytes // c.cache_dtype.itemsize  # a column as attention reads it
     jobs = prompts * n_samples
     slots = min(slots or jobs, jobs)
     logits = prompts * c.vocab_size * 4
@@ -424,7 +431,7 @@ def engine_bytes(
         held = prompts * prompt_len * column + logits
         prefill = held + prompts * (prompt_len + max_new) * column
         prefill += tokens(prompts, prompt_len, prompt_len)
-        run = held + rows + slots * (prompt_len + max_new) * column * (1 + 1 / c.num_layers)
+        run = held + rows + slots * (prompt_len + max_new) * (column + read / c.num_layers)
         return int(max(prefill, run))
     if engine != "paged":
         raise ValueError(f"engine: 'continuous' or 'paged', got {engine!r}")
@@ -447,5 +454,5 @@ def engine_bytes(
     chunk = min(width, paged.RESUME_CHUNK)
     resume = held + tokens(lanes, chunk, min(width, own * page_size) + prompt_cols)
     step = slots * own * page_size + min(prompts, slots) * prompt_cols
-    run = held + step * column // c.num_layers
+    run = held + step * read // c.num_layers
     return int(max(prefill, resume, run))

@@ -14,6 +14,9 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
   does); its query then attends to every real column of its row.
 - The cache stores keys and values as [B, K, S, D] (kv heads before columns): attention
   reads it in that layout, so a decode step never transposes the whole cache.
+- `ModelConfig.kv_dtype` (bfloat16, float8_e4m3fn; "" = the compute dtype) is what caches
+  hold keys and values in. Every forward rounds them to it after RoPE (`kv_store`) and
+  attends to them in the compute dtype, so a pass without a cache rounds as a cached one.
 - `ModelConfig.attention` selects the attention implementation (`attention.py`); calls
   with a cache (the sampler's prefill and decode steps) run "xla" unless it is
   "dot_product" or "chunked". `ModelConfig.remat_policy` (with `remat=True`) selects what
@@ -100,11 +103,28 @@ class Columns:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-    """An empty cache of `max_len` columns."""
-    dtype = as_dtype(config.dtype if dtype is None else dtype)
+    """An empty cache of `max_len` columns, in `config.cache_dtype` unless `dtype` is given."""
+    dtype = config.cache_dtype if dtype is None else as_dtype(dtype)
     shape = (batch, config.num_kv_heads, max_len, config.dim_per_head)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return KVCache(k=zeros, v=zeros, valid_BxS=jnp.zeros((batch, max_len), bool))
+
+
+def kv_store(x: jax.Array, config: ModelConfig) -> jax.Array:
+    """Keys or values as a cache of `config` stores them: cast to `config.cache_dtype`.
+
+    float8 e4m3fn is clipped to its largest finite value (+-448) first: it has no infinity,
+    and a plain cast makes NaN of anything past 464 (where rounding would leave the range),
+    which would poison every later score of its row. No scale: as vLLM's fp8 KV cache at
+    its default scale 1.0, so keys and values past 448 saturate.
+    """
+    dtype = config.cache_dtype
+    if dtype == x.dtype:
+        return x
+    if dtype == jnp.float8_e4m3fn:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
 
 
 def _cache_write(cache_BxKxSxD: jax.Array, new_BxKxTxD: jax.Array, cache_index) -> jax.Array:
@@ -247,6 +267,8 @@ class Attention(nn.Module):
         # [B, K, T, D]: the cache layout, so decode reads the cache without transposing it.
         key = checkpoint_name(rotate(key, *cos_sin).transpose(0, 2, 1, 3), "qkv_proj")
         value = checkpoint_name(value.transpose(0, 2, 1, 3), "qkv_proj")
+        if c.kv_dtype:  # as a cache holds them, with a cache or without (attended in dt)
+            key, value = kv_store(key, c), kv_store(value, c)
         new_kv = (key, value)  # without a cache: this call's own (`return_kv`)
         pages = cache_kv if isinstance(cache_kv, paged_lib.PagedLayer) else None
         if pages is not None and not pages.view.fresh:  # pages: written, then attended

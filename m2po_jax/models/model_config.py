@@ -33,6 +33,10 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_BASES = ("float", "int8", "nf4")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# What the rollout engines' KV caches may hold keys and values in (`kv_dtype`; "" = the
+# compute dtype): bfloat16, or float8 e4m3 without scales (vLLM's kv_cache_dtype="fp8" at
+# its default scale 1.0), saturated at +-448 (`model.kv_store`).
+KV_DTYPES = {"bfloat16": jnp.bfloat16, "float8_e4m3fn": jnp.float8_e4m3fn}
 
 
 def as_dtype(dtype: Any) -> jnp.dtype:
@@ -78,6 +82,11 @@ class ModelConfig:
     # QLoRA: the adapted projections' base kernels held as LORA_BASES says (not float:
     # quantised codes and scales, dequantised per projection; lora_rank > 0 only)
     lora_base: str = "float"
+    # Keys and values as a KV cache stores them: "" (the compute dtype) or a name in
+    # KV_DTYPES. Caches and pools are allocated in it, and every forward, with a cache or
+    # without, rounds each layer's keys and values to it after RoPE (`model.kv_store`), so a
+    # teacher-forced pass of the rollouts' config gives the engines' log-probs.
+    kv_dtype: str = ""
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -155,6 +164,11 @@ class ModelConfig:
             raise ValueError(
                 f"lora_base: a quantised base ({self.lora_base!r}) needs lora_rank > 0"
             )
+        if self.kv_dtype and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype: expected '' (the compute dtype) or one of {', '.join(KV_DTYPES)}, "
+                f"got {self.kv_dtype!r}"
+            )
         if self.attention_block_size <= 0:
             raise ValueError(
                 f"attention_block_size: must be positive, got {self.attention_block_size}"
@@ -163,6 +177,11 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def cache_dtype(self) -> jnp.dtype:
+        """The dtype KV caches hold keys and values in: `kv_dtype`, else the compute dtype."""
+        return jnp.dtype(KV_DTYPES[self.kv_dtype]) if self.kv_dtype else as_dtype(self.dtype)
 
     def _key(self) -> tuple:
         # head_dim=None and the same head_dim written out describe one architecture: they

@@ -173,10 +173,11 @@ class PagedView:
 
 def init_pool(config, pages: int, page_size: int, dtype=None, layout=None) -> PagedPool:
     """An empty pool of `pages` pages of `page_size` tokens per layer, in `layout` (default:
-    the one the program being traced takes, `pool_layout`)."""
+    the one the program being traced takes, `pool_layout`) and `dtype` (default: the
+    config's `cache_dtype`)."""
     from m2po_jax.models.model_config import as_dtype
 
-    dtype = as_dtype(config.dtype if dtype is None else dtype)
+    dtype = config.cache_dtype if dtype is None else as_dtype(dtype)
     layout = pool_layout() if layout is None else layout
     k, d = config.num_kv_heads, config.dim_per_head
     if layout == INTERLEAVED:
@@ -214,10 +215,10 @@ def copy_pages(pool: PagedPool, from_X: jax.Array, to_X: jax.Array) -> PagedPool
 
 
 def pool_bytes(config, pages: int, page_size: int, dtype=None) -> int:
-    """Bytes of a pool (keys and values of every layer)."""
+    """Bytes of a pool (keys and values of every layer; default dtype `cache_dtype`)."""
     from m2po_jax.models.model_config import as_dtype
 
-    itemsize = jnp.dtype(as_dtype(config.dtype if dtype is None else dtype)).itemsize
+    itemsize = (config.cache_dtype if dtype is None else as_dtype(dtype)).itemsize
     per_page = page_size * config.num_kv_heads * config.dim_per_head * itemsize
     return 2 * config.num_layers * pages * per_page
 
@@ -407,7 +408,8 @@ def decode_kernel(q_BxTxHxD, kv_pages, layout: str) -> str | None:
     """Which Pallas kernel a decode step runs (`paged_kernels`), or None for the XLA path:
     "tpu" (ragged paged attention, the interleaved layout) or "gpu" (Triton paged
     attention, the split layout) for a program traced for those devices, one token per
-    row, shapes the kernel takes."""
+    row, shapes and dtypes the kernel takes (the GPU kernel: pages in q's dtype only, so
+    a bfloat16 pool under float32 compute and a float8 pool take the XLA path there)."""
     from m2po_jax.models import attention_kernels, paged_kernels
 
     b, t, h, d = q_BxTxHxD.shape
@@ -426,7 +428,7 @@ def decode_kernel(q_BxTxHxD, kv_pages, layout: str) -> str | None:
         supported = paged_kernels.gpu_decode_supported
     else:
         return None
-    return platform if supported(pg, h, kh, d, kv_pages.dtype, tensor) else None
+    return platform if supported(pg, h, kh, d, kv_pages.dtype, tensor, q_BxTxHxD.dtype) else None
 
 
 def attend(q_BxTxHxD, kv_pages, view: PagedView, valid_BxT=None, layout=INTERLEAVED):

@@ -5,8 +5,12 @@
 
 GPU: jax's Triton paged attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`)
 over the pool's split layout (keys and values [K, NP, PG, D] each, `paged.py`); power-of-two
-head dims and page sizes (`gpu_decode_supported`). It compiles for an H100 through jax's
-CUDA plugin with no GPU attached, and runs in Pallas' interpreter on a CPU (the tests).
+head dims and page sizes, a pool in the queries' dtype (`gpu_decode_supported`: the kernel
+casts q and the probabilities to the pool's dtype, which would round a float32 query to
+bfloat16 or float8; its quantised route takes per-token scale arrays this wrapper does not
+make, so a bfloat16 pool under float32 compute and a float8 pool take the XLA path). It
+compiles for an H100 through jax's CUDA plugin with no GPU attached, and runs in Pallas'
+interpreter on a CPU (the tests).
 The rest of this doc is the TPU kernel's.
 
 jax's ragged paged attention kernel (`jax.experimental.pallas.ops.tpu.
@@ -16,8 +20,9 @@ ragged_paged_attention`), called with one query token per sequence (`cu_q_lens` 
 h // (H // K), as `paged.attend` does.
 
 Layout. Per layer the pool is one array kv [NP, PG, 2K, D] (pages, tokens per page, kv
-heads with keys at even and values at odd indices, head dim), in the compute dtype.
-Sequence b's position p lies in page page_indices_BxM[b, p // PG], row p % PG.
+heads with keys at even and values at odd indices, head dim), in the cache dtype
+(`ModelConfig.cache_dtype`). Sequence b's position p lies in page
+page_indices_BxM[b, p // PG], row p % PG.
 
 What the kernel takes (jax 0.10.2, libtpu 0.0.42; found by compiling for v5e):
 
@@ -26,8 +31,15 @@ What the kernel takes (jax 0.10.2, libtpu 0.0.42; found by compiling for v5e):
   original base memref").
 - 2K combined heads that XLA tiles fully in the pool's dtype (the kernel's
   `get_min_heads_per_blk`): K in {1, 2, 4, 8} or a multiple of 8 in bfloat16; K in
-  {1, 2, 4} or a multiple of 4 in float32.
-- float32 or bfloat16 (the kernel's quantized pools need scales this wrapper does not pass).
+  {1, 2, 4} or a multiple of 4 in float32; K in {2, 4, 8, 16} or a multiple of 16 in
+  float8 (four to 32 bits).
+- a pool of float32, bfloat16 or float8 e4m3fn, queries of float32 or bfloat16. A pool in
+  the queries' dtype runs as is; another (a bfloat16 pool under float32 compute, a float8
+  pool) takes the kernel's quantised-cache route with k_scale = v_scale = 1.0: each block
+  of keys and values is converted to the queries' dtype in VMEM (through float32, times
+  1.0: exact), so the kernel attends as `paged.attend` does to the stored values, and
+  reads the pool's bytes from HBM. Compiled for v5e (`tests/models/paged_kernels_test.py`);
+  v5e has no float8 arithmetic, and needs none on this route.
 - a kv block within the chip's scoped VMEM (16 MiB by default on v5e: `decode_block_sizes`).
 
 Any page size compiles (1, 3, 16, 256 tried), any pages per sequence, and the pages per
@@ -57,7 +69,8 @@ QUERIES_PER_BLOCK = 32  # the tuned tables' usual query block
 # Half the smallest default scoped VMEM (16 MiB: v4, v5e, v5p): `_vmem_bytes` has
 # underestimated what the v5e compiler needs by up to 1.44x (14 shapes), never by 2x.
 VMEM_BUDGET_BYTES = 8 * 2**20
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float8_e4m3fn")  # the pool's
+Q_DTYPES = ("float32", "bfloat16")  # the queries'
 
 
 def _rpa():
@@ -71,42 +84,52 @@ def _kernel(*args, **kwargs):
     return _rpa().ragged_paged_attention(*args, **kwargs)
 
 
-def _heads_per_block(num_q_heads: int, num_kv_heads: int, dtype) -> tuple[int, int]:
-    """(query heads, combined kv heads) of one kernel block; ValueError if 2K does not tile."""
-    return _rpa().get_min_heads_per_blk(num_q_heads, 2 * num_kv_heads, dtype, dtype)
+def _heads_per_block(num_q_heads: int, num_kv_heads: int, dtype, q_dtype=None) -> tuple[int, int]:
+    """(query heads, combined kv heads) of one kernel block for a pool of `dtype` and queries
+    of `q_dtype` (default `dtype`); ValueError if 2K does not tile."""
+    q_dtype = dtype if q_dtype is None else q_dtype
+    return _rpa().get_min_heads_per_blk(num_q_heads, 2 * num_kv_heads, q_dtype, dtype)
 
 
-def _vmem_bytes(page_size, pages_per_block, queries_per_block, q_heads, kv_heads, dtype):
+def _vmem_bytes(
+    page_size, pages_per_block, queries_per_block, q_heads, kv_heads, dtype, q_dtype=None
+):
     """Scoped VMEM of one kernel block (an estimate: the compiler's own figure differs).
 
-    kv pages double-buffered, the q and output blocks double-buffered, the float32
-    accumulator and softmax statistics (128 lanes wide), one kv head's float32 scores,
-    probabilities, masked keys and values."""
-    itemsize = jnp.dtype(dtype).itemsize
-    q_blk, combined = _heads_per_block(q_heads, kv_heads, dtype)
+    kv pages (`dtype`) double-buffered, the q and output blocks (`q_dtype`, default
+    `dtype`) double-buffered, the float32 accumulator and softmax statistics (128 lanes
+    wide), one kv head's float32 scores, probabilities, masked keys and values."""
+    q_dtype = dtype if q_dtype is None else q_dtype
+    q_blk, combined = _heads_per_block(q_heads, kv_heads, dtype, q_dtype)
     group = q_heads // kv_heads
     tokens, rows, d = pages_per_block * page_size, queries_per_block * group, HEAD_DIM
-    kv = 2 * tokens * combined * d * itemsize
-    q_out = 4 * queries_per_block * q_blk * d * itemsize
+    kv = 2 * tokens * combined * d * jnp.dtype(dtype).itemsize
+    q_out = 4 * queries_per_block * q_blk * d * jnp.dtype(q_dtype).itemsize
     acc = queries_per_block * q_blk * d * 4
     stats = 2 * (combined // 2) * rows * 128 * 4
     temporaries = (2 * rows * tokens + 2 * tokens * d + rows * d) * 4
     return kv + q_out + acc + stats + temporaries
 
 
-def _why_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype) -> str | None:
-    """Why the kernel cannot take these shapes, or None."""
+def _why_unsupported(
+    page_size, num_q_heads, num_kv_heads, head_dim, dtype, q_dtype=None
+) -> str | None:
+    """Why the kernel cannot take these shapes and dtypes (the pool's `dtype`, the queries'
+    `q_dtype`, default `dtype`), or None."""
+    q_dtype = dtype if q_dtype is None else q_dtype
     if jnp.dtype(dtype).name not in DTYPES:
         return f"dtype {jnp.dtype(dtype).name}, expected one of {DTYPES}"
+    if jnp.dtype(q_dtype).name not in Q_DTYPES:
+        return f"query dtype {jnp.dtype(q_dtype).name}, expected one of {Q_DTYPES}"
     if head_dim != HEAD_DIM:
         return f"head_dim {head_dim}, expected {HEAD_DIM}"
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         return f"{num_q_heads} query heads, expected a multiple of the {num_kv_heads} kv heads"
     try:
-        _heads_per_block(num_q_heads, num_kv_heads, dtype)
+        _heads_per_block(num_q_heads, num_kv_heads, dtype, q_dtype)
     except ValueError:
         return f"{num_kv_heads} kv heads do not tile in {jnp.dtype(dtype).name}"
-    if _vmem_bytes(page_size, 1, 1, num_q_heads, num_kv_heads, dtype) > VMEM_BUDGET_BYTES:
+    if _vmem_bytes(page_size, 1, 1, num_q_heads, num_kv_heads, dtype, q_dtype) > VMEM_BUDGET_BYTES:
         return (
             f"page_size {page_size}: one page per block is over {VMEM_BUDGET_BYTES} bytes of VMEM"
         )
@@ -121,18 +144,31 @@ def _local_heads(num_q_heads: int, num_kv_heads: int, tensor: int) -> tuple[int,
 
 
 def tpu_decode_supported(
-    page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, tensor: int = 1
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    tensor: int = 1,
+    q_dtype=None,
 ) -> bool:
-    """Whether the kernel takes these shapes (else use the XLA path, `paged.attend`).
+    """Whether the kernel takes these shapes, a pool of `dtype` and queries of `q_dtype`
+    (default `dtype`) (else use the XLA path, `paged.attend`).
 
     `tensor`: the size of the mesh's "tensor" axis `tpu_decode_attention_sharded` splits
     the heads over (it splits them when it divides the kv heads)."""
     heads = _local_heads(num_q_heads, num_kv_heads, tensor)
-    return _why_unsupported(page_size, *heads, head_dim, dtype) is None
+    return _why_unsupported(page_size, *heads, head_dim, dtype, q_dtype) is None
 
 
 def decode_block_sizes(
-    page_size: int, pages_per_seq: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype
+    page_size: int,
+    pages_per_seq: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    q_dtype=None,
 ) -> tuple[int, int]:
     """(pages_per_block, queries_per_block) for a decode step, without asking for a device.
 
@@ -143,11 +179,11 @@ def decode_block_sizes(
     Raises:
       ValueError: the kernel cannot take these shapes (`tpu_decode_supported`).
     """
-    reason = _why_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype)
+    reason = _why_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype, q_dtype)
     if reason:
         raise ValueError(f"decode_block_sizes: {reason}")
     fits = functools.partial(_vmem_bytes, page_size, q_heads=num_q_heads,
-                             kv_heads=num_kv_heads, dtype=dtype)  # fmt: skip
+                             kv_heads=num_kv_heads, dtype=dtype, q_dtype=q_dtype)  # fmt: skip
     queries = QUERIES_PER_BLOCK
     while queries > 1 and fits(1, queries) > VMEM_BUDGET_BYTES:
         queries //= 2
@@ -183,8 +219,9 @@ def tpu_decode_attention(
     within the length is the caller's bug and reads page NP - 1.
 
     Args:
-      q_BxHxD: each sequence's query; cast to the pool's dtype for the kernel.
-      kv_NPxPGx2KxD: the layer's pool (module doc), float32 or bfloat16.
+      q_BxHxD: each sequence's query, float32 or bfloat16; the output's dtype. A pool of
+        another dtype is converted to it block by block in the kernel (module doc).
+      kv_NPxPGx2KxD: the layer's pool (module doc), float32, bfloat16 or float8 e4m3fn.
       kv_lens_B: int tokens of each sequence in the pool, the query's own included.
       page_indices_BxM: int page ids of each sequence's positions.
       sm_scale: the scores' scale (D ** -0.5 for plain attention).
@@ -208,28 +245,33 @@ def tpu_decode_attention(
             f"{kv_lens_B.shape}, page_indices {page_indices_BxM.shape}; expected "
             "[B, H, D], [NP, PG, 2K, D], [B], [B, M]"
         )
-    dtype = kv_NPxPGx2KxD.dtype
-    reason = _why_unsupported(page_size, h, combined // 2, d, dtype)
+    dtype, q_dtype = kv_NPxPGx2KxD.dtype, q_BxHxD.dtype
+    reason = _why_unsupported(page_size, h, combined // 2, d, dtype, q_dtype)
     if reason:
         raise ValueError(
             f"tpu_decode_attention: q {q_BxHxD.shape}, kv {kv_NPxPGx2KxD.shape} "
             f"{jnp.dtype(dtype).name}: {reason}"
         )
-    auto_pages, auto_queries = decode_block_sizes(page_size, m, h, combined // 2, d, dtype)
+    auto_pages, auto_queries = decode_block_sizes(page_size, m, h, combined // 2, d, dtype, q_dtype)
     pages = pages_per_block or auto_pages
     queries = min(queries_per_block or auto_queries, b)
     if not 0 < pages <= m:
         raise ValueError(f"tpu_decode_attention: pages_per_block={pages}, expected 1 to {m}")
     length_B = jnp.clip(kv_lens_B.astype(jnp.int32), 1, m * page_size)
     pages_BxM = jnp.clip(page_indices_BxM.astype(jnp.int32), 0, n_pages - 1)
+    # A pool in another dtype: the kernel's quantised route at scale 1.0 converts each
+    # block of keys and values to q's dtype (exactly); without scales it would multiply
+    # q with the pool's dtype as it is.
+    scales = {} if dtype == q_dtype else dict(k_scale=1.0, v_scale=1.0)
     out = _kernel(
-        q_BxHxD.astype(dtype),
+        q_BxHxD,
         kv_NPxPGx2KxD,
         length_B,
         pages_BxM,
         jnp.arange(b + 1, dtype=jnp.int32),  # cu_q_lens: one query per sequence
         jnp.array([b], jnp.int32),  # num_seqs
         sm_scale=float(sm_scale),
+        **scales,
         num_kv_pages_per_block=pages,
         num_queries_per_block=queries,
         vmem_limit_bytes=vmem_limit_bytes,
@@ -329,11 +371,16 @@ def _gpu_kernel(*args, **kwargs):
     return paged_attention.paged_attention(*args, **kwargs)
 
 
-def _why_gpu_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype) -> str | None:
+def _why_gpu_unsupported(
+    page_size, num_q_heads, num_kv_heads, head_dim, dtype, q_dtype=None
+) -> str | None:
     """Why the GPU kernel cannot take these shapes, or None (Triton blocks are powers of
-    two: the head dim, and a compute block of whole pages of at least 16 keys)."""
+    two: the head dim, and a compute block of whole pages of at least 16 keys; the pool in
+    the queries' dtype `q_dtype`, default `dtype`)."""
     if jnp.dtype(dtype).name not in GPU_DTYPES:
         return f"dtype {jnp.dtype(dtype).name}, expected one of {GPU_DTYPES}"
+    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+        return f"a {jnp.dtype(dtype).name} pool under {jnp.dtype(q_dtype).name} queries"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim}, expected a power of two >= 16"
     if page_size < 1 or page_size & (page_size - 1) or page_size > GPU_BLOCK_TOKENS:
@@ -344,12 +391,18 @@ def _why_gpu_unsupported(page_size, num_q_heads, num_kv_heads, head_dim, dtype) 
 
 
 def gpu_decode_supported(
-    page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, tensor: int = 1
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    tensor: int = 1,
+    q_dtype=None,
 ) -> bool:
-    """Whether the GPU kernel takes these shapes (else use the XLA path, `paged.attend`);
-    `tensor` as for `tpu_decode_supported`."""
+    """Whether the GPU kernel takes these shapes and dtypes (else use the XLA path,
+    `paged.attend`); `tensor` and `q_dtype` as for `tpu_decode_supported`."""
     heads = _local_heads(num_q_heads, num_kv_heads, tensor)
-    return _why_gpu_unsupported(page_size, *heads, head_dim, dtype) is None
+    return _why_gpu_unsupported(page_size, *heads, head_dim, dtype, q_dtype) is None
 
 
 def gpu_decode_block_sizes(page_size: int, pages_per_seq: int) -> tuple[int, int, int]:
@@ -400,7 +453,7 @@ def gpu_decode_attention(
             f"{page_indices_BxM.shape}; expected [B, H, D], [K, NP, PG, D] twice, [B], [B, M]"
         )
     dtype = k_KxNPxPGxD.dtype
-    reason = _why_gpu_unsupported(page_size, h, kh, d, dtype)
+    reason = _why_gpu_unsupported(page_size, h, kh, d, dtype, q_BxHxD.dtype)
     if reason:
         raise ValueError(f"gpu_decode_attention: k {k_KxNPxPGxD.shape}: {reason}")
     block, splits, padded = gpu_decode_block_sizes(page_size, m)

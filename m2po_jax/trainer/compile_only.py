@@ -501,7 +501,8 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     # The engine's KV sized as the run sizes it on this chip (`setup.kv_budget`).
     limit = cfg.mesh.device_memory_gib and int(cfg.mesh.device_memory_gib * 2**30)
     limit = limit or tgt.hbm_bytes
-    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement, limit)
+    rollout_config = setup_lib.rollout_model_config(cfg, model_config)
+    engine = setup_lib.build_engine(cfg, rollout_config, decoding, sampler_placement, limit)
     max_append = cfg.agent.max_append_tokens if cfg.agent.env else 0
     for program in _compile_engine(
         engine, sample_params, prompts, cfg.gconfig.n_samples, prompt_len, max_append=max_append
@@ -519,7 +520,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         p.name = "evaluate" if len(evaluation) == 1 else f"evaluate_{p.name}"
         p.what = f"evaluation ({p.what}), {cfg.eval.batch_size} prompts x {cfg.eval.n_samples}"
         add(p)
-    decode = add(_compile_decode(sampler_placement, sample_params, model_config, rows, seq_len))
+    decode = add(_compile_decode(sampler_placement, sample_params, rollout_config, rows, seq_len))
     start = next((p for p in programs if p.name == "engine_start" and not p.error), None)
     if isinstance(engine, engines.PagedEngine) and start is not None:
         # The weights as the decode loop's body reads them: XLA hoists their cast to the
@@ -547,14 +548,14 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     plan, _ = setup_lib.memory_plan(cfg, model_config, placement, limit)
     widths = sorted({batching.completion_width(n, new) for n in range(new + 1)})
     roofline = _roofline(
-        tgt, model_config, train, decode, sample_params, rows, seq_len, sampler_placement
+        tgt, rollout_config, train, decode, sample_params, rows, seq_len, sampler_placement
     )
     run = next((p for p in programs if p.name == "paged_decode_step"), None)
     if roofline and run is not None:  # the probe was compiled: `step_params` is its weights
         size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
         weights = _bytes_per_device(step_params)
         roofline |= _paged_roofline(
-            tgt, model_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
+            tgt, rollout_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
         )
     return Report(
         target=tgt,
@@ -652,7 +653,8 @@ def _compile_decode(placement, params, model_config, rows, seq_len) -> Program:
 
 
 def _roofline(tgt, model_config, train, decode, sample_params, rows, seq_len, placement) -> dict:
-    """Lower bounds of the train step's and one decode step's time on `tgt`'s chip."""
+    """Lower bounds of the train step's and one decode step's time on `tgt`'s chip
+    (`model_config`: the rollouts', whose `cache_dtype` the decode floor's KV takes)."""
     if tgt.chip is None or train.error or decode.error:
         return {}
     c = model_config
@@ -679,7 +681,7 @@ def _roofline(tgt, model_config, train, decode, sample_params, rows, seq_len, pl
     weights = _bytes_per_device(sample_params)
     kv_per_device = (
         2 * c.num_layers * (rows // batch_shards) * seq_len * c.num_kv_heads * c.dim_per_head
-        * jnp.dtype(model_config_lib.as_dtype(c.dtype)).itemsize
+        * c.cache_dtype.itemsize
         // (placement.mesh.shape.get("tensor", 1) if c.num_kv_heads % placement.mesh.shape.get(
             "tensor", 1) == 0 else 1)
     )  # fmt: skip
@@ -723,7 +725,7 @@ def _paged_roofline(
     mesh = engine.mesh
     tensor = 1 if mesh is None else mesh.shape.get("tensor", 1)
     split = tensor if c.num_kv_heads % tensor == 0 else 1
-    itemsize = jnp.dtype(model_config_lib.as_dtype(c.dtype)).itemsize
+    itemsize = c.cache_dtype.itemsize
     token = 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * itemsize // split
     slots, new = size["slots"], engine.sampling.max_new_tokens
     completion = new // 2

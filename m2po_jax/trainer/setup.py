@@ -46,7 +46,7 @@ class RunSetup:
     task: Task
     tokenizer: Any
     prompts: prompts_lib.PromptEncoder
-    model_config: model_config_lib.ModelConfig
+    model_config: model_config_lib.ModelConfig  # the trained one (`rollout_model_config`)
     placement: placement_lib.Placement
     sampling_config: sampling.SamplingConfig
     memory_plan: memory.MemoryPlan
@@ -95,7 +95,9 @@ def build(cfg: Config) -> RunSetup:
         sampling_config=decoding,
         memory_plan=check_memory(cfg, model_config, placement),
         rollout_placement=rollout_placement,
-        engine=build_engine(cfg, model_config, decoding, rollout_placement or placement),
+        engine=build_engine(
+            cfg, rollout_model_config(cfg, model_config), decoding, rollout_placement or placement
+        ),
         rewards=rewards_lib.RewardScorer(
             task, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
         ),
@@ -153,6 +155,15 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
     )
 
 
+def rollout_model_config(
+    cfg: Config, model_config: model_config_lib.ModelConfig
+) -> model_config_lib.ModelConfig:
+    """The model config the training rollouts' engine runs: the trained one with its KV
+    cache in `rollout.kv_dtype` ("" = the compute dtype). A teacher-forced pass of it gives
+    the engine's log-probs; the evaluation keeps the trained config (`evaluate.py`)."""
+    return model_config.replace(kv_dtype=cfg.rollout.kv_dtype)
+
+
 def build_engine(
     cfg: Config, model_config, decoding, placement, limit: int | None = None
 ) -> engines.RolloutEngine:
@@ -187,7 +198,9 @@ def kv_budget(
     the train state, the sampling weights, the engine's other buffers, the rollouts' or the
     evaluation's, whichever hold more; the train step's activations are not held while it
     samples), at least 1; 0 (no cap) where `limit` is
-    None, `rollout.kv_pages` is set or the run's engine is not paged. Under async rollouts
+    None, `rollout.kv_pages` is set or the run's engine is not paged. `model_config` is
+    the engine's (`rollout_model_config` for the rollouts'): the plan is the same for
+    either, the pool's pages take its `cache_dtype`. Under async rollouts
     the plan is the train devices' (an upper bound on the rollout devices', which hold no
     train state)."""
     if limit is None or cfg.rollout.kv_pages or config_lib.rollout_engine(cfg) != "paged":
@@ -402,12 +415,14 @@ def memory_plan(
 ) -> tuple[memory.MemoryPlan, dict]:
     """The run's analytic per-device memory plan, and the `memory.memory_plan` keyword
     arguments it was made with (for `memory_check.remedies`); a paged engine's default pool
-    as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped)."""
+    as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped): the
+    rollouts' in `rollout.kv_dtype`, the evaluation's in the compute dtype."""
     pages = eval_pages = cfg.rollout.kv_pages
-    budget = kv_budget(cfg, model_config, placement, limit)
-    if budget:
-        cap = budget // _page_bytes(cfg, model_config, placement)
+    rollout, trained = rollout_model_config(cfg, model_config), model_config.replace(kv_dtype="")
+    if budget := kv_budget(cfg, rollout, placement, limit):
+        cap = budget // _page_bytes(cfg, rollout, placement)
         pages = _pool_pages(cfg, placement, cfg.rollout.batch_size, cfg.gconfig.n_samples, cap)
+        cap = kv_budget(cfg, trained, placement, limit) // _page_bytes(cfg, trained, placement)
         eval_pages = _pool_pages(cfg, placement, cfg.eval.batch_size, cfg.eval.n_samples, cap)
     return _memory_plan(cfg, model_config, placement, pages, eval_pages)
 
@@ -427,7 +442,10 @@ def _pool_pages(cfg: Config, placement, prompts: int, n_samples: int, cap: int) 
 def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: int = 0):
     """`memory_plan` with the paged engine's pool at `pages` pages (0: its default) for the
     rollouts and `eval_pages` for the evaluation (the same engine, its own batch): the
-    engine's line is the larger of the two."""
+    engine's line is the larger of the two. The rollouts' KV is in `rollout.kv_dtype`, the
+    evaluation's in the compute dtype (`model_config` may be either run's config: the
+    trained one has no `kv_dtype`)."""
+    rollout, trained = rollout_model_config(cfg, model_config), model_config.replace(kv_dtype="")
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
     kwargs = dict(
         batch=rows_mb,
@@ -437,14 +455,14 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         kv_cache_len=seq_len,
         logp_chunk=cfg.actor.logp_chunk_size,
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
+        kv_dtype_bytes=rollout.cache_dtype.itemsize,
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):
         r = cfg.rollout
         held = functools.partial(
             memory.engine_bytes,
-            model_config,
-            engine,
+            engine=engine,
             prompt_len=cfg.task.max_prompt_len,
             max_new=cfg.gconfig.max_new_tokens,
             slots=r.engine_slots,
@@ -456,10 +474,11 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         if engine != "paged":
             pages = eval_pages = 0
         kwargs["kv_cache_bytes"] = max(
-            held(prompts=r.batch_size, n_samples=cfg.gconfig.n_samples, pages=pages),
-            held(prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples, pages=eval_pages),
-        )
-    return memory.memory_plan(model_config, placement.mesh, **kwargs), kwargs
+            held(rollout, prompts=r.batch_size, n_samples=cfg.gconfig.n_samples, pages=pages),
+            held(trained, prompts=cfg.eval.batch_size, n_samples=cfg.eval.n_samples,
+                 pages=eval_pages),
+        )  # fmt: skip
+    return memory.memory_plan(trained, placement.mesh, **kwargs), kwargs
 
 
 def _engine_shards(mesh) -> int:

@@ -8,11 +8,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from m2po_jax.models import model as M
-from m2po_jax.models import model_config, rope
+from m2po_jax.models import model_config, paged, rope
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4)
 CONFIGS = {
@@ -96,8 +97,19 @@ def np_rope(x_BxTxHxD, positions_BxT, inv_freq):
     return x_BxTxHxD * cos + rotated * sin
 
 
+def np_round(x, kv_dtype: str):
+    """x through float32 to `kv_dtype` (ml_dtypes) and back to float64; float8 e4m3fn
+    clipped to +-448 first, its largest finite value."""
+    dtype = np.dtype(getattr(ml_dtypes, kv_dtype))
+    x = x.astype(np.float32)
+    if kv_dtype == "float8_e4m3fn":
+        x = np.clip(x, -448.0, 448.0)
+    return x.astype(dtype).astype(np.float64)
+
+
 def np_forward(params, config, tokens_BxT, valid_BxT):
-    """float64 logits; rows of padding queries (no real key before them) are left at 0."""
+    """float64 logits; rows of padding queries (no real key before them) are left at 0.
+    With `config.kv_dtype`, keys (after RoPE) and values rounded to it (`np_round`)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     c = config
     positions = np.maximum(np.cumsum(valid_BxT, -1) - 1, 0)
@@ -119,6 +131,8 @@ def np_forward(params, config, tokens_BxT, valid_BxT):
             q = np_rms(q, a["q_norm"]["scale"], c.rms_norm_eps)
             k = np_rms(k, a["k_norm"]["scale"], c.rms_norm_eps)
         q, k = np_rope(q, positions, inv_freq), np_rope(k, positions, inv_freq)
+        if c.kv_dtype:
+            k, v = np_round(k, c.kv_dtype), np_round(v, c.kv_dtype)
         out = np.zeros_like(q)
         for head in range(c.num_heads):
             kv = head // group
@@ -313,6 +327,60 @@ def test_bf16_compute_close_to_f32():
     assert cache.k[0].dtype == jnp.bfloat16 and len(cache.k) == cfg_bf16.num_layers
 
 
+@pytest.mark.parametrize(
+    "name, kv_dtype, hot",
+    [("llama_gqa", "bfloat16", 1.0), ("qwen3_qk_norm", "float8_e4m3fn", 1.0),
+     ("llama_gqa", "float8_e4m3fn", 300.0)],
+)  # fmt: skip
+def test_a_kv_dtype_rounds_keys_after_rope_and_values_and_attends_in_float32(name, kv_dtype, hot):
+    """The forward of a config with `kv_dtype` against the float64 reference whose keys
+    (after RoPE, and after the Qwen3 key norm) and values are rounded through float32 to
+    that dtype, attended in float64: within the float32 tolerance of the plain test, while
+    the unrounded reference is farther (measured: 1.4e-6 from the rounded one; 1.2e-2, 0.48
+    and 1.9 from the unrounded one). `hot`: layer 0's
+    keys that many times larger, its queries as many smaller (the same scores unrounded),
+    so that keys reach ~870: past float8's 448, saturated in both (a plain cast: NaN)."""
+    config = CONFIGS[name].replace(kv_dtype=kv_dtype)
+    params = random_params(config, seed=1)
+    attn = params["layers_0"]["attn"]
+    attn["k_kernel"], attn["q_kernel"] = attn["k_kernel"] * hot, attn["q_kernel"] / hot
+    tokens, valid = left_padded(2)
+    ours = np.asarray(forward(params, config, tokens, None, valid))
+    assert np.isfinite(ours).all()
+    ref = np_forward(params, config, tokens, valid)
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=2e-4, rtol=0)
+    unrounded = np_forward(params, config.replace(kv_dtype=""), tokens, valid)
+    assert np.abs(ours - unrounded)[valid].max() > 1e-3
+
+
+def test_kv_store_casts_and_saturates_float8():
+    """float8 e4m3fn: clipped to +-448 before the cast (a plain cast makes NaN past 464,
+    e4m3fn has no infinity), NaN stays NaN; bfloat16: the plain cast; "" (or the compute
+    dtype): the array itself. Caches and pools are allocated in the kv dtype."""
+    x = jnp.asarray([1.0, 0.3, 447.0, 464.0, 500.0, 1e4, -1e4, jnp.inf, jnp.nan], jnp.float32)
+    cfg = CONFIGS["llama_gqa"]
+    fp8 = M.kv_store(x, cfg.replace(kv_dtype="float8_e4m3fn"))
+    assert fp8.dtype == jnp.float8_e4m3fn
+    want = [1.0, 0.3125, 448.0, 448.0, 448.0, 448.0, -448.0, 448.0, np.nan]
+    np.testing.assert_array_equal(np.asarray(fp8, np.float32), want)
+    assert np.isnan(np.asarray(x.astype(jnp.float8_e4m3fn), np.float32)[4])  # why it clips
+    bf16 = M.kv_store(x, cfg.replace(kv_dtype="bfloat16"))
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(x.astype(jnp.bfloat16)))
+    assert M.kv_store(x, cfg) is x
+    assert M.kv_store(bf16, cfg.replace(dtype="bfloat16", kv_dtype="bfloat16")) is bf16
+    for kv_dtype, dtype in (("", jnp.float32), ("bfloat16", jnp.bfloat16),
+                            ("float8_e4m3fn", jnp.float8_e4m3fn)):  # fmt: skip
+        config = cfg.replace(kv_dtype=kv_dtype)
+        assert config.cache_dtype == dtype
+        assert {a.dtype for a in M.init_cache(config, 2, 8).k + M.init_cache(config, 2, 8).v} == {
+            jnp.dtype(dtype)
+        }
+        assert {a.dtype for a in paged.init_pool(config, 4, 2, layout="split").kv} == {
+            jnp.dtype(dtype)
+        }
+
+
 def np_log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -356,6 +424,8 @@ def test_make_positions():
         ({"remat_policy": "dots"}, r"remat_policy: unknown name 'dots'.*nothing_saveable"),
         ({"attention": "flash"}, r"attention: unknown implementation 'flash'.*chunked"),
         ({"attention_block_size": 0}, r"attention_block_size: must be positive"),
+        ({"kv_dtype": "fp8"}, r"kv_dtype: expected '' .*bfloat16, float8_e4m3fn, got 'fp8'"),
+        ({"kv_dtype": "float32"}, r"kv_dtype: .* got 'float32'"),
     ],
 )
 def test_config_validation(changes, match):

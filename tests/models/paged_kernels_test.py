@@ -100,6 +100,59 @@ def test_decode_matches_numpy_through_the_reference_kernel(monkeypatch):
     assert blocks == dict(num_kv_pages_per_block=M, num_queries_per_block=B, vmem_limit_bytes=None)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_a_pool_in_another_dtype_is_read_at_scale_one_under_the_queries_dtype(monkeypatch, dtype):
+    """A bfloat16 or float8 pool under float32 queries: the query goes in as it is, with
+    k_scale = v_scale = 1.0 (the kernel converts each block of keys and values to the
+    query's dtype: exactly), so the reference kernel's output is the float32 attention
+    over the pool's stored values."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    calls = []
+
+    def reference(q, kv, *args, sm_scale, **blocks):
+        calls.append((q.dtype, kv.dtype, blocks))
+        return rpa.ref_ragged_paged_attention(q, kv, *args, sm_scale=sm_scale,
+                                              k_scale=blocks["k_scale"], v_scale=blocks["v_scale"])  # fmt: skip
+
+    monkeypatch.setattr(pk, "_kernel", reference)
+    q, kv, lens, pages = make_case(np.random.default_rng(8))
+    stored = jnp.asarray(kv).astype(dtype)
+    out = pk.tpu_decode_attention(q, stored, lens, pages, sm_scale=SCALE)
+    assert out.dtype == jnp.float32
+    want = numpy_decode(q, np.asarray(stored, np.float32), lens, pages, SCALE)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    q_dtype, kv_dtype, blocks = calls[0]
+    assert (q_dtype, kv_dtype) == (jnp.float32, dtype)
+    assert blocks["k_scale"] == blocks["v_scale"] == 1.0
+
+
+def test_decode_kernel_takes_the_dtypes_each_kernel_reads(monkeypatch):
+    """TPU: a pool in the queries' dtype, or a bfloat16 / float8 one under float32 or
+    bfloat16 queries (float8 packs 4 to 32 bits: 2K = 2 does not tile, the XLA path);
+    GPU: only a pool in the queries' dtype (its kernel would round a float32 query to the
+    pool's dtype); everything else the XLA path (None)."""
+    from m2po_jax.models import attention_kernels, paged
+
+    def kernel(platform, q_dtype, kv_dtype, kv_heads=2):
+        monkeypatch.setattr(attention_kernels, "target_platform", lambda: platform)
+        q = jnp.zeros((4, 1, 4, D), q_dtype)
+        if platform == "tpu":
+            kv = jnp.zeros((8, PG, 2 * kv_heads, D), kv_dtype)
+            return paged.decode_kernel(q, kv, paged.INTERLEAVED)
+        kv = jnp.zeros((2, kv_heads, 8, PG, D), kv_dtype)
+        return paged.decode_kernel(q, kv, paged.SPLIT)
+
+    f32, bf16, fp8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+    assert kernel("tpu", bf16, bf16) == kernel("tpu", f32, f32) == "tpu"
+    assert kernel("tpu", f32, bf16) == kernel("tpu", f32, fp8) == kernel("tpu", bf16, fp8) == "tpu"
+    assert kernel("tpu", f32, fp8, kv_heads=1) is None and kernel("tpu", f32, bf16, 1) == "tpu"
+    assert kernel("tpu", jnp.float16, jnp.float16) is None
+    assert kernel("gpu", bf16, bf16) == kernel("gpu", f32, f32) == "gpu"
+    assert kernel("gpu", f32, bf16) is None and kernel("gpu", bf16, fp8) is None
+    assert kernel("gpu", f32, fp8) is None
+
+
 def _split_case(rng, shards, per_shard_pages=12):
     """Each shard's sequences with page ids local to its own pool; the pool of shard i is
     pages i * per_shard_pages .. of the whole."""
@@ -186,9 +239,11 @@ def v5e_2x2():
     return compile_only.target("v5e:2x2")
 
 
-def _compile(mesh, spec_of, fn, b, h, k, page_size, m, n_pages, dtype=jnp.bfloat16):
-    """`fn(q, kv, lens, pages)` compiled for abstract arguments laid out by `spec_of(name)`."""
-    shapes = dict(q=((b, h, D), dtype), kv=((n_pages, page_size, 2 * k, D), dtype),
+def _compile(mesh, spec_of, fn, b, h, k, page_size, m, n_pages, dtype=jnp.bfloat16, kv_dtype=None):
+    """`fn(q, kv, lens, pages)` compiled for abstract arguments laid out by `spec_of(name)`
+    (q in `dtype`, the pool in `kv_dtype`, default `dtype`)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    shapes = dict(q=((b, h, D), dtype), kv=((n_pages, page_size, 2 * k, D), kv_dtype),
                   lens=((b,), jnp.int32), pages=((b, m), jnp.int32))  # fmt: skip
     args = [
         jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec_of(name)))
@@ -208,6 +263,25 @@ def test_the_kernel_compiles_for_one_v5e_chip(v5e_2x2):
         h, k = (4, 2) if page_size == 16 else (32, 8)
         compiled = _compile(mesh, lambda _: P(), decode, 8, h, k, page_size, m, n_pages=64)
         assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float8_e4m3fn),
+     (jnp.bfloat16, jnp.float8_e4m3fn)],
+)  # fmt: skip
+def test_a_bfloat16_or_float8_pool_compiles_for_v5e(v5e_2x2, dtype, kv_dtype):
+    """The kernel's scale-1.0 route (a pool in another dtype than the queries) compiles for
+    v5e, which has no float8 arithmetic: the pool goes in as stored (bytes read from HBM
+    at its itemsize), the queries and output in their own dtype."""
+    mesh = sharding.make_mesh({}, list(v5e_2x2.devices[:1]))
+    decode = functools.partial(pk.tpu_decode_attention, sm_scale=SCALE)
+    text = _compile(mesh, lambda _: P(), decode, 8, 4, 2, 16, 8, 64, dtype, kv_dtype).as_text()
+    kernel_call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+    q_name, kv_name = ({jnp.float32: "f32", jnp.bfloat16: "bf16"}[dtype],
+                       {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8e4m3fn"}[kv_dtype])  # fmt: skip
+    assert f"{q_name}[8,4,128]" in kernel_call and f"{kv_name}[64,16,4,128]" in kernel_call
 
 
 @needs_libtpu

@@ -40,7 +40,8 @@ def _placement(cfg, shape=None):
 def _pool(cfg, placement, limit):
     """(pages of the engine the run builds, per shard, for its rollouts; the plan's)."""
     decoding = sampling.from_gconfig(cfg.gconfig, (0,), 0)
-    engine = setup_lib.build_engine(cfg, MODEL, decoding, placement, limit)
+    rollout = setup_lib.rollout_model_config(cfg, MODEL)
+    engine = setup_lib.build_engine(cfg, rollout, decoding, placement, limit)
     size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, cfg.gconfig.n_samples)
     plan, kwargs = setup_lib.memory_plan(cfg, MODEL, placement, limit)
     return engine, size, plan, kwargs
@@ -127,3 +128,61 @@ def test_the_evaluation_engine_counts_where_it_holds_more():
                                   n_samples=cfg.gconfig.n_samples, pages=size["pages"], **held)  # fmt: skip
     assert kwargs["kv_cache_bytes"] == evaluating > rolling
     assert plan.sampling <= setup_lib.POOL_MEMORY_FRACTION * limit
+
+
+def test_a_narrower_kv_dtype_gets_more_pages_from_the_same_budget():
+    """rollout.kv_dtype on a float32 model: a page of the rollouts' pool takes half
+    (bfloat16) or a quarter (float8) of the bytes, so within one device limit the default
+    pool gets twice or four times the pages (floors of one budget: 20, 41, 83 here); the
+    plan counts that pool and the evaluation's float32 one; the static sampler's KV line
+    halves and quarters. The run's engine runs the rollout config, the run (and its
+    evaluation) the trained one."""
+    from m2po_jax.trainer import evaluate
+
+    cfg = _cfg()
+    placement = _placement(cfg)
+    base, full, _, _ = _pool(cfg, placement, None)
+    least = full["pages"] - (full["slots"] - 1) * full["own"]
+    _, _, least_plan, _ = _pool(_cfg(**{"rollout.kv_pages": least}), placement, None)
+    extra = (full["pages"] - least) // 20 * base.page_bytes
+    limit = int((least_plan.sampling + extra) / setup_lib.POOL_MEMORY_FRACTION)
+    decoding = sampling.from_gconfig(cfg.gconfig, (0,), 0)
+    pages = {}
+    for kv_dtype, share in (("", 1), ("bfloat16", 2), ("float8_e4m3fn", 4)):
+        cfg = _cfg(**{"rollout.kv_dtype": kv_dtype})
+        rollout = setup_lib.rollout_model_config(cfg, MODEL)
+        assert rollout == MODEL.replace(kv_dtype=kv_dtype)
+        engine = setup_lib.build_engine(cfg, rollout, decoding, placement, limit)
+        assert engine.page_bytes * share == base.page_bytes
+        size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, 4)
+        assert least < size["pages"] == engine.kv_budget // engine.page_bytes < full["pages"]
+        pages[kv_dtype] = size["pages"]
+    assert 2 * pages[""] <= pages["bfloat16"] <= 2 * pages[""] + 1
+    assert 4 * pages[""] <= pages["float8_e4m3fn"] <= 4 * pages[""] + 3
+    # The plan: the rollouts' float8 pool as the engine sizes it, the evaluation's float32.
+    _, kwargs = setup_lib.memory_plan(cfg, MODEL, placement, limit)
+    evaluation = setup_lib.build_engine(cfg, MODEL, decoding, placement, limit)
+    held = dict(
+        prompt_len=cfg.task.max_prompt_len, max_new=cfg.gconfig.max_new_tokens,
+        slots=cfg.rollout.engine_slots, page_size=cfg.rollout.page_size,
+        insert_lanes=cfg.rollout.insert_lanes,
+    )  # fmt: skip
+    rolling = memory.engine_bytes(engine.model_config, "paged", prompts=8, n_samples=4,
+                                  pages=pages["float8_e4m3fn"], **held)  # fmt: skip
+    eval_pages = evaluation.sizes(cfg.eval.batch_size, cfg.task.max_prompt_len, 1)["pages"]
+    evaluating = memory.engine_bytes(MODEL, "paged", prompts=cfg.eval.batch_size,
+                                     n_samples=cfg.eval.n_samples, pages=eval_pages, **held)  # fmt: skip
+    assert kwargs["kv_cache_bytes"] == max(rolling, evaluating)
+    assert kwargs["kv_dtype_bytes"] == 1
+    static = {
+        kv: setup_lib.memory_plan(
+            _cfg(**{"rollout.engine": "static", "rollout.kv_dtype": kv}), MODEL, placement
+        )[0].kv_cache
+        for kv in ("", "bfloat16", "float8_e4m3fn")
+    }
+    assert static[""] == 2 * static["bfloat16"] == 4 * static["float8_e4m3fn"] > 0
+    run = setup_lib.build(_cfg(**{"rollout.kv_dtype": "float8_e4m3fn"}))
+    assert run.model_config.kv_dtype == "" and run.engine.model_config == run.model_config.replace(
+        kv_dtype="float8_e4m3fn"
+    )
+    assert evaluate._engine(run, run.sampling_config).model_config == run.model_config
