@@ -32,6 +32,7 @@ from m2po_jax.config.validate import (
     build_library_objects,
     from_configdict,
     rollout_engine,
+    rollout_weight_dtype,
     tool_names,
     validate,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "from_configdict",
     "load_overrides",
     "rollout_engine",
+    "rollout_weight_dtype",
     "tool_names",
     "validate",
 ]

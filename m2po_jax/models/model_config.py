@@ -31,6 +31,10 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # How the frozen base kernels of the adapted projections are held (`lora_base`, `quant.py`):
 # float (param_dtype), int8 (per output channel) or nf4 (QLoRA's 4-bit NormalFloat).
 LORA_BASES = ("float", "int8", "nf4")
+# How every projection's kernel (LORA_TARGETS' matrices; not embeddings, head or norms) is
+# stored (`weight_quant`, `quant.py`): "" as param_dtype, or int8 / float8_e4m3fn codes with
+# a float32 scale per output channel, dequantised per projection (cheaper rollout weights).
+WEIGHT_QUANTS = ("", "int8", "float8_e4m3fn")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -78,6 +82,9 @@ class ModelConfig:
     # QLoRA: the adapted projections' base kernels held as LORA_BASES says (not float:
     # quantised codes and scales, dequantised per projection; lora_rank > 0 only)
     lora_base: str = "float"
+    # every projection kernel held as WEIGHT_QUANTS says ("": float; the rollout engine's
+    # copy under `rollout.weight_dtype` int8 / float8_e4m3fn, `quant.quantize_weights`)
+    weight_quant: str = ""
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -154,6 +161,15 @@ class ModelConfig:
         if self.lora_base != "float" and not self.lora_rank:
             raise ValueError(
                 f"lora_base: a quantised base ({self.lora_base!r}) needs lora_rank > 0"
+            )
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(
+                f"weight_quant: expected one of {WEIGHT_QUANTS}, got {self.weight_quant!r}"
+            )
+        if self.weight_quant and self.lora_base != "float":
+            raise ValueError(
+                f"weight_quant={self.weight_quant!r} with lora_base={self.lora_base!r}: the "
+                "adapted kernels are quantised already; one of them only"
             )
         if self.attention_block_size <= 0:
             raise ValueError(

@@ -50,10 +50,11 @@ class RunSetup:
     placement: placement_lib.Placement
     sampling_config: sampling.SamplingConfig
     memory_plan: memory.MemoryPlan
-    # rollout.mode="async": this process's rollout devices (a mesh of them alone), else None
+    # rollout.mode="async": this process's rollout devices (a mesh of them alone) and the
+    # rollouts' weights (`rollout_model_config`), else None
     rollout_placement: placement_lib.Placement | None = None
     # the rollout engine of `rollout.engine` ("auto" resolved): the training rollouts' (on
-    # the rollout devices in an async run)
+    # the rollout devices in an async run), running `rollout_model_config`
     engine: engines.RolloutEngine | None = None  # set by `build`
     # scores the rollouts (and evaluations with eval.reward="train"): the task's reward,
     # rollout.reward_workers at once, rollout.reward_timeout_s each
@@ -79,7 +80,8 @@ def build(cfg: Config) -> RunSetup:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config, train_devices)
         tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
         rollout_placement = placement_lib.Placement(
-            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), model_config
+            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices),
+            rollout_model_config(cfg, model_config),
         )
     else:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
@@ -154,15 +156,39 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
 
 
 def build_engine(
-    cfg: Config, model_config, decoding, placement, limit: int | None = None
+    cfg: Config,
+    model_config,
+    decoding,
+    placement,
+    limit: int | None = None,
+    *,
+    trained_weights: bool = False,
 ) -> engines.RolloutEngine:
     """The rollout engine of `rollout.engine` ("auto" resolved by the budget) with
-    `decoding`, over `placement`'s batch shards; its KV takes what the memory plan leaves
-    of `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
+    `decoding`, over `placement`'s batch shards, running the rollouts' weights
+    (`rollout_model_config` of the trainer's `model_config`), or with `trained_weights`
+    (the evaluation) `model_config` itself; its KV takes what the memory plan leaves of
+    `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
     engine = engines.engine_class(config_lib.rollout_engine(cfg))
     limit = device_limit(cfg) if limit is None else limit
     budget = kv_budget(cfg, model_config, placement, limit)
-    return engine.from_config(cfg.rollout, model_config, decoding, placement.mesh, budget)
+    runs = model_config if trained_weights else rollout_model_config(cfg, model_config)
+    return engine.from_config(cfg.rollout, runs, decoding, placement.mesh, budget)
+
+
+def rollout_model_config(
+    cfg: Config, model_config: model_config_lib.ModelConfig
+) -> model_config_lib.ModelConfig:
+    """The model config the training rollouts' engine runs (sync and async): the trainer's
+    `model_config` with its stored weights as `rollout.weight_dtype` says
+    (`config.rollout_weight_dtype`; `quant.convert_weights` makes them): int8 /
+    float8_e4m3fn every projection kernel quantised (`weight_quant`), bfloat16 the
+    param dtype; the compute dtype (`model.dtype`) unchanged. The evaluation runs the
+    trained weights (`model_config`)."""
+    dtype = config_lib.rollout_weight_dtype(cfg)
+    if dtype in model_config_lib.WEIGHT_QUANTS[1:]:
+        return model_config.replace(weight_quant=dtype)
+    return model_config.replace(param_dtype=dtype) if dtype else model_config
 
 
 # The share of a device's memory a run plans to fill: the paged engine's default pool
@@ -437,6 +463,7 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         kv_cache_len=seq_len,
         logp_chunk=cfg.actor.logp_chunk_size,
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
+        rollout_config=rollout_model_config(cfg, model_config),
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):
