@@ -20,16 +20,17 @@ PROMPTS = 6  # of engine_test's 12: 12 sequences through 4 slots
 SAMPLED = sampling.SamplingConfig(max_new_tokens=8, temperature=0.8, pad_id=PAD)
 GREEDY = sampling.SamplingConfig(max_new_tokens=16, greedy=True, pad_id=PAD)
 # The rollout model config of each weight dtype (`setup.rollout_model_config`).
+LAYER = CONFIG.replace(num_layers=1)  # one layer: each program compiles in half the time
 RUNS = {
-    "bfloat16": CONFIG.replace(param_dtype="bfloat16"),
-    "int8": CONFIG.replace(weight_quant="int8"),
-    "float8_e4m3fn": CONFIG.replace(weight_quant="float8_e4m3fn"),
+    "bfloat16": LAYER.replace(param_dtype="bfloat16"),
+    "int8": LAYER.replace(weight_quant="int8"),
+    "float8_e4m3fn": LAYER.replace(weight_quant="float8_e4m3fn"),
 }
 
 
 @pytest.fixture(scope="module")
 def params():
-    return _random_params(CONFIG, seed=0, std=0.1)
+    return _random_params(LAYER, seed=0, std=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,9 @@ def _teacher_forced(params, config, out, temperature):
 
 
 # Measured max |behaviour - float32 forward| over the 96 sampled tokens, in nats:
-# bfloat16 0.020, int8 0.061, float8_e4m3fn 0.17 (static engine); 0.015, 0.056, 0.27
+# bfloat16 0.016, int8 0.049, float8_e4m3fn 0.23 (static engine); 0.017, 0.043, 0.22
 # (continuous and paged: the same tokens, drawn otherwise than the static sampler's). The
-# floors are well below those and far above float32 noise (the self check: <= 3e-6).
+# floors are well below those and far above float32 noise (the self check: <= 2e-6).
 MIN_GAP = {"bfloat16": 0.005, "int8": 0.02, "float8_e4m3fn": 0.05}
 
 
@@ -73,21 +74,21 @@ def test_behaviour_log_probs_are_the_converted_weights_forward(params, converted
     # sums of 64-128 float32 products differ by ~1e-6 in the logits.
     same = _teacher_forced(weights, config, out, 0.8)[mask]
     np.testing.assert_allclose(behav, same, atol=2e-5, rtol=0)
-    float32 = _teacher_forced(params, CONFIG, out, 0.8)[mask]
+    float32 = _teacher_forced(params, LAYER, out, 0.8)[mask]
     assert np.max(np.abs(behav - float32)) > MIN_GAP[dtype], np.max(np.abs(behav - float32))
 
 
 # Measured share of the 192 greedy completion positions (12 rows x 16) equal to float32's:
-# bfloat16 0.92, int8 0.74, float8_e4m3fn 0.50 (random weights: near-tied logits, and a
+# bfloat16 0.92, int8 0.82, float8_e4m3fn 0.41 (random weights: near-tied logits, and a
 # row's first different token changes the rest of it). Dequantising without the scale
-# (the codes as weights) agrees on 0.03 (int8) and 0.04 (float8); float8 codes scaled by
-# absmax / 127 instead of / 448 on 0.02.
-MIN_AGREEMENT = {"bfloat16": 0.8, "int8": 0.6, "float8_e4m3fn": 0.35}
+# (the codes as weights) agrees on 0.04 (int8) and 0.03 (float8); float8 codes scaled by
+# absmax / 127 instead of / 448 on 0.05.
+MIN_AGREEMENT = {"bfloat16": 0.8, "int8": 0.65, "float8_e4m3fn": 0.3}
 
 
 @pytest.mark.parametrize("dtype", list(RUNS))
 def test_greedy_completions_stay_within_the_expected_drift(params, converted, dtype):
-    want = sampling.generate(params, CONFIG, TOKENS, VALID, jax.random.key(0), GREEDY, 1)
+    want = sampling.generate(params, LAYER, TOKENS, VALID, jax.random.key(0), GREEDY, 1)
     got = sampling.generate(
         converted[dtype], RUNS[dtype], TOKENS, VALID, jax.random.key(0), GREEDY, 1
     )
