@@ -722,7 +722,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-publish-dtype-never-reaches-the-worker",
         "m2po_jax/trainer/async_rollouts.py",
-        "        dtype = cfg.rollout.publish_dtype",
+        "        dtype = config_lib.rollout_weight_dtype(cfg)",
         '        dtype = ""',
         (T("tests/trainer/async_test.py", "reaches_the_worker"),),
         "rollout.publish_dtype=bfloat16 is validated, then float32 weights are sent",
@@ -989,11 +989,28 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "publish-casts-the-quant-scales",
-        "m2po_jax/parallel/placement.py",
-        "            if quant.is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(",
-        "            if not jnp.issubdtype(",
+        "m2po_jax/models/quant.py",
+        "        if is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(x.dtype, jnp.floating):",
+        "        if not jnp.issubdtype(x.dtype, jnp.floating):",
         (T("tests/models/quant_test.py", "publishing"),),
         "rollout.publish_dtype=bfloat16 rounds a quantised base's float32 scales",
+    ),
+    Mutant(
+        "fp8-rollout-weights-scaled-as-int8",
+        "m2po_jax/models/quant.py",
+        "    scale = absmax / FP8_MAX",
+        "    scale = absmax / INT8_MAX",
+        (T("tests/models/quant_test.py", "fp8"),),
+        "float8 rollout weights take int8's scale (absmax / 127): codes never pass 127 and "
+        "more of them fall below e4m3's normal range",
+    ),
+    Mutant(
+        "sync-rollout-copy-of-an-older-version",
+        "m2po_jax/parallel/placement.py",
+        "        if self._copy is None or version != self._version:",
+        "        if self._copy is None:",
+        (T("tests/models/quant_test.py", "sampling_copy"),),
+        "sync rollouts keep generating with the weights converted for an older policy version",
     ),
     Mutant(
         "export-peft-base-compared-with-itself",
@@ -1031,7 +1048,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dry-run-evaluates-with-the-static-sampler",
         "m2po_jax/trainer/compile_only.py",
-        "    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement, limit)",
+        "    evaluator = setup_lib.build_engine(\n"
+        "        cfg, model_config, settings, placement, limit, trained_weights=True\n"
+        "    )",
         "    evaluator = engines.StaticEngine(model_config, settings, mesh=placement.mesh)",
         (T("tests/parallel/tpu_compile_test.py", "every_program"),),
         "--compile_only compiles the evaluation with the static sampler where the run "

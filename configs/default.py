@@ -131,6 +131,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.publish_dtype = (
         ""  # async: weights sent to the rollout devices as: "" (as trained) | bfloat16
     )
+    # the rollout engine's copy of the weights (sync: made once per step; async: at each
+    # publish; publish_dtype is its older name): "" (as trained) | bfloat16 | int8 |
+    # float8_e4m3fn (every projection kernel with a float32 scale per output channel,
+    # dequantised before its matmul; the compute dtype stays model.dtype). Evaluation
+    # runs the trained weights (docs/rollouts.md, "Cheaper rollout weights")
+    c.rollout.weight_dtype = ""
     # static: each batch decodes until its longest completion ends (`sampling.generate`) |
     # continuous: a fixed number of decode slots, a slot refilled with the next queued
     # sequence as soon as its own stops (m2po_jax/rollout/engines/); same greedy answers |

@@ -34,6 +34,7 @@ from m2po_jax.config.validate import (
     build_library_objects,
     from_configdict,
     rollout_engine,
+    rollout_weight_dtype,
     tool_names,
     validate,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "from_configdict",
     "load_overrides",
     "rollout_engine",
+    "rollout_weight_dtype",
     "tool_names",
     "validate",
 ]

@@ -29,7 +29,9 @@ from m2po_jax.common.config_schema import (
 )
 from m2po_jax.common.errors import ConfigError
 from m2po_jax.learner import batching, optim
+from m2po_jax.models.model_config import WEIGHT_QUANTS
 from m2po_jax.models.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
+from m2po_jax.models.quant import WEIGHT_DTYPES
 from m2po_jax.rollout import engines
 
 # logits / temperature: below this the float32 log-probs and their gradients (scaled by
@@ -288,6 +290,7 @@ def validate(cfg: Config) -> Config:
     _check_range("rollout.reward_workers", r.reward_workers, 1)
     _check_range("rollout.worker_timeout_s", r.worker_timeout_s, 0.0, low_open=True)
     _check_choice("rollout.publish_dtype", r.publish_dtype, ("", *PARAM_DTYPES))
+    _check_weight_dtype(cfg)
     _check_range("mesh.rollout_devices", cfg.mesh.rollout_devices, 0)
     _check_choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
     _check_range("rollout.engine_slots", r.engine_slots, 0)
@@ -413,6 +416,31 @@ def rollout_engine(cfg) -> str:
         return "continuous"
     long = cfg.gconfig.max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS
     return "paged" if long else "static"
+
+
+def rollout_weight_dtype(cfg) -> str:
+    """The stored weights of the training rollouts' engine (`quant.convert_weights`):
+    `rollout.weight_dtype`, else `rollout.publish_dtype` (its older name: bfloat16 |
+    float32); "" where that is the trained `model.param_dtype` (nothing to convert)."""
+    r = cfg.rollout
+    dtype = r.weight_dtype or r.publish_dtype
+    return "" if dtype == cfg.model.param_dtype else dtype
+
+
+def _check_weight_dtype(cfg: Config) -> None:
+    r = cfg.rollout
+    _check_choice("rollout.weight_dtype", r.weight_dtype, WEIGHT_DTYPES)
+    if r.weight_dtype and r.publish_dtype and r.weight_dtype != r.publish_dtype:
+        raise ConfigError(
+            f"rollout.weight_dtype={r.weight_dtype!r} and rollout.publish_dtype="
+            f"{r.publish_dtype!r} disagree (publish_dtype is weight_dtype's older name): set one"
+        )
+    base = cfg.model.lora.base
+    if r.weight_dtype in WEIGHT_QUANTS[1:] and base != "float" and cfg.model.lora.rank:
+        raise ConfigError(
+            f"rollout.weight_dtype={r.weight_dtype!r} with model.lora.base={base!r}: the "
+            "adapted kernels are quantised already; set rollout.weight_dtype to '' or bfloat16"
+        )
 
 
 ON_TOOL_ERROR = ("reply", "end")  # m2po_jax/tasks/environments.py: ToolEnv

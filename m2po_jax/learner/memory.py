@@ -111,6 +111,7 @@ def memory_plan(
     shared_prompt: logprobs.SharedPrompt | None = None,
     kv_cache_bytes: int | None = None,
     kv_dtype_bytes: int | None = None,
+    rollout_config: model_config_lib.ModelConfig | None = None,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -138,7 +139,12 @@ def memory_plan(
       split over tensor only), which the sampler holds beside the train state; 0 when
       the two layouts are the same (one device, or data-parallel only) or without a
       sampler (`kv_cache_batch` 0). With fsdp and no tensor axis every device then holds
-      all the weights: the TPU compiler refuses Qwen3-8B's on a 16 GiB v5e chip.
+      all the weights: the TPU compiler refuses Qwen3-8B's on a 16 GiB v5e chip. With a
+      `rollout_config` whose weights are stored otherwise (`setup.rollout_model_config`:
+      `weight_quant` codes at 1 byte a weight and float32 scales, or another
+      param_dtype) the rollouts' copy is always made, at its own bytes in the sampling
+      layout; the line is the larger of it and the evaluation's (the trained params,
+      resharded as above: evaluation runs the trained weights).
     `total` adds everything; `train_step` leaves the sampler's KV cache and weights out,
     `sampling` is what a rollout holds (the train state, the sampler's weights and KV);
     `peak`, the larger of the two, is what the start-up check holds a device to (a trainer
@@ -190,17 +196,13 @@ def memory_plan(
         leaves = (jax.tree.leaves(sample), jax.tree.leaves(shardings), jax.tree.leaves(shapes))
         pairs = zip(*leaves, strict=True)
         if not all(a.is_equivalent_to(b, len(x.shape)) for a, b, x in pairs):
-            paths = [
-                tuple(getattr(k, "key", k) for k in path)
-                for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]
-            ]
-            sampling_weights = sum(
-                math.prod(sh.shard_shape(s.shape))
-                * (s.dtype.itemsize if quant.is_quantized_leaf(p, s.dtype) else pbytes)
-                for p, sh, s in zip(
-                    paths, jax.tree.leaves(sample), jax.tree.leaves(shapes), strict=True
-                )
-            )
+            sampling_weights = _sampling_bytes(c, mesh, pbytes)
+        rc = c if rollout_config is None else rollout_config
+        if (rc.weight_quant, rc.param_dtype) != (c.weight_quant, c.param_dtype):
+            rbytes = model_config_lib.as_dtype(rc.param_dtype).itemsize
+            if rc.param_dtype == c.param_dtype:
+                rbytes = pbytes
+            sampling_weights = max(sampling_weights, _sampling_bytes(rc, mesh, rbytes))
 
     trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")
     b = _per_device(micro_batch, sharding.batch_shards(mesh))
@@ -227,6 +229,20 @@ def memory_plan(
         mesh_shape=tuple(mesh.shape.items()),
         micro_batch=micro_batch,
     )
+
+
+def _sampling_bytes(c: model_config_lib.ModelConfig, mesh: Mesh, pbytes: int) -> int:
+    """Bytes per device of `c`'s params in the sampling layout: float leaves at `pbytes`,
+    quantised codes and scales at their own itemsize."""
+    shapes = sharding.param_shapes(c)
+    sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    total = 0
+    for (path, s), sh in zip(flat, jax.tree.leaves(sample), strict=True):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        itemsize = s.dtype.itemsize if quant.is_quantized_leaf(keys, s.dtype) else pbytes
+        total += math.prod(sh.shard_shape(s.shape)) * itemsize
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,11 @@ def merged(params, config: ModelConfig):
     dropped): a float model of `base_config(config)`'s layout."""
     if not config.lora_rank:
         return params, config
+    if config.weight_quant:
+        raise ValueError(
+            f"lora.merged: weight_quant={config.weight_quant!r} params are a rollout copy; "
+            "merge the trainer's params (weight_quant '')"
+        )
     flat = traverse_util.flatten_dict(_plain(params))
     out = {}
     scale = config.lora_scale()

@@ -164,25 +164,24 @@ def lora_a_init(key, shape, dtype):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def _kernel(module, name: str, shape, in_axes, out_axes, config: ModelConfig, quantised: bool):
+def _kernel(module, name: str, shape, in_axes, out_axes, config: ModelConfig, base: str):
     """Declares projection `name`'s kernel `{name}_kernel` (logical axes in_axes + out_axes,
-    normal(0.02) init, param dtype) and returns it as float32 or param dtype. With
-    `quantised` (an adapted projection under `lora_base` int8 / nf4) it declares the
-    stored codes `{name}_kernel` and scales `{name}_kernel_scale` in `quant.leaf_layout`'s
-    shapes, dtypes and axes instead (zeros here: `init_params` quantises a float init,
-    `quant.quantize_base`) and returns their dequantised float32 kernel of `shape`."""
+    normal(0.02) init, param dtype) and returns it as float32 or param dtype. With a
+    quantised `base` (int8 / nf4: an adapted projection under `lora_base`; int8 /
+    float8_e4m3fn: any projection under `weight_quant`) it declares the stored codes
+    `{name}_kernel` and scales `{name}_kernel_scale` in `quant.leaf_layout`'s shapes,
+    dtypes and axes instead (zeros here: `init_params` quantises a float init) and
+    returns their dequantised float32 kernel of `shape`."""
     axes = (*in_axes, *out_axes)
-    if not quantised:
+    if base == "float":
         init = nn.initializers.normal(0.02)
         return _param(module, f"{name}_kernel", shape, axes, init, as_dtype(config.param_dtype))
-    layout = quant.leaf_layout(config.lora_base, shape, len(in_axes), axes)
+    layout = quant.leaf_layout(base, shape, len(in_axes), axes)
     stored = {
         suffix: _param(module, f"{name}_{suffix}", s, a, nn.initializers.zeros, dtype)
         for suffix, (s, dtype, a) in layout.items()
     }
-    return quant.dequantize(
-        config.lora_base, stored["kernel"], stored["kernel_scale"], shape, len(in_axes)
-    )
+    return quant.dequantize(base, stored["kernel"], stored["kernel_scale"], shape, len(in_axes))
 
 
 def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConfig):
@@ -193,14 +192,15 @@ def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConf
     `{name}_lora_b` beside the kernel, sharded as the kernel's input and output axes (the
     rank axis replicated). B starts at zero, so a new adapter leaves the model as it is.
 
-    Under a quantised base (`lora_base` int8 / nf4) an adapted projection's kernel is
-    stored as codes and scales (`quant.py`) and dequantised here, just before its matmul:
-    one projection's float kernel at a time, never the whole model's."""
+    Under a quantised base (`lora_base` int8 / nf4) an adapted projection's kernel, and
+    under `weight_quant` (int8 / float8_e4m3fn: a rollout engine's weights) every
+    projection's, is stored as codes and scales (`quant.py`) and dequantised here, just
+    before its matmul: one projection's float kernel at a time, never the whole model's."""
     n_in = len(in_axes)
     dt = as_dtype(config.dtype)
     adapted = bool(config.lora_rank) and name in config.lora_targets
-    quantised = adapted and config.lora_base != "float"
-    w = _kernel(module, name, shape, in_axes, out_axes, config, quantised)
+    base = config.weight_quant or (config.lora_base if adapted else "float")
+    w = _kernel(module, name, shape, in_axes, out_axes, config, base)
     y = dense(x, w.astype(dt), n_in)
     if not adapted:
         return y
@@ -563,8 +563,10 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
     Under LoRA the base is the same as without it (`lora.base_config`'s init from the same
     key) and the adapters are new (`lora.add_adapters`, B = 0). Under a quantised base
     (`lora_base` int8 / nf4) that float base is quantised (`quant.quantize_base`) before
-    the adapters are added. (`boxed` runs the module's own init, whose quantised leaves
-    are zeros: it is for shapes and logical axes, `logical_axes`.)
+    the adapters are added; under `weight_quant` (int8 / float8_e4m3fn) the float model's
+    projection kernels are quantised (`quant.quantize_weights`). (`boxed` runs the
+    module's own init, whose quantised leaves are zeros: it is for shapes and logical
+    axes, `logical_axes`.)
     """
     if config.lora_rank and not boxed:
         from m2po_jax.models import lora
@@ -572,9 +574,15 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
         base = init_params(lora.base_config(config), rng)
         base = quant.quantize_base(base, config)
         return lora.add_adapters(base, config, jax.random.fold_in(rng, 1))
+    if config.weight_quant and not boxed:
+        params = init_params(config.replace(weight_quant=""), rng)
+        return _quantize_weights(params, config.weight_quant)
     tokens = jnp.zeros((1, 2), jnp.int32)
     params = CausalLM(config).init(rng, tokens)["params"]
     return params if boxed else nn.meta.unbox(params)
+
+
+_quantize_weights = jax.jit(quant.quantize_weights, static_argnums=1)
 
 
 def logical_axes(config: ModelConfig):

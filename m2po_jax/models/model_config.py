@@ -31,6 +31,10 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # How the frozen base kernels of the adapted projections are held (`lora_base`, `quant.py`):
 # float (param_dtype), int8 (per output channel) or nf4 (QLoRA's 4-bit NormalFloat).
 LORA_BASES = ("float", "int8", "nf4")
+# How every projection's kernel (LORA_TARGETS' matrices; not embeddings, head or norms) is
+# stored (`weight_quant`, `quant.py`): "" as param_dtype, or int8 / float8_e4m3fn codes with
+# a float32 scale per output channel, dequantised per projection (cheaper rollout weights).
+WEIGHT_QUANTS = ("", "int8", "float8_e4m3fn")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What the rollout engines' KV caches may hold keys and values in (`kv_dtype`; "" = the
@@ -87,6 +91,9 @@ class ModelConfig:
     # without, rounds each layer's keys and values to it after RoPE (`model.kv_store`), so a
     # teacher-forced pass of the rollouts' config gives the engines' log-probs.
     kv_dtype: str = ""
+    # every projection kernel held as WEIGHT_QUANTS says ("": float; the rollout engine's
+    # copy under `rollout.weight_dtype` int8 / float8_e4m3fn, `quant.quantize_weights`)
+    weight_quant: str = ""
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -168,6 +175,15 @@ class ModelConfig:
             raise ValueError(
                 f"kv_dtype: expected '' (the compute dtype) or one of {', '.join(KV_DTYPES)}, "
                 f"got {self.kv_dtype!r}"
+            )
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(
+                f"weight_quant: expected one of {WEIGHT_QUANTS}, got {self.weight_quant!r}"
+            )
+        if self.weight_quant and self.lora_base != "float":
+            raise ValueError(
+                f"weight_quant={self.weight_quant!r} with lora_base={self.lora_base!r}: the "
+                "adapted kernels are quantised already; one of them only"
             )
         if self.attention_block_size <= 0:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Quantised frozen bases for QLoRA: int8 and NF4 kernels, dequantised per projection.
+"""Quantised kernels: QLoRA's frozen bases (int8, NF4) and the rollout engine's weights
+(int8, float8 e4m3), dequantised per projection.
 
 With `ModelConfig.lora_base` "int8" or "nf4" (LoRA on), the base kernel of every adapted
 projection (`lora_targets`) is held quantised in the params tree, under the kernel's own
@@ -32,7 +33,17 @@ Layouts, for a kernel `w` of shape `shape` whose first `n_in` dims are its input
   dims hold whole blocks (sharded as `t`'s leading k dims, the block dim replicated),
   else flat (ceil(n / 64),) unsharded, the last block zero-padded.
 
-Bytes per weight: int8 1 (+ 4 per output channel), nf4 0.5 (+ 4 per 64 weights).
+- float8_e4m3fn (per output channel absmax): int8's layout with float8_e4m3fn codes,
+  scale = absmax / 448 (the format's largest finite value) and q = w / scale rounded to
+  the nearest e4m3 value (3 mantissa bits: within 2^-4 of |w / scale| relative, or 2^-10
+  absolute below the normal range, 2^-6), so |w - q scale| <= max(2^-4 |w|, 2^-10 scale).
+
+With `ModelConfig.weight_quant` int8 or float8_e4m3fn every projection's kernel (`N_IN`:
+q, k, v, o, gate, up, down; not the embedding, the head or the norms) is held so; that
+is the rollout engine's copy under `rollout.weight_dtype` (`convert_weights`), made from
+the trainer's float params at each publish. Adapters stay float and are added as ever.
+
+Bytes per weight: int8 and float8 1 (+ 4 per output channel), nf4 0.5 (+ 4 per 64 weights).
 """
 
 from __future__ import annotations
@@ -46,23 +57,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from m2po_jax.models.model_config import LORA_BASES, ModelConfig
+from m2po_jax.models.model_config import LORA_BASES, WEIGHT_QUANTS, ModelConfig
 
 __all__ = [
+    "FP8_MAX",
     "LORA_BASES",
     "N_IN",
     "NF4_BLOCK",
     "NF4_CODE",
     "SCALE_SUFFIX",
+    "WEIGHT_DTYPES",
+    "convert_weights",
     "dequantize",
+    "dequantize_fp8",
     "dequantize_int8",
     "dequantize_nf4",
     "is_quantized_leaf",
     "leaf_layout",
     "quantize",
     "quantize_base",
+    "quantize_fp8",
     "quantize_int8",
     "quantize_nf4",
+    "quantize_weights",
 ]
 
 # The 16 NF4 values (QLoRA paper, appendix E; bitsandbytes' `get_4bit_type("nf4")`),
@@ -93,6 +110,12 @@ NF4_CODE = np.array(
 _NF4_MIDPOINTS = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2
 NF4_BLOCK = 64  # values per absmax scale (bitsandbytes' QLoRA block size)
 INT8_MAX = 127
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinities)
+# The stored weights a rollout engine may run (`rollout.weight_dtype`, `convert_weights`):
+# as trained, float leaves cast to bfloat16, or every projection kernel quantised.
+WEIGHT_DTYPES = ("", "bfloat16", *WEIGHT_QUANTS[1:])
+# Per-output-channel layouts (`leaf_layout`): their codes' dtypes.
+_CHANNEL_CODES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
 
 # Input dims of each adaptable projection's kernel (`model.projection`): o is
 # [heads, head_dim, embed], the others [in, out...].
@@ -122,11 +145,11 @@ def _nf4_scale_split(shape: Sequence[int]) -> int | None:
 def leaf_layout(base: str, shape: Sequence[int], n_in: int, axes: Sequence[str | None]):
     """{"kernel": (shape, dtype, logical axes), "kernel_scale": (...)}: how a float kernel
     of `shape` (logical `axes`, the first `n_in` dims its inputs) is stored under the
-    quantised `base` ("int8" or "nf4"); see the module docstring."""
+    quantised `base` ("int8", "float8_e4m3fn" or "nf4"); see the module docstring."""
     shape, axes = tuple(shape), tuple(axes)
-    if base == "int8":
+    if base in _CHANNEL_CODES:
         return {
-            "kernel": (shape, jnp.int8, axes),
+            "kernel": (shape, _CHANNEL_CODES[base], axes),
             "kernel_scale": (shape[n_in:], jnp.float32, axes[n_in:]),
         }
     if base != "nf4":
@@ -147,9 +170,14 @@ def leaf_layout(base: str, shape: Sequence[int], n_in: int, axes: Sequence[str |
 
 
 def is_quantized_leaf(path: Sequence, dtype) -> bool:
-    """Whether the leaf at `path` (keys) of `dtype` is part of a quantised base: integer
-    codes or a kernel's scale (stored at its own itemsize, not the param dtype's)."""
-    return jnp.issubdtype(dtype, jnp.integer) or str(path[-1]).endswith(_SCALE)
+    """Whether the leaf at `path` (keys) of `dtype` is part of a quantised kernel: integer
+    or float8 codes, or a kernel's scale (stored at its own itemsize, not the param
+    dtype's; never cast)."""
+    return _is_codes(dtype) or str(path[-1]).endswith(_SCALE)
+
+
+def _is_codes(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.integer) or jnp.dtype(dtype) == jnp.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------- int8
@@ -167,6 +195,26 @@ def quantize_int8(w: jax.Array, n_in: int) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 q * scale, the scale broadcast over the input dims."""
+    return q.astype(jnp.float32) * scale
+
+
+# ----------------------------------------------------------------------------- float8
+
+
+def quantize_fp8(w: jax.Array, n_in: int) -> tuple[jax.Array, jax.Array]:
+    """(q float8_e4m3fn [shape], scale float32 [shape[n_in:]]): per output channel
+    absmax / 448, q = w / scale rounded to the nearest e4m3 value (clipped to +-448 first:
+    a quotient an ulp past 448 must not become NaN); a zero channel gets scale 0, codes 0."""
+    w = jnp.asarray(w, jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=tuple(range(n_in)))
+    scale = absmax / FP8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(w / safe, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: jax.Array, scale: jax.Array) -> jax.Array:
     """float32 q * scale, the scale broadcast over the input dims."""
     return q.astype(jnp.float32) * scale
 
@@ -224,9 +272,11 @@ def dequantize_nf4(
 
 
 def quantize(base: str, w: jax.Array, n_in: int) -> tuple[jax.Array, jax.Array]:
-    """(codes, scale) of float kernel `w` under `base` ("int8" or "nf4")."""
+    """(codes, scale) of float kernel `w` under `base` ("int8", "float8_e4m3fn" or "nf4")."""
     if base == "int8":
         return quantize_int8(w, n_in)
+    if base == "float8_e4m3fn":
+        return quantize_fp8(w, n_in)
     if base == "nf4":
         return quantize_nf4(w, n_in)
     raise ValueError(f"lora_base: cannot quantise to {base!r}")
@@ -239,6 +289,8 @@ def dequantize(
     (codes, scale) under `base`."""
     if base == "int8":
         return dequantize_int8(codes, scale)
+    if base == "float8_e4m3fn":
+        return dequantize_fp8(codes, scale)
     if base == "nf4":
         return dequantize_nf4(codes, scale, shape, n_in)
     raise ValueError(f"lora_base: cannot dequantise {base!r}")
@@ -259,16 +311,55 @@ def quantize_base(params, config: ModelConfig):
     is one kernel's temporaries."""
     if config.lora_base == "float" or not config.lora_rank:
         return params
+    return _quantize_kernels(params, config.lora_base, config.lora_targets, _quantize_jit)
+
+
+def quantize_weights(params, weight_quant: str):
+    """`params` (float kernels) with every projection's kernel (`N_IN`: q, k, v, o, gate,
+    up, down) quantised to `weight_quant` (int8 / float8_e4m3fn, `ModelConfig.weight_quant`),
+    its float32 `{name}_kernel_scale` added; the embedding, the head, the norms, biases and
+    LoRA adapters are kept as they are. Traceable (the rollout copy is made in one jitted
+    call, `convert_weights`)."""
+    if weight_quant not in WEIGHT_QUANTS[1:]:
+        raise ValueError(f"weight_quant: expected one of {WEIGHT_QUANTS[1:]}, got {weight_quant!r}")
+    return _quantize_kernels(params, weight_quant, tuple(N_IN), quantize)
+
+
+def _quantize_kernels(params, base: str, targets, quantize_fn):
+    """`params` with the float `{t}_kernel` of every t in `targets` quantised to `base` by
+    `quantize_fn(base, kernel, n_in)`; codes already there are kept."""
     plain = params.unfreeze() if hasattr(params, "unfreeze") else params
     flat = traverse_util.flatten_dict(plain)
-    names = {f"{t}{_KERNEL}": t for t in config.lora_targets}
+    names = {f"{t}{_KERNEL}": t for t in targets}
     out = {}
     for path, x in flat.items():
         target = names.get(str(path[-1]))
-        if target is None or jnp.issubdtype(x.dtype, jnp.integer):
+        if target is None or _is_codes(x.dtype):
             out[path] = x
             continue
-        codes, scale = _quantize_jit(config.lora_base, x, N_IN[target])
+        codes, scale = quantize_fn(base, x, N_IN[target])
         out[path] = codes
         out[(*path[:-1], f"{target}{_SCALE}")] = scale
     return traverse_util.unflatten_dict(out)
+
+
+def convert_weights(params, weight_dtype: str):
+    """The rollout engine's copy of the trainer's `params` under `rollout.weight_dtype`
+    (`WEIGHT_DTYPES`, or a float param dtype name): "" as they are; a float dtype
+    ("bfloat16") every float leaf cast, a quantised kernel's codes and float32 scales kept
+    (the sampler dequantises the learner's kernels exactly); int8 / float8_e4m3fn
+    `quantize_weights` (the other leaves as trained). Traceable; the engine runs it under
+    `setup.rollout_model_config`."""
+    if not weight_dtype:
+        return params
+    if weight_dtype in WEIGHT_QUANTS:
+        return quantize_weights(params, weight_dtype)
+    dtype = jnp.dtype(weight_dtype)
+
+    def cast(path, x):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        if is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)

@@ -9,9 +9,9 @@ rollouts (numpy), feeds only its own rows into global arrays with
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -200,28 +200,23 @@ class WeightPublisher:
     every train device holds a full copy) go straight from that device to the rollout
     devices of the same process. Params split over several processes (fsdp or tensor
     axes) are first gathered on the train mesh, one all-gather every process takes part
-    in, in the learner's program order. `dtype` (e.g. "bfloat16") casts the float
-    weights first, on the train devices, which halves the bytes copied; a quantised
-    base's integer codes and float32 scales (`quant.is_quantized_leaf`) go as they are,
-    so the sampler dequantises exactly the learner's kernels.
+    in, in the learner's program order. `dtype` (`rollout.weight_dtype`,
+    `quant.convert_weights`) converts the weights first, on the train devices: "bfloat16"
+    casts the float weights (half the bytes copied; a quantised base's integer codes and
+    float32 scales go as they are, so the sampler dequantises exactly the learner's
+    kernels), int8 / float8_e4m3fn quantise every projection kernel (about a quarter).
+    `rollout_shardings` are the converted tree's (`setup.rollout_model_config`'s).
     """
 
     def __init__(self, rollout_shardings, dtype: str = ""):
         self.rollout_shardings = rollout_shardings
         self.dtype = dtype
-
-        def cast(path, x):
-            keys = tuple(getattr(k, "key", k) for k in path)
-            if quant.is_quantized_leaf(keys, x.dtype) or not jnp.issubdtype(x.dtype, jnp.floating):
-                return x
-            return x.astype(dtype)
-
-        self._cast = jax.jit(lambda t: jax.tree_util.tree_map_with_path(cast, t))
+        self._convert = jax.jit(functools.partial(quant.convert_weights, weight_dtype=dtype))
         self._gather = {}
 
     def __call__(self, params):
         if self.dtype:
-            params = self._cast(params)
+            params = self._convert(params)
         whole = [_local_whole_copy(x) for x in jax.tree.leaves(params)]
         if any(w is None for w in whole):
             params = self._gathered(params)
@@ -237,6 +232,40 @@ class WeightPublisher:
             replicated = jax.tree.map(lambda _: sharding.replicated(mesh), params)
             self._gather[key] = jax.jit(lambda t: t, out_shardings=replicated)
         return self._gather[key](params)
+
+
+class SamplingCopy:
+    """The weights sync rollouts generate with: the learner's params converted to `dtype`
+    (`rollout.weight_dtype`, `quant.convert_weights`; one jitted call in the train layout,
+    so a quantised copy moves at its own bytes) and laid out in `shardings` (the sampling
+    layout of `setup.rollout_model_config`). Made once per policy version: the k batches
+    that fill the queue share one; `release` drops it before anything else needs the
+    memory (the train step, the evaluation), as the memory plan assumes."""
+
+    def __init__(self, shardings, dtype: str = ""):
+        self.shardings = shardings
+        self.dtype = dtype
+        self._convert = jax.jit(functools.partial(quant.convert_weights, weight_dtype=dtype))
+        self._version: int | None = None
+        self._copy = None
+        self.made = 0  # copies made (one per version generated with)
+
+    def __call__(self, params, version: int):
+        """The copy of `params`, policy `version`; the one made already for that version."""
+        if self._copy is None or version != self._version:
+            self._copy = None  # the older version's buffers go before the new ones come
+            converted = self._convert(params) if self.dtype else params
+            self._copy = sharding.reshard(converted, self.shardings)
+            self._version = version
+            self.made += 1
+        return self._copy
+
+    @property
+    def held(self) -> bool:
+        return self._copy is not None
+
+    def release(self) -> None:
+        self._copy, self._version = None, None
 
 
 def _local_whole_copy(x: jax.Array):

@@ -5,9 +5,11 @@ and runs a `rollout.worker.RolloutWorker` thread on them. The worker generates t
 process's share of each batch's prompts (the rows the process feeds to the train step)
 with the newest weights published, under `rollout.staleness.Admission`; the learner
 takes the oldest finished batch, trains, and publishes its new weights
-(`placement.WeightPublisher`: a copy inside each process). Under LoRA it publishes only
-the adapters each step: the frozen base goes to the rollout devices once, when the worker
-starts, and the worker runs `lora.merge(adapters, base)` (`worker.WeightSlot`). The
+(`placement.WeightPublisher`: a copy inside each process, converted to
+`rollout.weight_dtype` on the way). Under LoRA it publishes only the adapters each step:
+the frozen base goes to the rollout devices once, when the worker starts (quantised then,
+under weight_dtype int8 / float8_e4m3fn), and the worker runs `lora.merge(adapters, base)`
+(`worker.WeightSlot`). The
 rollout programs use this process's devices only, so no collective of theirs can
 interleave with the train step's across processes (two programs with collectives, run by
 two threads on a `jax.distributed` CPU cluster, hang).
@@ -25,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.types import RolloutBatch
 from m2po_jax.learner import batching
 from m2po_jax.models import lora
@@ -57,8 +60,9 @@ class AsyncRollouts:
         local = run.placement.local_rows(self.rows)
         self.prompts = slice(local.start // n, local.stop // n)
         self.rng = jax.random.fold_in(jax.random.fold_in(rng, gen_stream), 0)
+        # the rollouts' weights (`setup.rollout_model_config`): converted at each publish
         shardings = run.rollout_placement.sample_params
-        dtype = cfg.rollout.publish_dtype
+        dtype = config_lib.rollout_weight_dtype(cfg)
         # Under LoRA: one publisher for the adapters (every step), one for the base (once).
         self.lora = bool(run.model_config.lora_rank)
         self.base_publisher = None

@@ -23,6 +23,7 @@ reach at best, and the bytes one decode step reads against the weights plus KV c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -33,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
+from m2po_jax.models import quant
 from m2po_jax.parallel import chips as chips_lib
 from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.parallel import sharding
@@ -408,6 +411,8 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
     devices = list(tgt.devices)
     rollout_placement = None
+    # The rollouts' weights (`rollout.weight_dtype`), as the trainer's engine runs them.
+    rollout_config = setup_lib.rollout_model_config(cfg, model_config)
     if cfg.rollout.mode == "async":
         rollout_devices, train_devices = _split(devices, cfg.mesh.rollout_devices)
         placement = placement_lib.Placement(
@@ -415,7 +420,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         )
         tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
         rollout_placement = placement_lib.Placement(
-            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), model_config
+            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), rollout_config
         )
     else:
         size = math.prod(mesh_shape.values())
@@ -479,15 +484,26 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         )
 
     # ---- weights to the sampling layout -------------------------------------------------
-    sample_shardings = sampler_placement.sample_params
-    sample_params = _abstract(params_shape, sample_shardings)
+    # Converted to `rollout.weight_dtype` on the way (`quant.convert_weights`), as the
+    # trainer's `SamplingCopy` (sync) or `WeightPublisher` (async) does.
+    weight_dtype = config_lib.rollout_weight_dtype(cfg)
+    convert = functools.partial(quant.convert_weights, weight_dtype=weight_dtype)
+    rollout_shape = jax.eval_shape(convert, params_shape)
+    sample_shardings = sharding.param_shardings(
+        rollout_config, sampler_placement.mesh, sharding.SAMPLE_RULES
+    )
+    sample_params = _abstract(rollout_shape, sample_shardings)
+    converted = f", as {weight_dtype}" if weight_dtype else ""
     if rollout_placement is None:
-        reshard = jax.jit(lambda p: p, out_shardings=sample_shardings)
-        what = "train layout -> sampling layout (tensor-parallel only)"
+        reshard = jax.jit(convert, out_shardings=sample_shardings)
+        what = f"train layout -> sampling layout (tensor-parallel only){converted}"
     else:
-        gathered = jax.tree.map(lambda _: placement.replicated, params_shape)
-        reshard = jax.jit(lambda p: p, out_shardings=gathered)
-        what = "async: params gathered on the train mesh before the copy to rollout devices"
+        gathered = jax.tree.map(lambda _: placement.replicated, rollout_shape)
+        reshard = jax.jit(convert, out_shardings=gathered)
+        what = (
+            "async: params gathered on the train mesh before the copy to rollout devices"
+            + converted
+        )
     publish = add(compile_program("reshard", what, reshard, train_params))
     # The train state stays resident beside the sampling-side programs when they share
     # devices; the sampling copy replaces nothing.
@@ -511,7 +527,9 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     # The evaluation as the run makes it (`evaluate.evaluate`): the run's engine on the
     # training devices, the evaluation's decoding, eval.n_samples per prompt.
     settings = evaluate_lib.eval_decoding(cfg, decoding)
-    evaluator = setup_lib.build_engine(cfg, model_config, settings, placement, limit)
+    evaluator = setup_lib.build_engine(
+        cfg, model_config, settings, placement, limit, trained_weights=True
+    )
     evaluation = _compile_engine(
         evaluator, _abstract(params_shape, placement.sample_params), cfg.eval.batch_size,
         cfg.eval.n_samples, prompt_len, max_append=max_append,
@@ -525,15 +543,17 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     if isinstance(engine, engines.PagedEngine) and start is not None:
         # The weights as the decode loop's body reads them: XLA hoists their cast to the
         # compute dtype out of `engine_run`'s while loop (its HLO converts them in the
-        # entry computation), so one step reads them in the compute dtype.
+        # entry computation), so one step reads them in the compute dtype (quantised
+        # codes and their scales as stored).
         dtype = model_config_lib.as_dtype(model_config.dtype)
-        step_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-                sharding=x.sharding,
-            ),
-            sample_params,
-        )  # fmt: skip
+
+        def as_read(path, x):
+            keys = tuple(getattr(k, "key", k) for k in path)
+            cast = jnp.issubdtype(x.dtype, jnp.floating)
+            cast = cast and not quant.is_quantized_leaf(keys, x.dtype)
+            return jax.ShapeDtypeStruct(x.shape, dtype if cast else x.dtype, sharding=x.sharding)
+
+        step_params = jax.tree_util.tree_map_with_path(as_read, sample_params)
         probe = engine.decode_probe(step_params, prompts, cfg.gconfig.n_samples,
                                     prompt_len=prompt_len)  # fmt: skip
         args = [_outputs(start.compiled) if isinstance(a, engines.OutputOf) else a

@@ -30,11 +30,14 @@ def eval_decoding(cfg, sampling_config):
 
 def _engine(run: RunSetup, settings):
     """The run's rollout engine (`rollout.engine`) for evaluation, over the training devices
-    with the evaluation's decoding."""
+    with the evaluation's decoding and the trained weights (not `rollout.weight_dtype`'s
+    copy: held-out accuracy measures the trained policy)."""
     key = (id(run.placement), settings)
     if key not in _ENGINES:
         _ENGINES.clear()  # one run's at a time
-        _ENGINES[key] = build_engine(run.cfg, run.model_config, settings, run.placement)
+        _ENGINES[key] = build_engine(
+            run.cfg, run.model_config, settings, run.placement, trained_weights=True
+        )
     return _ENGINES[key]
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.errors import (
     M2poError,
@@ -30,7 +31,8 @@ from m2po_jax.common.types import RolloutBatch, TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import prompts as prompts_lib
-from m2po_jax.parallel import distributed
+from m2po_jax.parallel import distributed, sharding
+from m2po_jax.parallel import placement as placement_lib
 from m2po_jax.rollout import batches as rollout_lib
 from m2po_jax.rollout.worker import RolloutWorkerError
 from m2po_jax.run import checkpoint as ckpt_lib
@@ -111,6 +113,13 @@ class Trainer:
         if initial_params is None:
             initial_params = setup_lib.initial_params(s, jax.random.fold_in(self.rng, _INIT))
         self.state = setup_lib.init_state(s, initial_params, self.tx)
+        # sync rollouts' weights: `rollout.weight_dtype`'s copy in the engine's layout
+        self.rollout_weights = placement_lib.SamplingCopy(
+            sharding.param_shardings(
+                s.engine.model_config, self.placement.mesh, sharding.SAMPLE_RULES
+            ),
+            config_lib.rollout_weight_dtype(cfg),
+        )
         self.train_step = self._jitted_step() if train_step is None else train_step
         self.ref_params = None
         self.queue = rollout_lib.StaleQueue(cfg.rollout.max_head_offpolicyness)
@@ -392,6 +401,7 @@ class Trainer:
         for i in range(self.cfg.rollout.max_head_offpolicyness):
             rng = jax.random.fold_in(jax.random.fold_in(self.rng, _FILL), i)
             self.queue.push(self._rollout(rng, version=0)[0])
+        self.rollout_weights.release()  # before step 0's evaluation
         return False
 
     def _start_async(self) -> None:
@@ -534,8 +544,8 @@ class Trainer:
         known = self.task.prompt_lengths
         truncated = prompts_lib.count_long(examples, self.prompts, cfg.task.max_prompt_len, known)
         sampled = rollout_lib.sample_rollout(
-            self.placement.for_sampling(self.state.params),
-            self.model_config,
+            self.rollout_weights(self.state.params, version),
+            self.setup.engine.model_config,
             self.sampling_config,
             examples,
             self.prompts,
@@ -566,6 +576,7 @@ class Trainer:
         t0 = time.perf_counter()
         gen_rng = jax.random.fold_in(jax.random.fold_in(self.rng, _GEN), step)
         fresh, truncated, engine_record = self._rollout(gen_rng, version=step)
+        self.rollout_weights.release()  # not held beside the train step
         self.queue.push(fresh)
         host = self.queue.pop()
         t1 = time.perf_counter()

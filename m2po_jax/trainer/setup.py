@@ -50,10 +50,11 @@ class RunSetup:
     placement: placement_lib.Placement
     sampling_config: sampling.SamplingConfig
     memory_plan: memory.MemoryPlan
-    # rollout.mode="async": this process's rollout devices (a mesh of them alone), else None
+    # rollout.mode="async": this process's rollout devices (a mesh of them alone) and the
+    # rollouts' weights (`rollout_model_config`), else None
     rollout_placement: placement_lib.Placement | None = None
     # the rollout engine of `rollout.engine` ("auto" resolved): the training rollouts' (on
-    # the rollout devices in an async run)
+    # the rollout devices in an async run), running `rollout_model_config`
     engine: engines.RolloutEngine | None = None  # set by `build`
     # scores the rollouts (and evaluations with eval.reward="train"): the task's reward,
     # rollout.reward_workers at once, rollout.reward_timeout_s each
@@ -79,7 +80,8 @@ def build(cfg: Config) -> RunSetup:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config, train_devices)
         tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
         rollout_placement = placement_lib.Placement(
-            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), model_config
+            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices),
+            rollout_model_config(cfg, model_config),
         )
     else:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
@@ -155,25 +157,42 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
     )
 
 
-def rollout_model_config(
-    cfg: Config, model_config: model_config_lib.ModelConfig
-) -> model_config_lib.ModelConfig:
-    """The model config the training rollouts' engine runs: the trained one with its KV
-    cache in `rollout.kv_dtype` ("" = the compute dtype). A teacher-forced pass of it gives
-    the engine's log-probs; the evaluation keeps the trained config (`evaluate.py`)."""
-    return model_config.replace(kv_dtype=cfg.rollout.kv_dtype)
-
-
 def build_engine(
-    cfg: Config, model_config, decoding, placement, limit: int | None = None
+    cfg: Config,
+    model_config,
+    decoding,
+    placement,
+    limit: int | None = None,
+    *,
+    trained_weights: bool = False,
 ) -> engines.RolloutEngine:
     """The rollout engine of `rollout.engine` ("auto" resolved by the budget) with
-    `decoding`, over `placement`'s batch shards; its KV takes what the memory plan leaves
-    of `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
+    `decoding`, over `placement`'s batch shards, running the rollouts' weights
+    (`rollout_model_config` of the trainer's `model_config`), or with `trained_weights`
+    (the evaluation) `model_config` itself; its KV takes what the memory plan leaves of
+    `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
     engine = engines.engine_class(config_lib.rollout_engine(cfg))
     limit = device_limit(cfg) if limit is None else limit
     budget = kv_budget(cfg, model_config, placement, limit)
-    return engine.from_config(cfg.rollout, model_config, decoding, placement.mesh, budget)
+    runs = model_config if trained_weights else rollout_model_config(cfg, model_config)
+    return engine.from_config(cfg.rollout, runs, decoding, placement.mesh, budget)
+
+
+def rollout_model_config(
+    cfg: Config, model_config: model_config_lib.ModelConfig
+) -> model_config_lib.ModelConfig:
+    """The model config the training rollouts' engine runs (sync and async): the trainer's
+    `model_config` with its stored weights as `rollout.weight_dtype` says
+    (`config.rollout_weight_dtype`; `quant.convert_weights` makes them): int8 /
+    float8_e4m3fn every projection kernel quantised (`weight_quant`), bfloat16 the
+    param dtype; and its KV cache in `rollout.kv_dtype` ("" = the compute dtype); the
+    compute dtype (`model.dtype`) unchanged. A teacher-forced pass of it gives the
+    engine's log-probs; the evaluation runs the trained config (`model_config`)."""
+    config = model_config.replace(kv_dtype=cfg.rollout.kv_dtype)
+    dtype = config_lib.rollout_weight_dtype(cfg)
+    if dtype in model_config_lib.WEIGHT_QUANTS[1:]:
+        return config.replace(weight_quant=dtype)
+    return config.replace(param_dtype=dtype) if dtype else config
 
 
 # The share of a device's memory a run plans to fill: the paged engine's default pool
@@ -199,8 +218,8 @@ def kv_budget(
     evaluation's, whichever hold more; the train step's activations are not held while it
     samples), at least 1; 0 (no cap) where `limit` is
     None, `rollout.kv_pages` is set or the run's engine is not paged. `model_config` is
-    the engine's (`rollout_model_config` for the rollouts'): the plan is the same for
-    either, the pool's pages take its `cache_dtype`. Under async rollouts
+    the trainer's (the plan counts the rollouts' `rollout_model_config` and the
+    evaluation's trained config; a pool's pages take its engine's `cache_dtype`). Under async rollouts
     the plan is the train devices' (an upper bound on the rollout devices', which hold no
     train state)."""
     if limit is None or cfg.rollout.kv_pages or config_lib.rollout_engine(cfg) != "paged":
@@ -418,11 +437,11 @@ def memory_plan(
     as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped): the
     rollouts' in `rollout.kv_dtype`, the evaluation's in the compute dtype."""
     pages = eval_pages = cfg.rollout.kv_pages
-    rollout, trained = rollout_model_config(cfg, model_config), model_config.replace(kv_dtype="")
-    if budget := kv_budget(cfg, rollout, placement, limit):
+    rollout = rollout_model_config(cfg, model_config)
+    if budget := kv_budget(cfg, model_config, placement, limit):
         cap = budget // _page_bytes(cfg, rollout, placement)
         pages = _pool_pages(cfg, placement, cfg.rollout.batch_size, cfg.gconfig.n_samples, cap)
-        cap = kv_budget(cfg, trained, placement, limit) // _page_bytes(cfg, trained, placement)
+        cap = budget // _page_bytes(cfg, model_config, placement)
         eval_pages = _pool_pages(cfg, placement, cfg.eval.batch_size, cfg.eval.n_samples, cap)
     return _memory_plan(cfg, model_config, placement, pages, eval_pages)
 
@@ -442,10 +461,10 @@ def _pool_pages(cfg: Config, placement, prompts: int, n_samples: int, cap: int) 
 def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: int = 0):
     """`memory_plan` with the paged engine's pool at `pages` pages (0: its default) for the
     rollouts and `eval_pages` for the evaluation (the same engine, its own batch): the
-    engine's line is the larger of the two. The rollouts' KV is in `rollout.kv_dtype`, the
-    evaluation's in the compute dtype (`model_config` may be either run's config: the
-    trained one has no `kv_dtype`)."""
-    rollout, trained = rollout_model_config(cfg, model_config), model_config.replace(kv_dtype="")
+    engine's line is the larger of the two. `model_config` is the trainer's: the rollouts
+    run `rollout_model_config` of it (KV in `rollout.kv_dtype`, weights in
+    `rollout.weight_dtype`), the evaluation the trained config."""
+    rollout, trained = rollout_model_config(cfg, model_config), model_config
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
     kwargs = dict(
         batch=rows_mb,
@@ -456,6 +475,7 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         logp_chunk=cfg.actor.logp_chunk_size,
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
         kv_dtype_bytes=rollout.cache_dtype.itemsize,
+        rollout_config=rollout,
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):

@@ -129,6 +129,33 @@ def test_int8_matches_numpy_and_errs_by_at_most_half_a_step(shape, n_in):
     assert np.all(got.reshape(-1, shape[-1])[:, 0] == 0) if n_in < len(shape) else True
 
 
+@pytest.mark.parametrize("shape, n_in", INT8_CASES)
+def test_fp8_matches_numpy_and_errs_within_e4m3_rounding(shape, n_in):
+    """float8_e4m3fn codes: scale = absmax / 448 per output channel, q = w / scale rounded
+    to the nearest e4m3 value (ml_dtypes' cast of the same quotient). e4m3 keeps 3
+    mantissa bits: a normal value (|x| >= 2^-6) is off by at most half a step, 2^-4 of
+    |x|; a subnormal one by at most 2^-10 (its steps are 2^-9). Times the scale:
+    |w - q scale| <= max(2^-4 |w|, 2^-10 scale)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    w = _weights(shape, seed=len(shape) + n_in, zero_channel=True)
+    w.reshape(-1, shape[-1])[:3, -1] = [1e-6, -3e-5, 2e-4]  # subnormal quotients too
+    q, scale = quant.quantize_fp8(jnp.asarray(w), n_in)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == shape
+    assert scale.dtype == jnp.float32 and scale.shape == shape[n_in:]
+    absmax = np.abs(w).max(axis=tuple(range(n_in)))
+    np.testing.assert_allclose(scale, absmax / np.float32(448), rtol=2.5e-7, atol=0)
+    s = np.asarray(scale)
+    want_q = (w / np.where(s > 0, s, 1)).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
+    assert np.max(np.abs(np.asarray(q).astype(np.float32))) == 448.0  # each channel's absmax
+    got = np.asarray(quant.dequantize_fp8(q, scale))
+    assert np.all(np.isfinite(got))
+    bound = np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10) * (1 + 1e-5) + 1e-12
+    assert np.all(np.abs(got - w) <= bound)
+    assert np.max(np.abs(got - w) / bound) > 0.5  # the bound is near tight
+    assert np.all(got.reshape(-1, shape[-1])[:, 0] == 0) if n_in < len(shape) else True
+
+
 # (shape, n_in, packed shape, scale shape): stored transposed, [out..., in...] (the torch
 # weight's order), in that layout where whole blocks fit; (9, 7) and (30, 5) fall back to
 # flat, zero-padded layouts.
@@ -335,6 +362,98 @@ def test_publishing_in_bfloat16_keeps_the_codes_and_the_float32_scales():
     np.testing.assert_array_equal(kernel(published), kernel(learner))
 
 
+# ----------------------------------------------------------------------------- rollout weights
+
+PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+def ref_channel(base: str, w: np.ndarray, n_in: int) -> np.ndarray:
+    """The numpy-dequantised kernel under int8 or float8_e4m3fn (per output channel)."""
+    if base == "int8":
+        return ref_int8(w, n_in)[2]
+    import ml_dtypes
+
+    scale = np.abs(w).max(axis=tuple(range(n_in))) / np.float32(448)
+    q = (w / np.where(scale > 0, scale, 1)).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("base", ["int8", "float8_e4m3fn"])
+def test_rollout_weights_quantise_every_projection_and_the_model_runs_them(float_base, base):
+    """`weight_quant`: all seven projections held as codes and a float32 scale per output
+    channel (embedding, head and norms as trained), the layout the module declares; under
+    LoRA the adapters stay float32 and are added as ever."""
+    cfg = qlora("float", targets=("q", "down")).replace(weight_quant=base)
+    rng = np.random.default_rng(1)
+    params = lora.add_adapters(float_base, cfg.replace(weight_quant=""), jax.random.key(1))
+    params = traverse_util.unflatten_dict(
+        {
+            p: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype) if p[-1].endswith("_lora_b") else x
+            for p, x in _flat(params).items()
+        }
+    )  # B != 0: the adapters change the logits
+    converted = _flat(quant.convert_weights(params, base))
+    code = jnp.int8 if base == "int8" else jnp.float8_e4m3fn
+    deq = {}
+    for path, x in _flat(params).items():
+        name = str(path[-1])
+        target = name[: -len("_kernel")]
+        if target in PROJECTIONS and name.endswith("_kernel"):
+            assert converted[path].dtype == code and converted[path].shape == x.shape, path
+            scale = converted[(*path[:-1], f"{target}_kernel_scale")]
+            assert scale.dtype == jnp.float32 and scale.shape == x.shape[PROJECTIONS[target] :]
+            deq[path] = jnp.asarray(ref_channel(base, np.asarray(x), PROJECTIONS[target]))
+        else:  # embedding, head, norms, adapters: the same arrays
+            assert converted[path] is x, path
+            deq[path] = x
+    assert len(converted) == len(deq) + 7 * CONFIG.num_layers  # a scale per projection
+    boxed = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0), boxed=True))
+    shapes = _flat(jax.tree.map(lambda s: (s.shape, s.dtype), nn.meta.unbox(boxed)))
+    assert shapes == {p: (x.shape, x.dtype) for p, x in converted.items()}
+    init = _flat(model_lib.init_params(cfg, jax.random.key(0)))
+    assert {p: x.dtype for p, x in init.items()} == {p: x.dtype for p, x in converted.items()}
+    # The logits are the float model's (LoRA included) with the numpy-dequantised kernels.
+    logits = _apply(traverse_util.unflatten_dict(converted), cfg, TOKENS)
+    float_cfg = cfg.replace(weight_quant="")
+    want = _apply(traverse_util.unflatten_dict(deq), float_cfg, TOKENS)
+    np.testing.assert_allclose(logits, want, atol=1e-5)
+    assert float(jnp.max(jnp.abs(logits - _apply(params, float_cfg, TOKENS)))) > 1e-3
+
+
+def test_the_sampling_copy_is_quantised_in_place_laid_out_for_sampling_once_per_version():
+    """Sync rollouts' `SamplingCopy` on 8 devices: train-layout params (fsdp x tensor) in,
+    the int8 copy out in the rollout config's sampling layout (codes as the kernel, scales
+    as its outputs), equal to the unsharded conversion; made once per version, again for a
+    new one."""
+    from m2po_jax.parallel import placement as placement_lib
+
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    rollout = CONFIG.replace(weight_quant="int8")
+    params = sharding.shard_init(CONFIG, jax.random.key(0), mesh, sharding.TRAIN_RULES)
+    shardings = sharding.param_shardings(rollout, mesh, sharding.SAMPLE_RULES)
+    copy = placement_lib.SamplingCopy(shardings, "int8")
+    first = copy(params, 0)
+    flat, want = _flat(first), _flat(shardings)
+    q = ("layers_0", "attn")
+    assert want[(*q, "q_kernel")].spec == P(None, "tensor", None)
+    assert want[(*q, "q_kernel_scale")].spec == P("tensor", None)
+    plain = _flat(quant.convert_weights(jax.device_get(params), "int8"))
+    assert flat.keys() == plain.keys()
+    for path, x in flat.items():
+        assert x.sharding.is_equivalent_to(want[path], x.ndim), path
+        np.testing.assert_array_equal(x, plain[path], err_msg=str(path))
+    assert copy(params, 0) is first and copy.made == 1  # the queue's k batches share it
+    moved = jax.tree.map(lambda x: x * 2, params)
+    second = _flat(copy(moved, 1))
+    assert copy.made == 2
+    np.testing.assert_array_equal(second[(*q, "q_kernel")], plain[(*q, "q_kernel")])
+    np.testing.assert_allclose(
+        second[(*q, "q_kernel_scale")], 2 * plain[(*q, "q_kernel_scale")], rtol=1e-6
+    )
+    copy.release()
+    assert not copy.held
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -418,6 +537,36 @@ def test_the_memory_plan_counts_the_quantised_base_at_its_bytes(targets):
         assert len({getattr(p, field) for p in plans.values()}) == 1, field
 
 
+def test_the_memory_plan_counts_the_rollouts_copy_at_its_bytes():
+    """A rollout config whose weights are stored otherwise (`setup.rollout_model_config`)
+    is a copy beside the train state even where the sampling layout is the train layout:
+    int8 / float8 1 byte a projection weight + a float32 scale per output channel, the
+    rest float32; bfloat16 2 bytes a weight. The train step's lines do not change. Where
+    the sampling layout differs (fsdp), the evaluation's float32 copy is the larger."""
+    one = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    plan = lambda mesh, rollout: memory.memory_plan(  # noqa: E731
+        CONFIG, mesh, batch=4, seq_len=16, kv_cache_batch=4, rollout_config=rollout
+    )
+    trained = plan(one, None)
+    assert trained.sampling_weights == 0  # one device: the sampler reads the train state
+    c = qlora("float", ALL)
+    weights, channels = _adapted_weights(c)  # every projection of a layer
+    layers, n = c.num_layers, CONFIG.num_params()
+    quantised = layers * (weights + 4 * channels) + (n - layers * weights) * 4
+    for rollout, bytes_ in [
+        (CONFIG.replace(weight_quant="int8"), quantised),
+        (CONFIG.replace(weight_quant="float8_e4m3fn"), quantised),
+        (CONFIG.replace(param_dtype="bfloat16"), 2 * n),
+    ]:
+        got = plan(one, rollout)
+        assert got.sampling_weights == bytes_, rollout
+        assert got.sampling - trained.sampling == bytes_ and got.train_step == trained.train_step
+    # For the record: 81,856 weights; the int8 copy 110,336 bytes (of 327,424 in float32).
+    assert (n, quantised) == (81856, 110336)
+    fsdp = sharding.make_mesh({"data": 1, "fsdp": 8})
+    assert plan(fsdp, CONFIG.replace(weight_quant="int8")).sampling_weights == 4 * n
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -433,6 +582,56 @@ def test_bad_base_settings_are_named(changes, match):
     config_lib.apply_dotted(c, changes)
     with pytest.raises(config_lib.ConfigError, match=match):
         config_lib.from_configdict(c)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"rollout.weight_dtype": "int4"}, r"rollout.weight_dtype='int4' is not one"),
+        (
+            {"rollout.weight_dtype": "int8", "rollout.publish_dtype": "bfloat16"},
+            r"rollout.weight_dtype='int8' and rollout.publish_dtype='bfloat16' disagree",
+        ),
+        (
+            {
+                "rollout.weight_dtype": "float8_e4m3fn",
+                "model.lora.rank": 8,
+                "model.lora.base": "nf4",
+            },
+            r"rollout.weight_dtype='float8_e4m3fn' with model.lora.base='nf4'",
+        ),
+    ],
+)
+def test_bad_rollout_weight_settings_are_named(changes, match):
+    c = arith.get_config("m2po")
+    config_lib.apply_dotted(c, changes)
+    with pytest.raises(config_lib.ConfigError, match=match):
+        config_lib.from_configdict(c)
+
+
+def test_the_rollout_model_config_is_the_trainers_with_its_stored_weights():
+    from m2po_jax.trainer import setup
+
+    def rollout(**changes):
+        c = arith.get_config("m2po")
+        config_lib.apply_dotted(c, changes)
+        return setup.rollout_model_config(config_lib.from_configdict(c), CONFIG)
+
+    assert rollout() == CONFIG
+    assert rollout(**{"rollout.weight_dtype": "int8"}) == CONFIG.replace(weight_quant="int8")
+    want = CONFIG.replace(param_dtype="bfloat16")
+    assert rollout(**{"rollout.weight_dtype": "bfloat16"}) == want
+    # publish_dtype is weight_dtype's older name; set alike, they agree.
+    assert rollout(**{"rollout.publish_dtype": "bfloat16"}) == want
+    both = {"rollout.publish_dtype": "bfloat16", "rollout.weight_dtype": "bfloat16"}
+    assert rollout(**both) == want
+    assert rollout(**{"rollout.publish_dtype": "float32"}) == CONFIG  # as trained
+    with pytest.raises(ValueError, match="weight_quant: expected one of"):
+        CONFIG.replace(weight_quant="int4")
+    with pytest.raises(ValueError, match="weight_quant='int8' with lora_base='nf4'"):
+        qlora("nf4").replace(weight_quant="int8")
+    with pytest.raises(ValueError, match="lora.merged: weight_quant='int8'"):
+        lora.merged({}, qlora("float").replace(weight_quant="int8"))
 
 
 def test_the_base_reaches_the_model_config_and_the_model_config_checks_it():

@@ -218,3 +218,40 @@ def test_a_stalled_worker_ends_the_run_after_worker_timeout_s(tmp_path, monkeypa
     finally:
         release.set()
     assert trainer.checkpointer.latest_step() == 0  # the state so far is saved
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_async_publishes_the_int8_copy_and_under_lora_quantises_the_base_once(rank):
+    """rollout.weight_dtype=int8, async: the publisher quantises on the train devices and
+    copies the codes and scales to the rollout devices, in the rollout config's layout
+    (the engine runs that config); under LoRA the base goes quantised with the worker's
+    start and each step's adapters stay float32."""
+    from m2po_jax.models import lora, quant
+    from m2po_jax.trainer import setup as setup_lib
+
+    changes = {"rollout.weight_dtype": "int8"}
+    if rank:
+        changes.update({"model.lora.rank": rank, "model.lora.targets": "q,v,down"})
+    run = setup_lib.build(async_config(**changes))
+    assert run.engine.model_config == run.model_config.replace(weight_quant="int8")
+    params = setup_lib.initial_params(run, jax.random.key(0))
+    rollouts = async_rollouts.AsyncRollouts(run, jax.random.key(0), 0)
+    copy, base = rollouts._copies(params, with_base=True)
+    whole = copy if base is None else lora.merge(copy, base)
+    want = quant.convert_weights(jax.device_get(params), "int8")
+    rollout_devices = set(run.rollout_placement.mesh.devices.flat)
+    shardings = jax.tree.leaves(run.rollout_placement.sample_params)
+    leaves = (jax.tree.leaves(whole), jax.tree.leaves(want), shardings)
+    for got, expected, sh in zip(*leaves, strict=True):
+        assert got.dtype == expected.dtype and got.sharding.is_equivalent_to(sh, got.ndim)
+        assert got.sharding.device_set <= rollout_devices
+        np.testing.assert_array_equal(got, expected)
+    assert jax.tree.structure(whole) == jax.tree.structure(want)
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(whole)}
+    assert dtypes == {"int8", "float32"}
+    if rank:  # the adapters alone each step, float32
+        assert base is not None and lora.has_adapters(copy)
+        assert {x.dtype for x in jax.tree.leaves(copy)} == {jnp.dtype("float32")}
+        assert not any(
+            str(x.dtype) == "int8" for x in jax.tree.leaves(rollouts._copies(params, False)[0])
+        )

@@ -152,8 +152,8 @@ def test_a_narrower_kv_dtype_gets_more_pages_from_the_same_budget():
         cfg = _cfg(**{"rollout.kv_dtype": kv_dtype})
         rollout = setup_lib.rollout_model_config(cfg, MODEL)
         assert rollout == MODEL.replace(kv_dtype=kv_dtype)
-        engine = setup_lib.build_engine(cfg, rollout, decoding, placement, limit)
-        assert engine.page_bytes * share == base.page_bytes
+        engine = setup_lib.build_engine(cfg, MODEL, decoding, placement, limit)
+        assert engine.model_config == rollout and engine.page_bytes * share == base.page_bytes
         size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, 4)
         assert least < size["pages"] == engine.kv_budget // engine.page_bytes < full["pages"]
         pages[kv_dtype] = size["pages"]

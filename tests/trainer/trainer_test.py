@@ -427,3 +427,57 @@ def test_a_warm_up_answer_longer_than_the_budget_is_cut_and_said(monkeypatch):
     assert "gconfig.max_new_tokens=4" in said[0]
     sft.sft_batch(run, 0, 1)  # nothing cut: nothing said
     assert len(said) == 1
+
+
+def test_int8_rollout_weights_generate_each_step_and_their_log_probs_are_the_copy_s(tmp_path):
+    """rollout.weight_dtype=int8, sync: every step's rollout runs the int8 copy of that
+    step's params under the rollout model config (the behaviour log-probs the step trains
+    on are that model's, not the float one's), the copy is gone while the step trains,
+    evaluation runs the trained weights, and the memory plan counts the copy's bytes."""
+    from m2po_jax.models import model as model_lib
+    from m2po_jax.models import quant
+
+    cfg = tiny_config(
+        **{
+            "rollout.weight_dtype": "int8",
+            "rollout.max_head_offpolicyness": 1,
+            "sft.max_steps": 0,
+            "total_steps": 3,
+            "checkpoint.every": 0,
+        }
+    )
+    trainer = trainer_lib.Trainer(cfg, tmp_path)
+    rollout_config = trainer.setup.engine.model_config
+    assert rollout_config == trainer.model_config.replace(weight_quant="int8")
+    seen = []
+    jitted = trainer.train_step
+
+    def spy(state, batch, rng, ref_params):
+        params = jax.tree.map(np.asarray, state.params)
+        seen.append((params, jax.device_get(batch), trainer.rollout_weights.held))
+        return jitted(state, batch, rng, ref_params)
+
+    trainer.train_step = spy
+    assert trainer.run().final_step == 3
+    # The fill's, then one per step (dropped after the fill: step 0 evaluates first).
+    assert trainer.rollout_weights.made == 4
+    assert not any(held for _, _, held in seen)
+    # Stale-1: step 2 trains on the batch step 1 generated with the params it trained from.
+    params, batch, _ = seen[2]
+    np.testing.assert_array_equal(batch.version_B, 1)
+    temperature = cfg.gconfig.temperature
+    mask = np.asarray(batch.loss_mask_BxT)
+
+    def forward(weights, config):
+        logits = model_lib.apply(weights, config, batch.tokens_BxT, valid_BxT=batch.valid_BxT)
+        return np.asarray(model_lib.token_logp(logits, batch.tokens_BxT, temperature))[mask]
+
+    copy = quant.convert_weights(seen[1][0], "int8")
+    behav = np.asarray(batch.behav_logp_BxT)[mask]
+    np.testing.assert_allclose(behav, forward(copy, rollout_config), atol=2e-5, rtol=0)
+    assert np.max(np.abs(behav - forward(seen[1][0], trainer.model_config))) > 1e-4
+    records = read(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["eval/accuracy"]) for r in records[::2])
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(copy))
+    assert trainer.memory_plan.sampling_weights == nbytes
