@@ -163,6 +163,7 @@ def minibatches(batch: TrainBatch, prep: Prepared, rng, s: UpdateSettings) -> Mi
         tokens_BxT=batch.tokens_BxT,
         valid_BxT=batch.valid_BxT,
         version_B=batch.version_B,
+        version_BxT=batch.version_BxT,
     )
 
     return jax.tree.map(

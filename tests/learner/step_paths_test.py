@@ -74,6 +74,7 @@ def batch(params, stale: int, seed=0):
         loss_mask_BxT=jnp.asarray(loss_mask),
         rewards_B=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
         version_B=jnp.zeros(ROWS, jnp.int32),
+        version_BxT=jnp.zeros(tokens.shape, jnp.int32),
     )
 
 
@@ -267,6 +268,7 @@ def test_trimmed_batches_compile_one_program_per_bucket():
             "loss_mask_BxT": loss_mask,
             "rewards_B": rng.integers(0, 2, ROWS).astype(np.float32),
             "version_B": np.zeros(ROWS, np.int32),
+            "version_BxT": np.zeros(tokens.shape, np.int32),
         }
         trimmed, width = batching.trim_completions(host, PROMPT, buffer)
         assert trimmed["loss_mask_BxT"].sum() == loss_mask.sum()  # no generated token lost
