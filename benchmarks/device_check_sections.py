@@ -178,6 +178,7 @@ def make_train_batch(params, mc, actor, rows: int, prompt_len: int, seq: int) ->
         loss_mask_BxT=loss_mask,
         rewards_B=rng.permutation(rewards),
         version_B=np.zeros(rows, np.int32),
+        version_BxT=np.zeros(tokens.shape, np.int32),
     )
 
 

@@ -136,6 +136,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "minibatch / micro-batch metrics combined by a plain mean, not token-weighted",
     ),
     Mutant(
+        "mismatch-fresh-includes-older-versions",
+        "m2po_jax/algorithm/mismatch.py",
+        "return jnp.asarray(version_BxT) == jnp.asarray(version, jnp.int32)",
+        "return jnp.asarray(version_BxT) <= jnp.asarray(version, jnp.int32)",
+        (
+            T("tests/algorithm/mismatch_test.py"),
+            T("tests/learner/step_paths_test.py", "mismatch"),
+        ),
+        "fresh tokens defined as version <= the step's: stale tokens count as engine mismatch",
+    ),
+    Mutant(
+        "mismatch-drop-alone-masks-every-token",
+        "m2po_jax/learner/step_math.py",
+        "s.mask, behav, prox, loss_mask & fresh, adv, logp, mesh",
+        "s.mask, behav, prox, loss_mask, adv, logp, mesh",
+        (T("tests/learner/step_paths_test.py", "mismatch"),),
+        "the drop-alone mask runs over every token, not the fresh ones only",
+    ),
+    Mutant(
         "batching-trim-drops-last-column",
         "m2po_jax/learner/batching.py",
         "return int(used.nonzero()[0].max()) + 1 if used.any() else 0",

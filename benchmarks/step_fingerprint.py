@@ -77,6 +77,7 @@ def lowered_step(model: ModelConfig, a, rows: int, seq: int, groups=None) -> str
         loss_mask_BxT=jnp.ones((rows, seq), bool),
         rewards_B=jnp.zeros(rows),
         version_B=jnp.zeros(rows, jnp.int32),
+        version_BxT=jnp.zeros((rows, seq), jnp.int32),
     )
     ref = params if a.kl_ctl > 0 else None
     text = step.lower(state, batch, jax.random.key(0), ref).as_text()

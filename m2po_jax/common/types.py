@@ -76,6 +76,7 @@ class TrainBatch:
     loss_mask_BxT: jax.Array
     rewards_B: jax.Array  # float32 raw task rewards, one per row
     version_B: jax.Array
+    version_BxT: jax.Array  # int32: the version that generated each token (`RolloutBatch`)
 
 
 @flax.struct.dataclass
@@ -93,3 +94,4 @@ class Minibatch:
     tokens_BxT: jax.Array
     valid_BxT: jax.Array
     version_B: jax.Array  # int32 policy version that generated each row
+    version_BxT: jax.Array  # int32 policy version that generated each token

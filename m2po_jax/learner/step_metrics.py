@@ -6,20 +6,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from m2po_jax.algorithm import diagnostics, masking_stats
+from m2po_jax.algorithm import diagnostics, masking_stats, mismatch
 
 
 def combine_stats(stats: dict, weights: jax.Array) -> dict:
     """Per-part statistics stacked on axis 0 -> one value each: M2PO statistics parts
-    combine exactly (`masking.combine_stat_parts`), and so do the diagnostics' parts
-    (`diagnostics.combine`); token counts add up, minima and maxima stay extreme, the rest
-    are means weighted by `weights`."""
+    combine exactly (`masking.combine_stat_parts`), and so do the diagnostics' and the
+    mismatch parts (`diagnostics.combine`, `mismatch.combine`); token counts add up, minima
+    and maxima stay extreme, the rest are means weighted by `weights`."""
     share = weights / jnp.maximum(jnp.sum(weights), 1)
-    parts = {k: v for k, v in stats.items() if k in masking_stats.M2PO_PART_KEYS}
-    diag = {k: v for k, v in stats.items() if k in diagnostics.PART_KEYS}
-    out = {**masking_stats.combine_stat_parts(parts), **diagnostics.combine(diag)}
+    parts = _only(stats, masking_stats.M2PO_PART_KEYS)
+    diag = _only(stats, diagnostics.PART_KEYS)
+    gaps = _only(stats, mismatch.PART_KEYS)
+    out = {
+        **masking_stats.combine_stat_parts(parts),
+        **diagnostics.combine(diag),
+        **mismatch.combine(gaps),
+    }
     for name, values in stats.items():
-        if name in parts or name in diag:
+        if name in parts or name in diag or name in gaps:
             continue
         if name.endswith("_tokens"):
             out[name] = jnp.sum(values)
@@ -32,9 +37,8 @@ def combine_stats(stats: dict, weights: jax.Array) -> dict:
     return out
 
 
-def _only(parts: dict, *, m2: bool) -> dict:
-    """The M2PO statistics parts (m2=True) or the diagnostics' parts of `parts`."""
-    keys = masking_stats.M2PO_PART_KEYS if m2 else diagnostics.PART_KEYS
+def _only(parts: dict, keys) -> dict:
+    """The entries of `parts` named in `keys` (one schema's parts)."""
     return {k: v for k, v in parts.items() if k in keys}
 
 
@@ -46,7 +50,9 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
     "train/prox_loglinear" whether they are AReaL's approximation (1). Entropy and the
     behaviour-proximal gap come from that pass, whichever it was. "train/shared_prompt"
     is 1 when the loss pass runs each prompt once for its group, "train/length_blocks"
-    the blocks of rows by completion length it runs in (1: whole rows).
+    the blocks of rows by completion length it runs in (1: whole rows). "mismatch/..."
+    splits the behaviour-proximal gap by token freshness (`algorithm.mismatch`), from the
+    same level as the M2PO statistics, where the proximal log-probs are a recompute.
     """
     loss_mask, n_valid = prep.loss_mask_BxT, jnp.maximum(jnp.sum(prep.loss_mask_BxT), 1)
     grad_norm_BxM = mb_stats.pop("grad_norm")
@@ -55,12 +61,19 @@ def step_metrics(state, params, prep, mb_stats: dict, mb_valid, all_finite, sche
     metrics["actor/loss"] = metrics["loss"]
     # The M2PO parts of whichever level took the mask (batch, minibatches or micro-batches).
     m2_parts = {k: metrics.pop(k) for k in masking_stats.M2PO_PART_KEYS if k in metrics}
-    metrics.update(masking_stats.finalize_stats(m2_parts or _only(prep.m2_parts, m2=True)))
+    m2_parts = m2_parts or _only(prep.m2_parts, masking_stats.M2PO_PART_KEYS)
+    metrics.update(masking_stats.finalize_stats(m2_parts))
     # m2 and weights from that level too; the loss parts always from the loss pass.
     diag = {k: metrics.pop(k) for k in diagnostics.PART_KEYS if k in metrics}
-    diag = {**_only(prep.m2_parts, m2=False), **diag}
+    diag = {**_only(prep.m2_parts, diagnostics.PART_KEYS), **diag}
     if diagnostics.PART_KEYS[0] in diag:  # the train step always has them
         metrics.update(diagnostics.finalize(diag))
+    # The mismatch parts from the same level, where prox is a recompute
+    # (`StepPlan.prox_recomputed`): fresh against stale tokens.
+    gaps = {k: metrics.pop(k) for k in mismatch.PART_KEYS if k in metrics}
+    gaps = gaps or _only(prep.m2_parts, mismatch.PART_KEYS)
+    if gaps:
+        metrics.update(mismatch.finalize(gaps))
     metrics.update(
         {
             "train/nonfinite": 1 - all_finite.astype(jnp.int32),

@@ -60,6 +60,12 @@ class StepPlan:
         return self.prox_source == "pass"
 
     @property
+    def prox_recomputed(self) -> bool:
+        """Whether the proximal log-probs are the trainer's own at the step's start (a pass
+        or the loss pass), not the behaviour ones or an approximation."""
+        return self.prox_source in ("pass", "loss")
+
+    @property
     def prox_in_loss(self) -> bool:
         """Whether the loss pass takes the proximal log-probs (none are known before it)."""
         return self.prox_source in ("loss", "loglinear")

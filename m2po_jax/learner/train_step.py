@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from m2po_jax.algorithm import advantages as adv_lib
-from m2po_jax.algorithm import diagnostics, losses
+from m2po_jax.algorithm import diagnostics, losses, mismatch
 from m2po_jax.common.config_schema import ActorSection
 from m2po_jax.common.types import Minibatch, PromptGroups, TrainBatch
 from m2po_jax.learner import batching, logprobs, memory, step_math
@@ -60,7 +60,7 @@ class Prepared:
     entropy_BxT: jax.Array | None  # of the proximal policy; None: the loss pass reports it
     eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
     eps_clip_higher: Any
-    m2_parts: dict  # batch-level M2PO statistics parts ({} when the mask is taken later)
+    m2_parts: dict  # batch-level M2PO, diagnostics and mismatch parts ({}: taken later)
 
 
 def prepare(
@@ -73,12 +73,14 @@ def prepare(
     plan: StepPlan,
     layout=None,
     shared: logprobs.SharedPrompt | None = None,
+    version: jax.Array | int = 0,
 ) -> Prepared:
     """Proximal (and reference) log-probs, advantages and the batch-level M2PO mask.
 
     The proximal log-probs are recomputed without gradient only where `plan` says so
     ("pass"), in parts no larger than a training micro-batch. `shared`: rows come in
-    groups sharing a prompt. `layout` (`placement.Layout`): see `train_step`."""
+    groups sharing a prompt. `layout` (`placement.Layout`): see `train_step`. `version`:
+    the policy version of `params` (its tokens are the fresh ones of the mismatch parts)."""
     loss_mask = batch.loss_mask_BxT
     behav = batch.behav_logp_BxT.astype(jnp.float32)
 
@@ -101,8 +103,9 @@ def prepare(
     mask, m2_parts = loss_mask, {}
     # Without a mask the second moment is still reported, from wherever prox is known.
     if plan.mask_at == "prepare" or (plan.mask_at == "none" and prox is not None):
+        fresh = _fresh(plan, batch.version_BxT, version)
         mask, m2_parts = step_math.m2po_block(
-            actor, behav, prox, loss_mask, advantages, layout=layout
+            actor, behav, prox, loss_mask, advantages, layout=layout, fresh=fresh
         )
     eps_clip, eps_clip_higher = actor.loss.eps_clip, actor.loss.eps_clip_higher
     if prox is not None:
@@ -118,6 +121,12 @@ def prepare(
         eps_clip_higher=eps_clip_higher,
         m2_parts=m2_parts,
     )
+
+
+def _fresh(plan: StepPlan, version_BxT, version) -> jax.Array | None:
+    """The tokens `version` generated, where the mismatch parts are reported: only against
+    recomputed proximal log-probs (`StepPlan.prox_recomputed`); None elsewhere."""
+    return mismatch.fresh_tokens(version_BxT, version) if plan.prox_recomputed else None
 
 
 def _permutation(rng, rows: int, block: int) -> jax.Array:
@@ -163,6 +172,7 @@ def minibatches(batch: TrainBatch, prep: Prepared, rng, s: UpdateSettings) -> Mi
         tokens_BxT=batch.tokens_BxT,
         valid_BxT=batch.valid_BxT,
         version_B=batch.version_B,
+        version_BxT=batch.version_BxT,
     )
 
     return jax.tree.map(
@@ -200,6 +210,7 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
             mb.advantages_BxT,
             logp=logp_now,
             layout=s.layout,
+            fresh=_fresh(plan, mb.version_BxT, s.version),
         )
         mask = kept if plan.mask_at == "loss" else mask
         stats.update(m2_parts)
@@ -254,7 +265,14 @@ def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch,
             plan.loss_prompt,
         )
     mask, m2_parts = step_math.m2po_block(
-        actor, mb.behav_BxT, mb.prox_BxT, mb.loss_mask_BxT, mb.advantages_BxT, logp_now, s.layout
+        actor,
+        mb.behav_BxT,
+        mb.prox_BxT,
+        mb.loss_mask_BxT,
+        mb.advantages_BxT,
+        logp_now,
+        s.layout,
+        fresh=_fresh(plan, mb.version_BxT, s.version),
     )
     return mb.replace(mask_BxT=mask), m2_parts
 
@@ -381,7 +399,7 @@ def ppo_updates(
 
     Where the mask is taken (`prepare`, per minibatch, or in the loss) and where the
     proximal log-probs come from is the plan's (`step_plan`); `version` is the policy
-    version of `params` (AReaL's loglinear approximation needs it). A non-finite minibatch
+    version of `params` (AReaL's loglinear approximation needs it, and the mismatch parts). A non-finite minibatch
     leaves params and optimizer state untouched; the step's other minibatches still apply.
     `params` are the trainable ones; `frozen` the rest of the model's (`lora.split`), or
     None when every param trains.
@@ -464,6 +482,7 @@ def train_step(
         plan=plan,
         layout=layout,
         shared=plan.batch_prompt,  # the batch's own order: groups are whole
+        version=state.step,
     )
     params, opt_state, mb_stats, mb_valid = ppo_updates(
         trainable,

@@ -119,6 +119,7 @@ class Placement:
             loss_mask_BxT=rows_by_tokens,
             rewards_B=rows,
             version_B=rows,
+            version_BxT=rows_by_tokens,
         )
 
     def train_step_shardings(self, state_shape, with_ref: bool) -> dict:

@@ -290,6 +290,7 @@ def train_batch(host: RolloutBatch) -> TrainBatch:
         loss_mask_BxT=host.loss_mask_BxT,
         rewards_B=host.rewards_B,
         version_B=host.version_B,
+        version_BxT=host.version_BxT,
     )
 
 

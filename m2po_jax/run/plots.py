@@ -31,10 +31,17 @@ PANELS = (
     ("clip_fraction", "PPO clip fraction", ("actor/clip_fraction",), False),
     ("entropy", "policy entropy", ("train/entropy",), False),
     ("staleness", "staleness (versions)", ("staleness/mean", "staleness/max"), False),
+    ("mismatch", "mismatch vs staleness", ("mismatch/fresh/m2", "mismatch/stale/m2"), True),
 )
 # A log axis spans at most this many decades below its largest value (a step-0 m2 of
 # 1e-13, an exact on-policy step, would otherwise flatten everything else).
 LOG_DECADES = 4
+# Panels with more: (keys on a linear right axis, decades of the log axis). The fresh
+# tokens' m2 (engine/trainer numerics alone) sits many decades below the stale tokens'
+# (float32 rounding: 1e-14 against 1e-2): that gap is what the panel shows.
+PANEL_EXTRAS = {
+    "mismatch": (("mismatch/fresh/m2po_drop_alone", "mismatch/fresh/m2po_dropped"), 16),
+}
 
 
 def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -48,10 +55,19 @@ def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray,
 
 
 def _draw_panel(
-    ax: Any, records: Sequence[Mapping[str, Any]], title: str, keys, log_y, tau=None
+    ax: Any,
+    records: Sequence[Mapping[str, Any]],
+    title: str,
+    keys,
+    log_y,
+    tau=None,
+    right=(),
+    decades: int = LOG_DECADES,
 ) -> bool:
     """Plots `keys` on `ax`; False (nothing drawn) if no record has any of them. `tau`
-    (M2PO's threshold) is drawn on the second-moment panel and named on the masked one."""
+    (M2PO's threshold) is drawn on the second-moment panel and named on the masked one.
+    `right`: keys drawn dashed on a linear right axis from 0 (fractions); `decades`: how far
+    a log axis reaches below its largest value."""
     drawn, top = False, 0.0
     for key in keys:
         steps, values = _series(records, key)
@@ -79,10 +95,28 @@ def _draw_panel(
             if top > 0:
                 low = [line.get_ydata() for line in ax.get_lines()]
                 floor = min((np.nanmin(v) for v in low if np.isfinite(v).any()), default=top)
-                ax.set_ylim(bottom=max(floor, top * 10.0**-LOG_DECADES) / 1.5)
-        if len(keys) > 1 or (tau is not None and m2_panel):
-            ax.legend(fontsize="small")
+                ax.set_ylim(bottom=max(floor, top * 10.0**-decades) / 1.5)
+        handles = ax.get_lines()
+        if right:
+            handles = [*handles, *_draw_right(ax.twinx(), records, right, len(handles))]
+        if len(handles) > 1:
+            ax.legend(handles=handles, fontsize="small")
     return drawn
+
+
+def _draw_right(ax: Any, records: Sequence[Mapping[str, Any]], keys, colour: int) -> list:
+    """The lines of `keys` on a right axis (fractions, from 0), in the colours after the
+    left axis's first `colour` ones."""
+    lines = []
+    for key in keys:
+        steps, values = _series(records, key)
+        if steps.size:
+            style = dict(ls="--", marker="x", ms=3, color=f"C{colour + len(lines)}")
+            lines += ax.plot(steps, values, label=key, **style)
+    if lines:
+        ax.set_ylim(bottom=0.0)
+        ax.set_ylabel("fraction of fresh tokens", fontsize="small")
+    return lines
 
 
 def _panels(records: Sequence[Mapping[str, Any]]):
@@ -112,18 +146,20 @@ def plot_metrics(
     out_dir.mkdir(parents=True, exist_ok=True)
     written, available = [], []
     for stem, title, keys, log_y in _panels(records):
+        right, decades = PANEL_EXTRAS.get(stem, ((), LOG_DECADES))
+        panel = (title, keys, log_y, tau, right, decades)
         fig = Figure(figsize=(6, 4), layout="constrained")
-        if _draw_panel(fig.add_subplot(), records, title, keys, log_y, tau):
+        if _draw_panel(fig.add_subplot(), records, *panel):
             path = os.fspath(out_dir / f"{stem}.png")
             _save(fig, path)
             written.append(path)
-            available.append((title, keys, log_y))
+            available.append(panel)
     if available:
         cols = min(3, len(available))
         rows = math.ceil(len(available) / cols)
         fig = Figure(figsize=(5 * cols, 3.5 * rows), layout="constrained")
-        for i, (title, keys, log_y) in enumerate(available):
-            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, title, keys, log_y, tau)
+        for i, panel in enumerate(available):
+            _draw_panel(fig.add_subplot(rows, cols, i + 1), records, *panel)
         path = os.fspath(out_dir / "summary.png")
         _save(fig, path)
         written.append(path)

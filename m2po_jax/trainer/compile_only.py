@@ -380,6 +380,7 @@ def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, A
         loss_mask_BxT=_rows(placement, jnp.bool_, rows, seq_len),
         rewards_B=_rows(placement, jnp.float32, rows),
         version_B=_rows(placement, jnp.int32, rows),
+        version_BxT=_rows(placement, jnp.int32, rows, seq_len),
     )
     ref = setup_lib.reference_params(cfg, model_config, state.params)  # as the trainer's
     step = setup_lib.build_train_step(cfg, model_config, tx, schedule, placement, state_shape)

@@ -655,6 +655,7 @@ def compiled_step_memory(
         loss_mask_BxT=shape(jnp.bool_, rows, seq_len),
         rewards_B=shape(jnp.float32, rows),
         version_B=shape(jnp.int32, rows),
+        version_BxT=shape(jnp.int32, rows, seq_len),
     )
     rng = jax.eval_shape(lambda: jax.random.key(0))
     ref = reference_params(cfg, model_config, params)

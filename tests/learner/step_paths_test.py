@@ -19,6 +19,7 @@ from m2po_jax.learner import batching, logprobs, optim, step_plan
 from m2po_jax.learner import train_step as step_lib
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config
+from tests.algorithm.mismatch_test import np_m2po_kept, np_reference
 
 MODEL = model_config.ModelConfig(
     vocab_size=32,
@@ -74,6 +75,7 @@ def batch(params, stale: int, seed=0):
         loss_mask_BxT=jnp.asarray(loss_mask),
         rewards_B=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
         version_B=jnp.zeros(ROWS, jnp.int32),
+        version_BxT=jnp.zeros(tokens.shape, jnp.int32),
     )
 
 
@@ -131,7 +133,12 @@ def test_fast_path_equals_the_reference_step(changes, stale):
     assert int(fast_m[0]["train/prox_pass"]) == int(plan.prox_pass)
     expect_pass = n_mb > 1 or changes == dict(n_mbs=2, m2_threshold=0.04)
     assert plan.prox_pass == expect_pass
-    for key in ("m2po/m2_before", "m2po/masked_tokens", "train/entropy", "actor/loss"):
+    # Every token is `stale` versions old: all fresh or all stale, on every path alike.
+    sub = "stale" if stale else "fresh"
+    assert fast_m[0][f"mismatch/{sub}/tokens"] == fast_m[0]["train/tokens"]
+    assert ("mismatch/fresh/m2po_dropped" in fast_m[0]) == (a.m2_threshold is not None)
+    keys = ("m2po/m2_before", "m2po/masked_tokens", "train/entropy", "actor/loss")
+    for key in (*keys, f"mismatch/{sub}/m2", f"mismatch/{sub}/abs_max"):
         np.testing.assert_allclose(fast_m[0][key], ref_m[0][key], rtol=1e-4, atol=1e-6)
     if n_mb == 1 and "m2po_scope" not in changes:
         # The one-minibatch case really is the fused path and has its metrics.
@@ -204,6 +211,8 @@ def test_loglinear_is_exact_on_policy(changes):
     approx, m = run(loglinear, b, 0, steps=1, groups=PromptGroups(0, GROUP))
     assert int(m[0]["train/prox_loglinear"]) == 1 and int(m[0]["train/prox_pass"]) == 0
     assert_close_params(approx, ref)
+    # The approximation is no recompute: no engine/trainer mismatch to report from it.
+    assert not [k for k in m[0] if k.startswith("mismatch/")]
 
 
 def test_loglinear_error_is_reported_against_the_recomputed_values():
@@ -267,6 +276,7 @@ def test_trimmed_batches_compile_one_program_per_bucket():
             "loss_mask_BxT": loss_mask,
             "rewards_B": rng.integers(0, 2, ROWS).astype(np.float32),
             "version_B": np.zeros(ROWS, np.int32),
+            "version_BxT": np.zeros(tokens.shape, np.int32),
         }
         trimmed, width = batching.trim_completions(host, PROMPT, buffer)
         assert trimmed["loss_mask_BxT"].sum() == loss_mask.sum()  # no generated token lost
@@ -275,3 +285,81 @@ def test_trimmed_batches_compile_one_program_per_bucket():
         assert np.isfinite(float(metrics["loss"]))
     assert widths == [16, 16, 24, 32, 24, 40, 16]
     assert step._cache_size() == len(set(widths)) == 4
+
+
+FRESH_AT = 2  # the state's version in the mismatch tests
+
+
+def mixed_version_batch(params):
+    """`batch` with tokens of versions 0 and 1 (stale) and 2 (fresh at step version 2),
+    some rows switching to version 2 mid-completion (weights taken in flight). Fresh
+    tokens' behaviour log-probs differ from the recompute by engine-like noise (two by a
+    lot), stale ones by more. Returns (batch, fresh_BxT)."""
+    b = batch(params, 0)  # behaviour = the recompute at `params`
+    rng = np.random.default_rng(7)
+    shape = b.tokens_BxT.shape
+    version = np.repeat(np.arange(ROWS)[:, None] % 3, shape[1], axis=1).astype(np.int32)
+    version[1::4, PROMPT + 2 :] = FRESH_AT
+    fresh = version == FRESH_AT
+    loss_mask = np.asarray(b.loss_mask_BxT)
+    gap = np.where(fresh, rng.normal(0, 0.02, shape), rng.normal(0, 0.4, shape))
+    # Two glitches: one past tau on its own, one that only the stale tokens' m2 pushes
+    # out (in the other micro-batch of the step's permutation: see the test below).
+    gap[tuple(np.argwhere(fresh & loss_mask)[0])] = 1.2
+    gap[5, PROMPT] = 0.7
+    behav = (np.asarray(b.behav_logp_BxT) + gap * loss_mask).astype(np.float32)
+    b = b.replace(
+        behav_logp_BxT=jnp.asarray(behav),
+        version_B=jnp.asarray(version[:, 0]),
+        version_BxT=jnp.asarray(version),
+    )
+    return b, fresh
+
+
+def blockwise_kept(m2, valid, tau, blocks):
+    """The numpy M2PO mask taken on each block of rows (lists of row indices) on its own."""
+    kept = np.zeros(valid.shape, bool)
+    for rows in blocks:
+        kept[rows] = np_m2po_kept(m2[rows], valid[rows], tau)
+    return kept
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # One minibatch of two micro-batches: prox from each loss pass, a mask each.
+        dict(n_mbs=2, m2po_scope="microbatch"),
+        dict(ppo_n_minibatches=2),  # a proximal pass, the mask on the whole batch
+    ],
+    ids=["loss-pass-micro-batches", "prox-pass-minibatches"],
+)
+def test_mismatch_metrics_of_the_step_equal_numpy(changes):
+    """The step's `mismatch/` metrics against numpy from the recomputed proximal
+    log-probs and a numpy M2PO mask of each block the step masks (the whole batch, or each
+    micro-batch of the step's permutation)."""
+    a = actor(m2_threshold=0.04, **changes)
+    b, fresh = mixed_version_batch(params0())
+    _, m = run(a, b, FRESH_AT, steps=1, groups=SHARED)
+    plan = step_plan.plan_step(a, ROWS, PROMPT + NEW, groups=SHARED)
+    assert plan.prox_source == ("pass" if "ppo_n_minibatches" in changes else "loss")
+    prox, _ = _sequence_logp(params0(), b.tokens_BxT, b.valid_BxT)
+    behav, valid = np.asarray(b.behav_logp_BxT), np.asarray(b.loss_mask_BxT)
+    m2 = (behav.astype(np.float64) - np.asarray(prox)) ** 2
+    blocks = [np.arange(ROWS)]
+    if plan.n_micro > 1:  # the rows of each micro-batch, as the step permutes and splits
+        perm = np.asarray(step_lib._permutation(jax.random.key(0), ROWS, plan.perm_block))
+        blocks = list(np.asarray(batching.split_rows(perm, plan.n_micro, plan.micro_block)))
+    kept = blockwise_kept(m2, valid, a.m2_threshold, blocks)
+    kept_alone = blockwise_kept(m2, valid & fresh, a.m2_threshold, blocks)
+    want = np_reference(behav, np.asarray(prox), valid, fresh, kept, kept_alone)
+    # The recompute differs from `_sequence_logp` by float32 rounding of the forward pass
+    # (< 1e-5 per token); the drop fractions are counts and must agree exactly.
+    for key in want:
+        np.testing.assert_allclose(m[0][key], want[key], rtol=1e-4, atol=2e-5, err_msg=key)
+    assert m[0]["mismatch/fresh/tokens"] + m[0]["mismatch/stale/tokens"] == m[0]["train/tokens"]
+    dropped = sum(
+        m[0][f"mismatch/{s}/m2po_dropped"] * m[0][f"mismatch/{s}/tokens"]
+        for s in ("fresh", "stale")
+    )
+    assert round(dropped) == m[0]["m2po/masked_tokens"]
+    assert 0 < want["mismatch/fresh/m2po_drop_alone"] < want["mismatch/fresh/m2po_dropped"]

@@ -63,6 +63,7 @@ def batch(params, off_policy=True, rows=8, prompt=3, new=4, seed=0, lengths=None
         loss_mask_BxT=jnp.asarray(loss_mask),
         rewards_B=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
         version_B=jnp.zeros(rows, jnp.int32),
+        version_BxT=jnp.zeros(tokens.shape, jnp.int32),
     )
 
 

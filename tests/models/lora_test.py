@@ -137,6 +137,7 @@ def _batch(rows=8, prompt=5, new=7, seed=0):
         loss_mask_BxT=jnp.asarray(loss_mask),
         rewards_B=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
         version_B=jnp.zeros(rows, jnp.int32),
+        version_BxT=jnp.zeros(tokens.shape, jnp.int32),
     )
 
 

@@ -471,6 +471,7 @@ def _batch(rows=8, prompt=4, new=4, seed=0):
         loss_mask_BxT=jnp.asarray(loss_mask),
         rewards_B=jnp.asarray(np.arange(rows) % 3 == 0, jnp.float32),
         version_B=jnp.zeros(rows, jnp.int32),
+        version_BxT=jnp.zeros(tokens.shape, jnp.int32),
     )
 
 

@@ -75,6 +75,7 @@ def synthetic_batch(rows=16, prompt=4, new=6, seed=0):
         loss_mask_BxT=loss_mask,
         rewards_B=rewards,
         version_B=np.zeros(rows, np.int32),
+        version_BxT=np.zeros(tokens.shape, np.int32),
     )
 
 

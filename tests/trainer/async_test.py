@@ -126,6 +126,10 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
     assert [r["data/first_prompt"] for r in records] == [0, 8, 16, 24]
     for r in records:  # on-policy (k = 0): no newer weights exist while a batch is made
         assert r["staleness/max"] == 0 and r["staleness/token_mean"] == 0.0
+        # Every token fresh; the paged engine's float32 log-probs are the trainer's to
+        # rounding (1e-7 measured).
+        assert r["mismatch/stale/tokens"] == 0 and r["mismatch/fresh/tokens"] > 0
+        assert r["mismatch/fresh/abs_mean"] < 1e-5, r
         assert 0 <= r["rollout/decode_idle_fraction"] <= 1 and "rollout/inflight_updates" not in r
         assert 0 < r["rollout/kv_pages_peak_fraction"] <= 1
 

@@ -287,6 +287,38 @@ def test_the_second_moment_panel_draws_tau_and_ignores_a_step0_round_off(tmp_pat
     assert ax.get_title() == "M2PO masked (tau = 0.04)"
 
 
+def test_the_mismatch_panel_shows_fresh_and_stale_m2_and_the_fresh_drops(tmp_path):
+    """Fresh m2 of float32 rounding (1e-14) stays on the log axis beside the stale m2; the
+    fresh tokens' drop fractions go on a linear right axis; the run writes mismatch.png."""
+    from matplotlib.figure import Figure
+
+    rows = [
+        {"step": s, "mismatch/fresh/m2": 1e-14 * (s + 1), "mismatch/stale/m2": 0.1 * (s + 1),
+         "mismatch/fresh/m2po_drop_alone": 0.01 * s, "mismatch/fresh/m2po_dropped": 0.02 * s}
+        for s in range(4)
+    ]  # fmt: skip
+    rows[0]["mismatch/stale/m2"] = 0.0  # no stale token at step 0: left off the log axis
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = M.read_metrics(path)
+    ax = Figure().add_subplot()
+    stem, title, keys, log_y = plots._panels(records)[-1]
+    right, decades = plots.PANEL_EXTRAS[stem]
+    assert (stem, title) == ("mismatch", "mismatch vs staleness")
+    assert plots._draw_panel(ax, records, title, keys, log_y, None, right, decades)
+    lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    np.testing.assert_array_equal(lines["mismatch/fresh/m2"], [1e-14, 2e-14, 3e-14, 4e-14])
+    assert np.isnan(lines["mismatch/stale/m2"][0])
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] < 1e-14
+    (twin,) = [a for a in ax.figure.axes if a is not ax]
+    drops = {line.get_label(): line.get_ydata() for line in twin.get_lines()}
+    np.testing.assert_allclose(drops["mismatch/fresh/m2po_dropped"], [0, 0.02, 0.04, 0.06])
+    assert twin.get_yscale() == "linear" and twin.get_ylim()[0] == 0.0
+    assert len(ax.get_legend().get_texts()) == 4
+    written = [os.path.basename(p) for p in plots.plot_metrics(path, tmp_path / "plots")]
+    assert written == ["mismatch.png", "summary.png"]
+
+
 def test_plot_metrics_skips_missing_keys(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "reward/mean": s / 5}) + "\n" for s in range(5)))

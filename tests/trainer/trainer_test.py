@@ -152,7 +152,7 @@ def test_sigterm_in_the_warmup_stops_after_that_warmup_step_and_the_resume_conti
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_m2po_masks_stale_rollouts_and_is_a_no_op_on_policy(tmp_path):
+def test_m2po_masks_stale_rollouts(tmp_path):
     tau = 1e-4
     stale = trainer_lib.Trainer(
         tiny_config("m2po,tiny", **{"actor.m2_threshold": tau, "actor.optimizer.lr": 1e-3}),
@@ -172,18 +172,38 @@ def test_m2po_masks_stale_rollouts_and_is_a_no_op_on_policy(tmp_path):
         assert r["m2po/m2_after"] < tau or kept == 1, r
         # Tokens are dropped only when the whole batch's mean is not below tau.
         assert (r["m2po/masked_tokens"] > 0) == (r["m2po/m2_before"] >= tau), r
+    # Step 0 trains on version 0's batch (fresh), the later steps on older ones (stale):
+    # then the stale tokens carry the whole second moment and every drop.
+    assert records[0]["mismatch/fresh/tokens"] == records[0]["train/tokens"]
+    for r in records[1:]:
+        assert (r["mismatch/fresh/tokens"], r["mismatch/m2_fresh_share"]) == (0, 0.0), r
+        assert r["mismatch/stale/tokens"] == r["train/tokens"]
+        np.testing.assert_allclose(r["mismatch/stale/m2"], r["m2po/m2_before"], rtol=1e-5)
+        assert r["mismatch/stale/m2po_dropped"] == r["m2po/masked_fraction"]
 
+
+def test_on_policy_float32_rollouts_show_no_engine_trainer_mismatch(tmp_path):
+    """The issue's same-weights check: float32 weights, the static sampler's rollouts
+    trained at once (k = 0) by the real step (its proximal pass): every token is fresh,
+    behaviour and recomputed log-probs agree to float32 rounding, M2PO does nothing."""
     on_policy = trainer_lib.Trainer(
         tiny_config(
             "m2po,tiny", **{"actor.m2_threshold": 1e-4, "rollout.max_head_offpolicyness": 0}
         ),
         tmp_path / "on",
     )
+    assert on_policy.cfg.model.dtype == "float32" and on_policy.cfg.rollout.mode == "sync"
     on_policy.run()
     records = read(tmp_path / "on")
     assert [r["staleness/mean"] for r in records] == [0.0] * 4
     assert all(r["m2po/masked_fraction"] == 0 for r in records)
     assert all(r["m2po/m2_before"] < 1e-8 for r in records)
+    for r in records:
+        assert r["train/prox_pass"] == 1  # the tiny preset's two minibatches
+        assert r["mismatch/stale/tokens"] == 0
+        assert r["mismatch/fresh/tokens"] == r["train/tokens"] > 0
+        assert r["mismatch/fresh/abs_mean"] < 1e-5, r
+        assert r["mismatch/fresh/m2po_drop_alone"] == r["mismatch/fresh/m2po_dropped"] == 0
 
 
 def test_an_injected_step_trains_on_the_stale_batches_and_fills_the_rows(tmp_path):
