@@ -1,4 +1,5 @@
-"""`m2po-study`: staleness x method x learning rate x seed, from one shared warm-up.
+"""`m2po-study`: staleness x method x learning rate x seed (x rollout precision), from one
+shared warm-up.
 
   m2po-study --config=arith:m2po --out=runs/stale_study \\
       --staleness=0,16,64,256 --lrs=1e-4,3e-4 --seeds=0,1,2 --steps=150 --parallel=2
@@ -24,15 +25,26 @@ learning rate).
 Methods (`METHODS`): `grpo` (on-policy, staleness 0 only), `stale_grpo` (decoupled PPO with
 the eps-clip, no M2PO), and the four M2PO rules, each at tau `--tau`: `m2po` (AReaL's),
 `paper` (the paper's Algorithm 1), `authors` (the authors' code: a capped-mean clip range on
-the harmful tokens), `paper_final` (the final paper's, `m2po_jax/algorithm/variants.py`). The
-default is the protocol's four (no `paper`, `authors`). The verdicts under the table follow
-`docs/stale_study_protocol.md`.
+the harmful tokens), `paper_final` (the final paper's, `m2po_jax/algorithm/variants.py`), and `m2po_tis`
+(AReaL's M2PO with verl's token-level truncated importance weight, threshold `TIS_THRESHOLD`).
+The default is the protocol's four (no `paper`, `authors`). The verdicts under the table
+follow `docs/stale_study_protocol.md`.
+
+Rollout precisions (`--precisions`, `PRECISIONS`): `float32` (the rollout engine holds the
+params as trained), `bfloat16` (weights and KV cache in bfloat16), `int8` (weights int8 per
+output channel, KV cache bfloat16), `float8` (weights and KV cache float8 e4m3). The cheaper
+the rollout, the larger the engine/trainer mismatch that the staleness-0 tokens' metrics
+(`mismatch/fresh/*`) measure; where the grid has a precision other than float32, the M2PO
+methods also run at staleness 0 (their mask then reads mismatch alone). A cell's collapse:
+its final held-out accuracy below half its first (the warm-up's), or a run stopped on
+non-finite steps.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -59,7 +71,14 @@ SUMMARY_MEANS = (
     "offpolicy/ess",
     "m2po/masked_loss_share",
     "m2po/masked_grad_share",
+    "mismatch/fresh/abs_mean",
+    "mismatch/fresh/m2",
+    "mismatch/stale/m2",
+    "mismatch/fresh/m2po_drop_alone",
+    "mismatch/m2_fresh_share",
 )
+TIS_THRESHOLD = 2.0  # m2po_tis: verl's default rollout_is_threshold
+COLLAPSE = 0.5  # a cell collapsed: its final accuracy below this share of its first
 
 
 def _grpo(c, tau):
@@ -89,6 +108,12 @@ def _variant(name):
     return method
 
 
+def _m2po_tis(c, tau):
+    _m2po(c, tau)
+    c.actor.rollout_correction.is_level = "token"
+    c.actor.rollout_correction.is_threshold = TIS_THRESHOLD
+
+
 METHODS = {
     "grpo": _grpo,
     "stale_grpo": _stale_grpo,
@@ -96,10 +121,19 @@ METHODS = {
     "paper": _variant("paper"),
     "authors": _variant("authors"),
     "paper_final": _variant("paper_final"),
+    "m2po_tis": _m2po_tis,
 }
 ON_POLICY = "grpo"
-RULES = ("m2po", "paper", "authors", "paper_final")  # the M2PO methods
+STALE = "stale_grpo"  # GRPO's decoupled loss on stale rollouts: staleness > 0 only
+RULES = ("m2po", "paper", "authors", "paper_final", "m2po_tis")  # the M2PO methods
 PROTOCOL_METHODS = ("grpo", "stale_grpo", "m2po", "paper_final")  # docs/stale_study_protocol.md
+TRAINED = "float32"  # the precision that leaves the rollout weights as trained
+PRECISIONS = {  # name: (rollout.weight_dtype, rollout.kv_dtype)
+    TRAINED: ("", ""),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "int8": ("int8", "bfloat16"),
+    "float8": ("float8_e4m3fn", "float8_e4m3fn"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,26 +142,43 @@ class Cell:
     method: str
     lr: float
     seed: int
+    precision: str = TRAINED
 
     @property
     def name(self) -> str:
-        return f"k{self.staleness}_{self.method}_lr{self.lr:g}_seed{self.seed}"
+        tail = "" if self.precision == TRAINED else f"_{self.precision}"
+        return f"k{self.staleness}_{self.method}_lr{self.lr:g}_seed{self.seed}{tail}"
 
 
-def grid(staleness, methods, lrs, seeds) -> list[Cell]:
-    """The cells: `grpo` at staleness 0, every other method at each staleness > 0."""
+def grid(staleness, methods, lrs, seeds, precisions=(TRAINED,)) -> list[Cell]:
+    """The cells: `grpo` at staleness 0, `stale_grpo` at each staleness > 0, the M2PO
+    methods at each staleness > 0, and at 0 too where `precisions` names a cheaper rollout
+    than the trained weights (M2PO's mask then reads the engine/trainer mismatch alone)."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"--methods: unknown method {m!r}; choose from {sorted(METHODS)}")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ValueError(
+                f"--precisions: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}"
+            )
     if any(k < 0 for k in staleness):
         raise ValueError(f"--staleness: values must be >= 0, got {list(staleness)}")
+    mismatch = any(p != TRAINED for p in precisions)
+
+    def runs(m, k):
+        if m == ON_POLICY:
+            return k == 0
+        return k > 0 or (mismatch and m != STALE)
+
     cells = [
-        Cell(k, m, lr, seed)
+        Cell(k, m, lr, seed, p)
         for lr in lrs
         for seed in seeds
+        for p in precisions
         for k in staleness
         for m in methods
-        if (m == ON_POLICY) == (k == 0)
+        if runs(m, k)
     ]
     if not cells:
         raise ValueError(
@@ -143,6 +194,7 @@ def cell_config(base: dict, cell: Cell, *, tau: float, steps: int):
 
     c = ml_collections.ConfigDict(base)
     METHODS[cell.method](c, tau)
+    c.rollout.weight_dtype, c.rollout.kv_dtype = PRECISIONS[cell.precision]
     c.rollout.max_head_offpolicyness = cell.staleness
     c.actor.optimizer.lr = cell.lr
     c.seed = cell.seed
@@ -334,6 +386,7 @@ def summarize(metrics_file: Path) -> dict:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     curve = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     out = {"curve": curve, "final": curve[-1][1], "best": max(a for _, a in curve)}
+    out["collapsed"] = curve[-1][1] < COLLAPSE * curve[0][1]
     for key in SUMMARY_MEANS:
         values = [r[key] for r in rows if r.get(key) is not None]
         out[key] = sum(values) / len(values) if values else None
@@ -504,13 +557,37 @@ def _spread(values):
 
 
 def groups(out: Path, cells: list[Cell]) -> dict:
-    """{(staleness, method, lr): [summaries over seeds]} of the finished cells."""
+    """{(staleness, method, lr, precision): [summaries over seeds]} of the finished cells."""
     found: dict = {}
     for c in cells:
         done = out / "cells" / c.name / DONE
         if done.exists():
-            found.setdefault((c.staleness, c.method, c.lr), []).append(json.loads(done.read_text()))
+            key = (c.staleness, c.method, c.lr, c.precision)
+            found.setdefault(key, []).append(json.loads(done.read_text()))
     return found
+
+
+def trained(found: dict) -> dict:
+    """{(staleness, method, lr): runs} of the cells whose rollouts ran the trained weights
+    (the protocol's verdicts read only these)."""
+    return {(k, m, lr): runs for (k, m, lr, p), runs in found.items() if p == TRAINED}
+
+
+def collapses(out: Path, cells: list[Cell], failed: dict | None) -> dict:
+    """{(staleness, method, lr, precision): collapsed runs}: finished cells whose final
+    accuracy fell below `COLLAPSE` of their first, and cells stopped on non-finite steps."""
+    from m2po_jax.trainer import loop
+
+    count: dict = {}
+    for c in cells:
+        key = (c.staleness, c.method, c.lr, c.precision)
+        done = out / "cells" / c.name / DONE
+        error = (failed or {}).get(c.name)
+        hit = isinstance(error, loop.NonFiniteError) or (
+            done.exists() and json.loads(done.read_text()).get("collapsed", False)
+        )
+        count[key] = count.get(key, 0) + int(hit)
+    return count
 
 
 def verdicts(found: dict) -> list[str]:
@@ -606,6 +683,11 @@ def header(cells: list[Cell], *, config=None, steps=None, tau=None) -> str:
         f"methods {values(unique('method'))} (grpo at k = 0 only); learning rates "
         f"{values(sorted(unique('lr')))}; seeds {values(sorted(unique('seed')))}."
     )
+    if unique("precision") != [TRAINED]:
+        grid_line = grid_line[:-1] + (
+            f"; rollout precisions {values(unique('precision'))} (`m2po_jax/cli/study.py` "
+            "PRECISIONS)."
+        )
     ran = []
     if steps is not None:
         ran.append(f"{steps} RL steps per cell from one shared warm-up")
@@ -632,16 +714,13 @@ def report(
         "m2 p99.9 | clip | grad norm | ESS (min) | masked loss | masked grad |"
     )
     lines = [head, "|" + "---|" * 15]
-    for (k, method, lr), runs in sorted(found.items()):
+    for (k, method, lr, precision), runs in sorted(found.items()):
         mean, lo, hi = _spread([s["final"] for s in runs])
         best = _spread([s["best"] for s in runs])[0]
-
-        def avg(key, runs=runs):
-            values = [s[key] for s in runs if s.get(key) is not None]
-            return sum(values) / len(values) if values else None
-
+        avg = functools.partial(_avg, runs)
+        label = method if precision == TRAINED else f"{method} ({precision})"
         lines.append(
-            f"| {k} | {method} | {lr:g} | {len(runs)} | {mean:.3f} ({lo:.3f}-{hi:.3f}) | "
+            f"| {k} | {label} | {lr:g} | {len(runs)} | {mean:.3f} ({lo:.3f}-{hi:.3f}) | "
             f"{best:.3f} | {_fmt(avg('m2po/masked_fraction'), 4)} | {_fmt(avg('m2po/m2_p50'))} | "
             f"{_fmt(avg('m2po/m2_p99'))} | {_fmt(avg('m2po/m2_p999'))} | "
             f"{_fmt(avg('actor/clip_fraction'))} | {_fmt(avg('grad_norm'))} | "
@@ -649,7 +728,10 @@ def report(
             f"{_fmt(avg('m2po/masked_loss_share'))} | {_fmt(avg('m2po/masked_grad_share'))} |"
         )
     table = "\n".join(lines)
-    notes = verdicts(found) + [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
+    if any(c.precision != TRAINED for c in cells):
+        table += "\n\n" + mismatch_table(found, collapses(out, cells, failed))
+    notes = verdicts(trained(found))
+    notes += [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
     notes += _mixed_environments(out, found)
     text = header(cells, config=config, steps=steps, tau=tau) + table + "\n\n"
     text += "\n".join(f"- {v}" for v in notes) + "\n"
@@ -657,6 +739,46 @@ def report(
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
     _plot(out, found, tau)
     return text
+
+
+def _avg(runs, key):
+    values = [s[key] for s in runs if s.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+MISMATCH_LEGEND = (
+    "Mismatch: the rollout engine's and the trainer's log-probs of the same tokens, apart "
+    "from staleness (run means over steps, then over seeds). fresh |d|: the mean "
+    "|behav - prox| over staleness-0 tokens (made by the weights the step trains); fresh m2 / "
+    "stale m2: the mean (behav - prox)^2 over staleness-0 / older tokens; fresh share: the "
+    "staleness-0 tokens' share of the batch's summed m2; drop alone: the fraction of "
+    "staleness-0 tokens M2PO's mask drops run over them alone; collapsed: runs whose final "
+    "held-out accuracy fell below half their first, or that stopped on non-finite steps."
+)
+
+
+def mismatch_table(found: dict, collapsed: dict) -> str:
+    """The precision study's table: per staleness, method, lr and rollout precision, the
+    final accuracy, the collapses and the mismatch metrics."""
+    lines = [
+        MISMATCH_LEGEND,
+        "",
+        "| k | method | precision | lr | seeds | final | collapsed | fresh \\|d\\| | fresh m2 | "
+        "stale m2 | fresh share | drop alone |",
+        "|" + "---|" * 12,
+    ]
+    rank = list(PRECISIONS).index
+    for key, runs in sorted(found.items(), key=lambda x: (*x[0][:3], rank(x[0][3]))):
+        k, method, lr, precision = key
+        avg = functools.partial(_avg, runs)
+        lines.append(
+            f"| {k} | {method} | {precision} | {lr:g} | {len(runs)} | "
+            f"{_spread([s['final'] for s in runs])[0]:.3f} | {collapsed.get(key, 0)} | "
+            f"{_fmt(avg('mismatch/fresh/abs_mean'))} | {_fmt(avg('mismatch/fresh/m2'))} | "
+            f"{_fmt(avg('mismatch/stale/m2'))} | {_fmt(avg('mismatch/m2_fresh_share'))} | "
+            f"{_fmt(avg('mismatch/fresh/m2po_drop_alone'), 4)} |"
+        )
+    return "\n".join(lines)
 
 
 def _mixed_environments(out: Path, found: dict) -> list[str]:
@@ -672,11 +794,11 @@ def _mixed_environments(out: Path, found: dict) -> list[str]:
     made = out / "warmup" / "warmup.json"
     if made.exists() and "environment" in (record := json.loads(made.read_text())):
         seen.setdefault(key(record["environment"]), []).append("warm-up")
-    for (k, method, lr), runs in sorted(found.items()):
+    for (k, method, lr, precision), runs in sorted(found.items()):
         for r in runs:
             if "environment" in r:
                 seen.setdefault(key(r["environment"]), []).append(
-                    Cell(k, method, lr, r["seed"]).name
+                    Cell(k, method, lr, r["seed"], precision).name
                 )
     if len(seen) <= 1:
         return []
@@ -693,11 +815,11 @@ def _plot(out: Path, found: dict, tau=None) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    lrs = sorted({lr for _, _, lr in found})
-    for k in sorted({k for k, _, _ in found if k > 0}):
+    lrs = sorted({lr for _, _, lr, _ in found})
+    for k in sorted({k for k, _, _, _ in found if k > 0}):
         fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 3.6), squeeze=False)
         for ax, lr in zip(axes[0], lrs, strict=True):
-            for (kk, method, x), runs in sorted(found.items()):
+            for (kk, method, x, precision), runs in sorted(found.items()):
                 if x != lr or kk not in (0, k):
                     continue
                 steps = [s for s, _ in runs[0]["curve"]]
@@ -705,16 +827,52 @@ def _plot(out: Path, found: dict, tau=None) -> None:
                     [[a for _, a in r["curve"]] for r in runs if len(r["curve"]) == len(steps)]
                 )
                 label = f"{method} (k = {kk})"
+                if precision != TRAINED:
+                    label = f"{method}, {precision} (k = {kk})"
                 ax.plot(steps, acc.mean(0), marker="o", ms=3, label=label)
                 ax.fill_between(steps, acc.min(0), acc.max(0), alpha=0.2)
             title = f"staleness {k}, lr {lr:g}"
-            if tau is not None and any(m in RULES for _, m, _ in found):
+            if tau is not None and any(m in RULES for _, m, _, _ in found):
                 title += f", tau {tau:g}"
             ax.set(title=title, xlabel="RL step", ylabel="held-out accuracy")
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"study_k{k}.png", dpi=110)
         plt.close(fig)
+    if len({p for *_, p in found}) > 1:
+        _plot_precisions(out, found, plt)
+
+
+def _plot_precisions(out: Path, found: dict, plt) -> None:
+    """`study_precision.png`: by rollout precision, each method and staleness's final
+    held-out accuracy (mean, range over seeds) and the staleness-0 tokens' mean m2."""
+    order = [p for p in PRECISIONS if any(key[3] == p for key in found)]
+    fig, (acc_ax, m2_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    series = sorted({(k, m, lr) for k, m, lr, _ in found})
+    for k, method, lr in series:
+        xs, mean, lo, hi, m2 = [], [], [], [], []
+        for i, p in enumerate(order):
+            runs = found.get((k, method, lr, p))
+            if not runs:
+                continue
+            a, b, c = _spread([r["final"] for r in runs])
+            xs.append(i), mean.append(a), lo.append(a - b), hi.append(c - a)
+            m2.append(_avg(runs, "mismatch/fresh/m2"))
+        label = f"{method} (k = {k})" + (f", lr {lr:g}" if len({x[2] for x in series}) > 1 else "")
+        acc_ax.errorbar(xs, mean, yerr=[lo, hi], marker="o", ms=3, capsize=2, label=label)
+        shown = [(x, v) for x, v in zip(xs, m2, strict=True) if v]
+        if shown:
+            m2_ax.plot(*zip(*shown, strict=True), marker="o", ms=3, label=label)
+    for ax in (acc_ax, m2_ax):
+        ax.set_xticks(range(len(order)), order)
+        ax.set_xlabel("rollout precision")
+    acc_ax.set(ylabel="final held-out accuracy", title="accuracy by rollout precision")
+    m2_ax.set(ylabel="mean m2 of staleness-0 tokens", yscale="log",
+              title="engine/trainer mismatch")  # fmt: skip
+    acc_ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "study_precision.png", dpi=110)
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -736,6 +894,12 @@ def define_flags(default_config: str) -> None:
     )
     flags.DEFINE_list("lrs", ["1e-4", "3e-4"], "Learning rates.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+    flags.DEFINE_list(
+        "precisions",
+        [TRAINED],
+        f"Rollout precisions, of {', '.join(PRECISIONS)} (weights and KV cache of the "
+        "rollout engine).",
+    )
     flags.DEFINE_integer("steps", 150, "RL steps per cell.", lower_bound=1)
     flags.DEFINE_float("tau", 0.04, "M2PO threshold of the M2PO methods.")
     flags.DEFINE_integer("parallel", 1, "Cells run at once (one process each).", lower_bound=1)
@@ -758,6 +922,7 @@ def _main(argv) -> None:
             FLAGS.methods,
             _numbers("lrs", float, "1e-4,3e-4"),
             _numbers("seeds", int, "0,1,2"),
+            FLAGS.precisions,
         )
     except ValueError as e:
         print(f"m2po-study: {e}", file=sys.stderr)
@@ -811,8 +976,8 @@ def _parses(kind, text: str) -> bool:
 
 
 _OWN_FLAGS = (
-    "config", "out", "staleness", "methods", "lrs", "seeds", "steps", "tau", "parallel",
-    "devices_per_cell",
+    "config", "out", "staleness", "methods", "lrs", "seeds", "precisions", "steps", "tau",
+    "parallel", "devices_per_cell",
 )  # fmt: skip
 
 
@@ -822,12 +987,14 @@ def usage() -> str:
     lines = [
         "usage: m2po-study [--config=FILE[:PRESET,...]] [--out=DIR] [--staleness=K,...] "
         "[--methods=M,...]",
-        "                  [--lrs=LR,...] [--seeds=S,...] [--steps=N] [--tau=T] "
-        "[--parallel=N] [--config.SECTION.FIELD=VALUE ...]",
+        "                  [--lrs=LR,...] [--seeds=S,...] [--precisions=P,...] [--steps=N] "
+        "[--tau=T]",
+        "                  [--parallel=N] [--config.SECTION.FIELD=VALUE ...]",
         "",
-        "Runs a grid of m2po-train cells (staleness x method x learning rate x seed) from one",
-        "shared supervised warm-up, and writes <out>/study.md (the table and the protocol's",
-        "verdicts, docs/stale_study_protocol.md), <out>/study.json and <out>/study_k<K>.png.",
+        "Runs a grid of m2po-train cells (staleness x method x learning rate x seed x rollout",
+        "precision) from one shared supervised warm-up, and writes <out>/study.md (the table",
+        "and the protocol's verdicts, docs/stale_study_protocol.md), <out>/study.json,",
+        "<out>/study_k<K>.png and, with several precisions, <out>/study_precision.png.",
         "The same command resumes a stopped or half-done study; finished cells are skipped.",
         "",
         "flags:",
@@ -851,6 +1018,9 @@ def usage() -> str:
         "      --lrs=1e-4,3e-4 --seeds=0,1,2 --steps=150 --parallel=2",
         "  m2po-study --config=arith:m2po,tiny --out=/tmp/study --staleness=0,2 \\",
         "      --methods=grpo,m2po --lrs=1e-3 --seeds=0 --steps=3    # a minute on a CPU",
+        "  m2po-study --config=arith:m2po --out=runs/mismatch_study --staleness=0,4 \\",
+        "      --methods=grpo,stale_grpo,m2po,m2po_tis --precisions=float32,bfloat16,int8,float8 \\",
+        "      --lrs=3e-4 --seeds=0,1,2 --parallel=2    # the rollout-precision study",
         "  m2po-study --config=gsm8k:qwen2.5-0.5b --out=/tmp/gsm8k_study --parallel=4 \\",
         "      --devices_per_cell=2 --config.model.path=/models/Qwen2.5-0.5B-Instruct \\",
         "      --config.task.train_path=/data/gsm8k/train.jsonl    # 4 cells at once on 8 GPUs",

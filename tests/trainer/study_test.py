@@ -301,3 +301,71 @@ def test_the_verdict_rules_at_equality():
     )
     below[(8, "m2po", 1e-4)] = _runs(0.49, 0.50)
     assert "m2po does not rescue" in study.verdicts(below)[0]
+
+
+def test_the_precision_grid_runs_m2po_at_staleness_zero_only_against_a_cheaper_rollout():
+    cells = study.grid([0, 4], ["grpo", "stale_grpo", "m2po", "m2po_tis"], [3e-4], [0],
+                       ["float32", "int8"])  # fmt: skip
+    by_precision = {p: {(c.staleness, c.method) for c in cells if c.precision == p}
+                    for p in ("float32", "int8")}  # fmt: skip
+    both = {(0, "grpo"), (4, "stale_grpo"), (4, "m2po"), (4, "m2po_tis")}
+    assert by_precision["float32"] == by_precision["int8"] == both | {(0, "m2po"), (0, "m2po_tis")}
+    plain = study.grid([0, 4], ["grpo", "m2po"], [3e-4], [0])  # no cheaper rollout: as before
+    assert {(c.staleness, c.method) for c in plain} == {(0, "grpo"), (4, "m2po")}
+    names = {c.name for c in cells}
+    assert "k0_m2po_lr0.0003_seed0_int8" in names and "k0_m2po_lr0.0003_seed0" in names
+    with pytest.raises(ValueError, match="unknown precision 'fp4'; choose from float32, "):
+        study.grid([0], ["grpo"], [1e-4], [0], ["fp4"])
+
+
+def test_a_cells_precision_and_tis_reach_its_config():
+    base = arith.get_config("m2po").to_dict()
+    want = {"float32": ("", ""), "bfloat16": ("bfloat16", "bfloat16"),
+            "int8": ("int8", "bfloat16"), "float8": ("float8_e4m3fn", "float8_e4m3fn")}  # fmt: skip
+    for precision, dtypes in want.items():
+        c = study.cell_config(
+            base, study.Cell(4, "m2po_tis", 1e-4, 0, precision), tau=0.04, steps=5
+        )
+        assert (c.rollout.weight_dtype, c.rollout.kv_dtype) == dtypes
+        assert c.actor.rollout_correction.is_threshold == 2.0 and c.actor.m2_threshold == 0.04
+    c = study.cell_config(base, study.Cell(4, "m2po", 1e-4, 0), tau=0.04, steps=5)
+    assert c.actor.rollout_correction.is_threshold is None  # plain M2PO: no truncation
+    cells = study.grid([0, 4], ["grpo", "stale_grpo", "m2po", "m2po_tis"], [1e-4], [0],
+                       list(study.PRECISIONS))  # fmt: skip
+    study.check_cells(base, cells, tau=0.04, steps=5)  # every cell's config is valid
+
+
+def test_the_mismatch_table_and_collapses(tmp_path):
+    def summary(final, first, fresh_m2, seed):
+        curve = [[0, first], [10, final]]
+        return {"final": final, "best": max(final, first), "curve": curve, "seed": seed,
+                "collapsed": final < study.COLLAPSE * first, "mismatch/fresh/m2": fresh_m2,
+                "mismatch/fresh/abs_mean": fresh_m2 ** 0.5}  # fmt: skip
+
+    cells = [study.Cell(0, "m2po", 1e-4, s, p) for p in ("float32", "int8") for s in (0, 1)]
+    cells.append(study.Cell(0, "m2po", 1e-4, 2, "int8"))
+    made = {
+        ("float32", 0): summary(0.50, 0.40, 1e-12, 0),
+        ("float32", 1): summary(0.52, 0.40, 3e-12, 1),
+        ("int8", 0): summary(0.10, 0.40, 2e-3, 0),  # below half its first: collapsed
+        ("int8", 1): summary(0.30, 0.40, 4e-3, 1),
+    }
+    for (p, seed), s in made.items():
+        cell = study.Cell(0, "m2po", 1e-4, seed, p)
+        (tmp_path / "cells" / cell.name).mkdir(parents=True)
+        (tmp_path / "cells" / cell.name / study.DONE).write_text(json.dumps(s))
+    failed = {cells[-1].name: loop.NonFiniteError("max_nonfinite_steps: 3")}
+    counted = study.collapses(tmp_path, cells, failed)
+    assert counted == {(0, "m2po", 1e-4, "float32"): 0, (0, "m2po", 1e-4, "int8"): 2}
+    text = study.report(tmp_path, cells, failed, tau=0.04)
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("| 0 | m2po | float32 |", "| 0 | m2po | int8 |"))
+    ]
+    assert rows == [
+        "| 0 | m2po | float32 | 0.0001 | 2 | 0.510 | 0 | 1.4e-06 | 2.0e-12 | - | - | - |",
+        "| 0 | m2po | int8 | 0.0001 | 2 | 0.200 | 2 | 0.054 | 0.003 | - | - | - |",
+    ]
+    assert "| 0 | m2po (int8) | 0.0001 | 2 | 0.200 (0.100-0.300) |" in text  # the main table
+    assert (tmp_path / "study_precision.png").exists()
