@@ -33,6 +33,21 @@ and every slot's whole completion: no preemption).
 
 Prints per case and engine: ms per decode step, the floor (and whether FLOPs or bytes set
 it), the ratio, and the step's GFLOP/s.
+
+    python benchmarks/decode_bench.py --precisions           # cheaper rollouts, two tables
+    python benchmarks/decode_bench.py --precisions --targets cpu,v5e:1x1,h100:1
+
+`--precisions` measures the rollout precisions (`rollout.weight_dtype` x `rollout.kv_dtype`,
+`PRECISIONS`) instead: (1) on this CPU, the paged engine's ms per decode step on the race
+case, side by side in one run against float32's; (2) the bytes one decode step moves, from
+the compiler, for a real architecture (`--architecture`, default qwen3-1.7b; `--rows` rows
+each reading a `--context`-column KV cache): XLA's cost analysis on each `--targets` entry
+(`cpu` = this host, a TPU topology such as `v5e:1x1` through libtpu, `h100:1` through jax's
+CUDA plugin, skipped with a note when it is not installed), and on a TPU the HBM bytes read
+from the compiled HLO (`hlo_traffic.hbm_bytes`); each against float32 weights and KV. On a TPU or GPU target the HLO's HBM bytes
+(`hlo_traffic.hbm_bytes`: operands and results of the compiled program's top-level ops,
+VMEM excluded) are printed too; the CUDA plugin's compile-only gives no cost analysis, so
+there they are the only figure.
 """
 
 from __future__ import annotations
@@ -142,12 +157,140 @@ def floor_work(case: Case, valid: np.ndarray, lengths: np.ndarray) -> tuple[floa
     return flops, bytes_, shared
 
 
+# (label, rollout.weight_dtype, rollout.kv_dtype): float32 first, the baseline.
+PRECISIONS = (
+    ("float32", "", ""),
+    ("bf16 weights", "bfloat16", ""),
+    ("int8 weights", "int8", ""),
+    ("fp8 weights", "float8_e4m3fn", ""),
+    ("bf16 KV", "", "bfloat16"),
+    ("fp8 KV", "", "float8_e4m3fn"),
+    ("int8 weights + bf16 KV", "int8", "bfloat16"),
+    ("fp8 weights + fp8 KV", "float8_e4m3fn", "float8_e4m3fn"),
+)
+
+
+def rollout_config(config, weight_dtype: str, kv_dtype: str):
+    """The model config a rollout engine runs under these settings (as
+    `setup.rollout_model_config` makes it)."""
+    from m2po_jax.models import quant
+
+    config = config.replace(kv_dtype=kv_dtype)
+    if weight_dtype in quant.WEIGHT_QUANTS[1:]:
+        return config.replace(weight_quant=weight_dtype)
+    return config.replace(param_dtype=weight_dtype) if weight_dtype else config
+
+
+def cpu_precisions(rounds: int) -> None:
+    """The paged engine's ms per decode step on the race case under each precision, the
+    weights converted as the trainer's publish converts them (`quant.convert_weights`)."""
+    from m2po_jax.models import quant
+
+    case = CASES["race"]
+    params = rollout_bench.context_free_params(1 / 40)
+    tokens, valid = case_prompts(case)
+    stops = (rollout_bench.EOS_ID,) if case.stop else ()
+    sides = []
+    for label, weight_dtype, kv_dtype in PRECISIONS:
+        config = rollout_config(CONFIG, weight_dtype, kv_dtype)
+        engines_ = [
+            engine_lib.PagedEngine(
+                config, sampling.SamplingConfig(max_new_tokens=n, stop_token_ids=stops),
+                slots=case.slots,
+            )
+            for n in (case.max_new, 1)
+        ]  # fmt: skip
+        sides.append((label, engines_, quant.convert_weights(params, weight_dtype)))
+    best: dict = {}
+    for r in range(-1, rounds):  # round -1 compiles; the sides alternate within a round
+        for label, (full, first), weights in sides:
+            key = jax.random.key(max(r, 0))
+            res = run(full, weights, tokens, valid, case, key)
+            pre = run(first, weights, tokens, valid, case, key)
+            if r >= 0:
+                step_s = (res["seconds"] - pre["seconds"]) / res["decode_steps"]
+                best[label] = min(best.get(label, step_s), step_s)
+    print("\n| precision (paged engine, race, this CPU) | ms / decode step | vs float32 |")
+    print("|---|---|---|")
+    for label, *_ in PRECISIONS:
+        print(f"| {label} | {best[label] * 1e3:.2f} | {best[label] / best['float32']:.2f}x |")
+
+
+def decode_step_bytes(architecture: str, targets: list[str], rows: int, context: int) -> None:
+    """Bytes one decode step moves (XLA's cost analysis; on a TPU also the HLO's HBM bytes)
+    per precision and target, against float32 weights and KV."""
+    from m2po_jax.models import architectures
+    from m2po_jax.models import model as model_lib
+    from m2po_jax.parallel import gpu_targets
+    from m2po_jax.trainer import compile_only, hlo_traffic
+
+    print(
+        f"\n# one decode step of {architecture}: {rows} rows x {context} cached columns, "
+        "compute bfloat16 (float32 on cpu); GB per step, x = against float32 weights and KV"
+    )
+    head = "| precision | " + " | ".join(f"{t} cost analysis" for t in targets)
+    tpu = [t for t in targets if t != "cpu"]  # the HLO's HBM bytes (hlo_traffic)
+    head += "".join(f" | {t} HBM (HLO)" for t in tpu)
+    print(head + " |")
+    print("|---" * (1 + len(targets) + len(tpu)) + "|")
+    found: dict = {}
+    for t in targets:
+        if t.startswith("h100") and not gpu_targets.cuda_plugin_installed():
+            print(f"<!-- {t}: jax's CUDA plugin is not installed; column left empty -->")
+            continue
+        devices = compile_only.target("" if t == "cpu" else t).devices
+        dtype = "float32" if t == "cpu" else "bfloat16"
+        base = architectures.model_config(architecture, dtype=dtype, param_dtype="float32")
+        one = jax.sharding.SingleDeviceSharding(devices[0])
+        for label, weight_dtype, kv_dtype in PRECISIONS:
+            config = rollout_config(base, weight_dtype, kv_dtype)
+            params = jax.eval_shape(lambda c=config: model_lib.init_params(c, jax.random.key(0)))
+            cache = jax.eval_shape(lambda c=config: model_lib.init_cache(c, rows, context))
+
+            def step(params, cache, token_Bx1, config=config):
+                pos = jnp.full(token_Bx1.shape, context - 1, jnp.int32)
+                return model_lib.apply(params, config, token_Bx1, pos, None, cache,
+                                       context - 1, last_only=True)  # fmt: skip
+
+            placed = jax.tree.map(
+                lambda x, one=one: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                (params, cache, jax.ShapeDtypeStruct((rows, 1), jnp.int32)),
+            )
+            compiled = (
+                jax.jit(step, donate_argnums=1).lower(*placed).compile()
+            )  # in place, as the engines
+            cost = compiled.cost_analysis()  # none from the CUDA plugin's compile-only
+            cost = cost[0] if isinstance(cost, list) else cost
+            if cost:
+                found[(t, label)] = float(cost.get("bytes accessed", 0.0))
+            if t in tpu:
+                found[(t + " hbm", label)] = hlo_traffic.hbm_bytes(compiled.as_text())
+    for label, *_ in PRECISIONS:
+        cells = []
+        for col in [*targets, *(t + " hbm" for t in tpu)]:
+            if (col, label) not in found:
+                cells.append("-")
+                continue
+            gb, ratio = found[(col, label)] / 1e9, found[(col, label)] / found[(col, "float32")]
+            cells.append(f"{gb:.2f} ({ratio:.2f}x)")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="race,long_tail")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", default="static,continuous,paged")
+    parser.add_argument("--precisions", action="store_true", help="the rollout precisions")
+    parser.add_argument("--targets", default="cpu,v5e:1x1,h100:1")
+    parser.add_argument("--architecture", default="qwen3-1.7b")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args(argv)
+    if args.precisions:
+        cpu_precisions(args.rounds)
+        decode_step_bytes(args.architecture, args.targets.split(","), args.rows, args.context)
+        return
     names = args.engines.split(",")
     if not set(names) <= {"static", "continuous", "paged"}:
         parser.error(f"--engines: static, continuous or paged, got {args.engines!r}")

@@ -167,21 +167,26 @@ def lora_a_init(key, shape, dtype):
 def _kernel(module, name: str, shape, in_axes, out_axes, config: ModelConfig, base: str):
     """Declares projection `name`'s kernel `{name}_kernel` (logical axes in_axes + out_axes,
     normal(0.02) init, param dtype) and returns it as float32 or param dtype. With a
-    quantised `base` (int8 / nf4: an adapted projection under `lora_base`; int8 /
-    float8_e4m3fn: any projection under `weight_quant`) it declares the stored codes
-    `{name}_kernel` and scales `{name}_kernel_scale` in `quant.leaf_layout`'s shapes,
-    dtypes and axes instead (zeros here: `init_params` quantises a float init) and
-    returns their dequantised float32 kernel of `shape`."""
+    quantised `base` (int8 / nf4: an adapted projection under `lora_base`) it declares the
+    stored codes `{name}_kernel` and scales `{name}_kernel_scale` (`_stored`; zeros here:
+    `init_params` quantises a float init) and returns their dequantised float32 kernel of
+    `shape`."""
     axes = (*in_axes, *out_axes)
     if base == "float":
         init = nn.initializers.normal(0.02)
         return _param(module, f"{name}_kernel", shape, axes, init, as_dtype(config.param_dtype))
-    layout = quant.leaf_layout(base, shape, len(in_axes), axes)
-    stored = {
+    stored = _stored(module, name, shape, in_axes, out_axes, base)
+    return quant.dequantize(base, stored["kernel"], stored["kernel_scale"], shape, len(in_axes))
+
+
+def _stored(module, name: str, shape, in_axes, out_axes, base: str) -> dict:
+    """Declares a quantised kernel's codes `{name}_kernel` and scales `{name}_kernel_scale`
+    in `quant.leaf_layout`'s shapes, dtypes and axes; returns them by suffix."""
+    layout = quant.leaf_layout(base, shape, len(in_axes), (*in_axes, *out_axes))
+    return {
         suffix: _param(module, f"{name}_{suffix}", s, a, nn.initializers.zeros, dtype)
         for suffix, (s, dtype, a) in layout.items()
     }
-    return quant.dequantize(base, stored["kernel"], stored["kernel_scale"], shape, len(in_axes))
 
 
 def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConfig):
@@ -192,16 +197,26 @@ def projection(module, name: str, x, shape, in_axes, out_axes, config: ModelConf
     `{name}_lora_b` beside the kernel, sharded as the kernel's input and output axes (the
     rank axis replicated). B starts at zero, so a new adapter leaves the model as it is.
 
-    Under a quantised base (`lora_base` int8 / nf4) an adapted projection's kernel, and
-    under `weight_quant` (int8 / float8_e4m3fn: a rollout engine's weights) every
-    projection's, is stored as codes and scales (`quant.py`) and dequantised here, just
-    before its matmul: one projection's float kernel at a time, never the whole model's."""
+    Under a quantised base (`lora_base` int8 / nf4) an adapted projection's kernel is
+    stored as codes and scales (`quant.py`) and dequantised here, just before its matmul:
+    one projection's float kernel at a time, never the whole model's. Under `weight_quant`
+    (int8 / float8_e4m3fn: a rollout engine's weights) every projection's is, and its
+    per-output-channel scale multiplies the matmul's output instead (x @ (q s) = (x @ q) s),
+    so the codes are the matmul's operand."""
     n_in = len(in_axes)
     dt = as_dtype(config.dtype)
     adapted = bool(config.lora_rank) and name in config.lora_targets
-    base = config.weight_quant or (config.lora_base if adapted else "float")
-    w = _kernel(module, name, shape, in_axes, out_axes, config, base)
-    y = dense(x, w.astype(dt), n_in)
+    if config.weight_quant:
+        # Per output channel, x @ (q s) = (x @ q) s: the codes go to the matmul cast (exact:
+        # int8 and e4m3 fit bfloat16), where the compiler fuses the cast into the matmul's
+        # read, and the scale multiplies the output, so no float kernel is written out.
+        stored = _stored(module, name, shape, in_axes, out_axes, config.weight_quant)
+        y = dense(x, stored["kernel"].astype(dt), n_in)
+        y = (y * stored["kernel_scale"]).astype(dt)
+    else:
+        base = config.lora_base if adapted else "float"
+        w = _kernel(module, name, shape, in_axes, out_axes, config, base)
+        y = dense(x, w.astype(dt), n_in)
     if not adapted:
         return y
     r = config.lora_rank
