@@ -388,11 +388,21 @@ def summarize(metrics_file: Path) -> dict:
     out = {"curve": curve, "final": curve[-1][1], "best": max(a for _, a in curve)}
     out["collapsed"] = curve[-1][1] < COLLAPSE * curve[0][1]
     for key in SUMMARY_MEANS:
-        values = [r[key] for r in rows if r.get(key) is not None]
+        values = [r[key] for r in rows if r.get(key) is not None and _has_tokens(r, key)]
         out[key] = sum(values) / len(values) if values else None
     ess = [r["offpolicy/ess"] for r in rows if r.get("offpolicy/ess") is not None]
     out["offpolicy/ess_min"] = min(ess) if ess else None
     return out
+
+
+def _has_tokens(row: dict, key: str) -> bool:
+    """Whether a step's `key` is over some tokens: a fresh (stale) mismatch metric only on
+    steps with fresh (stale) tokens (a run k steps stale has fresh ones in its first step
+    only), the rest always."""
+    for subset in ("fresh", "stale"):
+        if key.startswith(f"mismatch/{subset}/"):
+            return bool(row.get(f"mismatch/{subset}/tokens"))
+    return True
 
 
 class StudyError(Exception):

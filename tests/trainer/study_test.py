@@ -369,3 +369,23 @@ def test_the_mismatch_table_and_collapses(tmp_path):
     ]
     assert "| 0 | m2po (int8) | 0.0001 | 2 | 0.200 (0.100-0.300) |" in text  # the main table
     assert (tmp_path / "study_precision.png").exists()
+
+
+def test_a_cells_mismatch_means_take_only_the_steps_with_such_tokens(tmp_path):
+    """A run 2 steps stale has fresh tokens in its first step only: the fresh metrics'
+    run mean is that step's, not diluted by the steps without any; the rest average all."""
+    rows = [
+        {"step": 0, "eval/accuracy": 0.4, "mismatch/fresh/tokens": 64, "mismatch/fresh/m2": 3e-4,
+         "mismatch/stale/tokens": 0, "mismatch/stale/m2": 0.0, "m2po/masked_fraction": 0.0},
+        {"step": 1, "mismatch/fresh/tokens": 0, "mismatch/fresh/m2": 0.0,
+         "mismatch/stale/tokens": 64, "mismatch/stale/m2": 0.02, "m2po/masked_fraction": 0.1},
+        {"step": 2, "eval/accuracy": 0.1, "mismatch/fresh/tokens": 0, "mismatch/fresh/m2": 0.0,
+         "mismatch/stale/tokens": 64, "mismatch/stale/m2": 0.04, "m2po/masked_fraction": 0.2},
+    ]  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
+    got = study.summarize(metrics)
+    assert got["mismatch/fresh/m2"] == 3e-4
+    assert got["mismatch/stale/m2"] == pytest.approx(0.03)
+    assert got["m2po/masked_fraction"] == pytest.approx(0.1)
+    assert got["collapsed"] and (got["final"], got["best"]) == (0.1, 0.4)  # 0.1 < 0.5 x 0.4
