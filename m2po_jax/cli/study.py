@@ -724,7 +724,7 @@ def report(
         "m2 p99.9 | clip | grad norm | ESS (min) | masked loss | masked grad |"
     )
     lines = [head, "|" + "---|" * 15]
-    for (k, method, lr, precision), runs in sorted(found.items()):
+    for (k, method, lr, precision), runs in sorted(found.items(), key=_in_order):
         mean, lo, hi = _spread([s["final"] for s in runs])
         best = _spread([s["best"] for s in runs])[0]
         avg = functools.partial(_avg, runs)
@@ -749,6 +749,12 @@ def report(
     _write_json(out / "study.json", [s for runs in found.values() for s in runs])
     _plot(out, found, tau)
     return text
+
+
+def _in_order(item) -> tuple:
+    """A `groups` item's place in a table: staleness, method, lr, then `PRECISIONS`' order."""
+    (k, method, lr, precision), _ = item
+    return k, method, lr, list(PRECISIONS).index(precision)
 
 
 def _avg(runs, key):
@@ -777,8 +783,7 @@ def mismatch_table(found: dict, collapsed: dict) -> str:
         "stale m2 | fresh share | drop alone |",
         "|" + "---|" * 12,
     ]
-    rank = list(PRECISIONS).index
-    for key, runs in sorted(found.items(), key=lambda x: (*x[0][:3], rank(x[0][3]))):
+    for key, runs in sorted(found.items(), key=_in_order):
         k, method, lr, precision = key
         avg = functools.partial(_avg, runs)
         lines.append(
