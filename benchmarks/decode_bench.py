@@ -228,11 +228,7 @@ def decode_step_bytes(architecture: str, targets: list[str], rows: int, context:
         f"\n# one decode step of {architecture}: {rows} rows x {context} cached columns, "
         "compute bfloat16 (float32 on cpu); GB per step, x = against float32 weights and KV"
     )
-    head = "| precision | " + " | ".join(f"{t} cost analysis" for t in targets)
     tpu = [t for t in targets if t != "cpu"]  # the HLO's HBM bytes (hlo_traffic)
-    head += "".join(f" | {t} HBM (HLO)" for t in tpu)
-    print(head + " |")
-    print("|---" * (1 + len(targets) + len(tpu)) + "|")
     found: dict = {}
     for t in targets:
         if t.startswith("h100") and not gpu_targets.cuda_plugin_installed():
@@ -265,15 +261,23 @@ def decode_step_bytes(architecture: str, targets: list[str], rows: int, context:
                 found[(t, label)] = float(cost.get("bytes accessed", 0.0))
             if t in tpu:
                 found[(t + " hbm", label)] = hlo_traffic.hbm_bytes(compiled.as_text())
+    columns = [c for c in [*targets, *(t + " hbm" for t in tpu)] if (c, "float32") in found]
+    print("| precision | " + " | ".join(_column_name(c) for c in columns) + " |")
+    print("|---" * (1 + len(columns)) + "|")
     for label, *_ in PRECISIONS:
         cells = []
-        for col in [*targets, *(t + " hbm" for t in tpu)]:
+        for col in columns:
             if (col, label) not in found:
                 cells.append("-")
                 continue
             gb, ratio = found[(col, label)] / 1e9, found[(col, label)] / found[(col, "float32")]
             cells.append(f"{gb:.2f} ({ratio:.2f}x)")
         print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def _column_name(column: str) -> str:
+    target, _, hbm = column.partition(" ")
+    return f"{target} HBM (HLO)" if hbm else f"{target} cost analysis"
 
 
 def main(argv=None) -> None:
