@@ -29,13 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from m2po_jax.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, as_dtype
+from m2po_jax.models import families
+from m2po_jax.models.model_config import ModelConfig, as_dtype
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -104,7 +100,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: in
 def config_from_hf(
     hf_config: Mapping[str, Any], *, dtype: Any = "float32", param_dtype: Any = None
 ) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face `config.json` dict (llama, qwen2, qwen3).
+    """A `ModelConfig` from a Hugging Face `config.json` dict (a family in `families`).
 
     Args:
       hf_config: the parsed `config.json`.
@@ -115,11 +111,7 @@ def config_from_hf(
       The config; raises ValueError for a model type or feature the model can't run.
     """
     model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type: {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    fam = families.family(model_type)
     required = (
         "vocab_size",
         "hidden_size",
@@ -140,13 +132,9 @@ def config_from_hf(
     heads = int(hf_config["num_attention_heads"])
     kv_heads = hf_config.get("num_key_value_heads") or heads
     head_dim = hf_config.get("head_dim")
-    if head_dim is None:
-        # Qwen3Config defaults to 128 when the field is absent; the others to E / H.
-        head_dim = 128 if model_type == "qwen3" else int(hf_config["hidden_size"]) // heads
-    if model_type == "qwen2":
-        attention_bias = True  # Qwen2 always has q/k/v biases; the field is not read
-    else:
-        attention_bias = bool(hf_config.get("attention_bias", False))
+    if head_dim is None:  # as transformers' config class defaults it (Qwen3: 128)
+        head_dim = fam.head_dim or int(hf_config["hidden_size"]) // heads
+    attention_bias = fam.attention_bias or bool(hf_config.get("attention_bias", False))
     rope_theta, rope_scaling = _rope_settings(hf_config)
     dtype = _dtype_name(dtype)
     return ModelConfig(
@@ -163,7 +151,7 @@ def config_from_hf(
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=fam.qk_norm,
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         dtype=dtype,
         param_dtype=dtype if param_dtype is None else _dtype_name(param_dtype),
@@ -177,11 +165,12 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
     `rope_parameters`.
     """
     mt = config.model_type
-    if mt == "qwen2" and not config.attention_bias:
-        raise ValueError("attention_bias: qwen2 checkpoints always have q/k/v biases; got False")
-    if mt == "qwen3" and not config.qk_norm:
+    fam = families.family(mt)
+    if fam.attention_bias and not config.attention_bias:
+        raise ValueError(f"attention_bias: {mt} checkpoints always have q/k/v biases; got False")
+    if fam.qk_norm and not config.qk_norm:
         raise ValueError(f"qk_norm: {mt} checkpoints always have q/k norms; got False")
-    if mt != "qwen3" and config.qk_norm:
+    if not fam.qk_norm and config.qk_norm:
         raise ValueError(f"qk_norm: {mt} checkpoints have no q/k norms; got True")
     scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
     if scaling is not None and scaling.get("rope_type", "default") == "default":
@@ -194,7 +183,7 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
         base.pop(stale, None)
     hf = {
         **base,
-        "architectures": [_ARCHITECTURES[mt]],
+        "architectures": [fam.architecture],
         "model_type": mt,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -218,17 +207,16 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
         "eos_token_id": base.get("eos_token_id"),
         "pad_token_id": base.get("pad_token_id"),
     }
-    if mt == "llama":
-        hf.update(attention_bias=config.attention_bias, mlp_bias=False, pretraining_tp=1)
-    else:
+    if fam.attention_bias is None:  # read from config.json, so written
+        hf["attention_bias"] = config.attention_bias
+    hf.update(fam.hf_constants)
+    if fam.sliding_window_keys:
         hf.update(
             use_sliding_window=False,
             sliding_window=None,
             max_window_layers=config.num_layers,
             layer_types=["full_attention"] * config.num_layers,
         )
-        if mt == "qwen3":
-            hf["attention_bias"] = config.attention_bias
     return hf
 
 
@@ -255,8 +243,9 @@ class HFTensor:
 
 def tensor_layout(config: ModelConfig) -> list[HFTensor]:
     """Every checkpoint tensor of `config`, in param-tree order."""
-    e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    e, v = config.hidden_size, config.vocab_size
     h, k, d = config.num_heads, config.num_kv_heads, config.dim_per_head
+    mlp = families.family(config.model_type).mlp
     out = [HFTensor(("embedding",), "model.embed_tokens.weight", (v, e), (v, e), False)]
     for i in range(config.num_layers):
         hf, p = f"model.layers.{i}.", f"layers_{i}"
@@ -286,10 +275,25 @@ def tensor_layout(config: ModelConfig) -> list[HFTensor]:
             add(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,), (d,), False)
         add(("input_norm", "scale"), "input_layernorm.weight", (e,), (e,), False)
         add(("post_attn_norm", "scale"), "post_attention_layernorm.weight", (e,), (e,), False)
-        add(("mlp", "gate_kernel"), "mlp.gate_proj.weight", (f, e), (e, f), True)
-        add(("mlp", "up_kernel"), "mlp.up_proj.weight", (f, e), (e, f), True)
-        add(("mlp", "down_kernel"), "mlp.down_proj.weight", (e, f), (f, e), True)
+        out.extend(_MLP_TENSORS[mlp](config, hf, p))
     out.append(HFTensor(("final_norm", "scale"), "model.norm.weight", (e,), (e,), False))
     if not config.tie_word_embeddings:
         out.append(HFTensor(("lm_head",), "lm_head.weight", (v, e), (e, v), True))
     return out
+
+
+def _dense_mlp_tensors(config: ModelConfig, hf: str, p: str) -> list[HFTensor]:
+    """A SwiGLU MLP's tensors in layer `p` (`hf`: the layer's checkpoint name prefix)."""
+    e, f = config.hidden_size, config.intermediate_size
+    return [
+        HFTensor((p, "mlp", f"{proj}_kernel"), f"{hf}mlp.{proj}_proj.weight", hf_shape, shape, True)
+        for proj, hf_shape, shape in (
+            ("gate", (f, e), (e, f)),
+            ("up", (f, e), (e, f)),
+            ("down", (e, f), (f, e)),
+        )
+    ]
+
+
+# Each feed-forward kind's tensors in a layer (`families.Family.mlp`).
+_MLP_TENSORS = {"dense": _dense_mlp_tensors}

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from m2po_jax.models import attention, quant
+from m2po_jax.models import attention, families, quant
 from m2po_jax.models import paged as paged_lib
 from m2po_jax.models.model_config import (
     REMAT_POLICIES,
@@ -328,6 +328,10 @@ class MLP(nn.Module):
         return projection(self, "down", hidden, (f, e), ("mlp",), ("embed",), c)
 
 
+# Each feed-forward kind's block (`families.Family.mlp`).
+_MLP_BLOCKS = {"dense": MLP}
+
+
 class DecoderLayer(nn.Module):
     config: ModelConfig
     implementation: str
@@ -343,7 +347,8 @@ class DecoderLayer(nn.Module):
         )
         x_BxTxE = x_BxTxE + attn
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
-        return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
+        mlp = _MLP_BLOCKS[families.family(c.model_type).mlp](c, name="mlp")
+        return x_BxTxE + mlp(normed), new_kv
 
 
 def _scan_layers(

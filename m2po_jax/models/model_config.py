@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from m2po_jax.models import attention
+from m2po_jax.models import attention, families
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(families.FAMILIES)
 
 # `ModelConfig.remat_policy` -> what a rematerialised layer keeps for the backward pass
 # (`jax.checkpoint_policies`); the save_* policies keep the values `Attention` names.
@@ -63,7 +63,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_heads
-    model_type: str = "llama"  # llama | qwen2 | qwen3
+    model_type: str = "llama"  # a family in `families.FAMILIES`: llama | qwen2 | qwen3
     rope_theta: float = 10000.0
     # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
@@ -96,11 +96,7 @@ class ModelConfig:
     weight_quant: str = ""
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type: {self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        families.family(self.model_type)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
