@@ -39,7 +39,14 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", hf_constants=(("mlp_bias", False), ("pretraining_tp", 1))),
     "qwen2": Family("Qwen2ForCausalLM", attention_bias=True, sliding_window_keys=True),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, head_dim=128, sliding_window_keys=True),
+    # Qwen3's attention; every layer a mixture of experts (decoder_sparse_step 1, no
+    # mlp_only_layers). Qwen3MoeConfig has no head_dim default: hidden / heads.
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", mlp="moe", qk_norm=True, sliding_window_keys=True),
 }
+
+# What a trainer config's `model` section builds from scratch (`model.path` ""): its fields
+# have no mixture of experts yet, so the dense families only.
+DENSE_MODEL_TYPES = tuple(name for name, row in FAMILIES.items() if row.mlp == "dense")
 
 
 def family(model_type: str) -> Family:
