@@ -87,8 +87,9 @@ class Result:
 
 
 def matmul_flops_per_token(config: model_config.ModelConfig) -> float:
-    """2 * N: parameters used in matmuls (the input embedding is a gather unless tied)."""
-    n = config.num_params()
+    """2 * N: parameters a token's matmuls use (the input embedding is a gather unless
+    tied; of a mixture of experts, the router and the token's experts)."""
+    n = config.num_params(active=True)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size
     return 2.0 * n

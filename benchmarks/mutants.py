@@ -289,6 +289,33 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/e2e/lora_checkpoint_test.py"),),
         "a resume checks the base's path only: another checkpoint at the same path passes",
     ),
+    # ------------------------------------------------------------------ mixture of experts
+    Mutant(
+        "moe-unsorted-by-the-sort-order",
+        "m2po_jax/models/moe.py",
+        "y_NxKxE = jnp.take(y_MxE, inverse_M, axis=0).reshape(n, k, -1)",
+        "y_NxKxE = jnp.take(y_MxE, order_M, axis=0).reshape(n, k, -1)",
+        (T("tests/models/moe_test.py", "dense_reference or logits_match"),),
+        "the experts' rows go back to their tokens through the sort's permutation instead "
+        "of its inverse: tokens get other tokens' expert outputs",
+    ),
+    Mutant(
+        "moe-balance-loss-one-layer-denominator",
+        "m2po_jax/models/moe.py",
+        "tokens = logits.shape[0] * jnp.sum(weight_1xBxTx1)",
+        "tokens = jnp.sum(weight_1xBxTx1)",
+        (T("tests/models/moe_test.py", "load_balancing or renormalises"),),
+        "the load-balancing loss divides by one layer's tokens, not every layer's: L^2 too big",
+    ),
+    Mutant(
+        "moe-checkpoint-experts-reversed",
+        "m2po_jax/models/hf_format.py",
+        'HFTensor(path, f"{hf}mlp.experts.{j}.{proj}_proj.weight", hf_shape, shape, True, j)',
+        'HFTensor(path, f"{hf}mlp.experts.{j}.{proj}_proj.weight", hf_shape, shape, True, n - 1 - j)',
+        (T("tests/models/moe_test.py", "logits_match or each_expert or round_trip"),),
+        "checkpoint expert j loads into (and exports from) slot X-1-j: a round trip is "
+        "exact, the router's choices reach the wrong experts",
+    ),
     # ------------------------------------------------------------------ rollout engine
     Mutant(
         "decode-bucket-one-too-small",

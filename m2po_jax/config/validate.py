@@ -211,7 +211,7 @@ def validate(cfg: Config) -> Config:
     # The library's own lists; imported here so that importing this module needs no JAX.
     from m2po_jax import tasks
     from m2po_jax.algorithm import advantages, losses, proximal
-    from m2po_jax.models import attention, model_config
+    from m2po_jax.models import attention, families, model_config
 
     a, g, r = cfg.actor, cfg.gconfig, cfg.rollout
     _check_range("total_steps", cfg.total_steps, 0)
@@ -377,7 +377,7 @@ def validate(cfg: Config) -> Config:
     _check_range("sft.max_steps", cfg.sft.max_steps, 0)
     _check_range("sft.stop_at_accuracy", cfg.sft.stop_at_accuracy, 0.0, 1.0)
     m = cfg.model
-    _check_choice("model.model_type", m.model_type, model_config.SUPPORTED_MODEL_TYPES)
+    _check_choice("model.model_type", m.model_type, families.DENSE_MODEL_TYPES)
     _check_choice("model.dtype", m.dtype, tuple(model_config.DTYPES))
     _check_choice("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))

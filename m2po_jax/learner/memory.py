@@ -124,7 +124,9 @@ def memory_plan(
     - activations of one micro-batch (rows split over data x fsdp, heads and MLP over
       tensor when divisible) kept for the backward pass per layer: 4 residual-width
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
-      [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3, and for the attention
+      [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3 (a mixture of experts: F = K x its
+      experts' width, plus [b,T,K,E]x2 of the routed rows and [b,T,X]x2 of the router's
+      logits and probabilities; not yet checked against XLA), and for the attention
       implementations that materialise them ("xla", "dot_product") the probabilities
       [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
       layer recomputed and its gradients;
@@ -270,7 +272,10 @@ class _Trunk:
             h=split(c.num_heads),
             k=split(c.num_kv_heads),
             d=c.dim_per_head,
-            f=split(c.intermediate_size),
+            # the hidden units a token runs through: of a mixture of experts, its K experts'
+            f=c.num_experts_per_tok * split(c.moe_intermediate_size)
+            if c.is_moe
+            else split(c.intermediate_size),
             cbytes=cbytes,
             dense_attention=attention_kind(c, mesh_platform(mesh)) in _DENSE_ATTENTION,
             policy=policy,
@@ -284,6 +289,8 @@ class _Trunk:
         """Bytes one trunk pass over `rows` rows keeps for the backward pass."""
         c, e, h, k, d, f = self.config, self.config.hidden_size, self.h, self.k, self.d, self.f
         per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
+        if c.is_moe:  # each of its K assignments' input and output rows; router logits, probs
+            per_token += 2 * c.num_experts_per_tok * e + 2 * c.num_experts
         scores = rows * h * queries * keys if self.dense_attention else 0
         layer = (rows * queries * per_token + scores) * self.cbytes
         if self.policy == "everything_saveable":

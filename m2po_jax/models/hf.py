@@ -1,4 +1,4 @@
-"""Load and save Hugging Face checkpoints (Llama 3.x, Qwen2 / Qwen2.5, Qwen3) from local dirs.
+"""Load and save Hugging Face checkpoints (Llama 3.x, Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE).
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or a sharded
 `model.safetensors.index.json` with its shard files. Nothing here touches the network
@@ -169,13 +169,28 @@ def iter_hf_params(
     """
     layout, files = _plan(path, config)
     np_dtype = as_dtype(config.param_dtype if dtype is None else dtype)
-    by_file: dict[str, list[HFTensor]] = {}
+    by_param: dict[tuple[str, ...], list[HFTensor]] = {}
     for t in layout:
-        by_file.setdefault(files[t.hf_name], []).append(t)
-    for file, tensors in by_file.items():
-        with _open_weights(file) as fh:
+        by_param.setdefault(t.param_path, []).append(t)
+    with contextlib.ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(_open_weights(file))
+            for file in sorted({files[t.hf_name] for t in layout})
+        }
+
+        def read(t: HFTensor) -> np.ndarray:
+            return t.to_param(handles[files[t.hf_name]].get_tensor(t.hf_name))
+
+        for param_path, tensors in by_param.items():
+            if tensors[0].expert is None:
+                yield param_path, read(tensors[0]).astype(np_dtype)
+                continue
+            # Stacked over experts: one tensor per expert (maybe in several files), each
+            # written into its slice.
+            array = np.empty(tensors[0].shape, np_dtype)
             for t in tensors:
-                yield t.param_path, t.to_param(fh.get_tensor(t.hf_name)).astype(np_dtype)
+                array[t.expert] = read(t)
+            yield param_path, array
 
 
 def _set_in(tree: dict, path: tuple[str, ...], value) -> None:
@@ -344,11 +359,14 @@ def save_pretrained(
             ):
                 os.remove(os.path.join(path, name))
     shards = _ShardWriter(path, limit, write)
+    fetched: tuple[tuple[str, ...] | None, np.ndarray | None] = (None, None)
     for t in layout:
-        array = np.asarray(fetch(flat[t.param_path]))
-        if dtype is not None:
-            array = array.astype(as_dtype(dtype))
-        shards.add(t.hf_name, t.to_hf(array))
+        if fetched[0] != t.param_path:  # a param stacked over experts: fetched once
+            array = np.asarray(fetch(flat[t.param_path]))
+            if dtype is not None:
+                array = array.astype(as_dtype(dtype))
+            fetched = (t.param_path, array)
+        shards.add(t.hf_name, t.to_hf(fetched[1]))
     stored = shards.close()
     if not write:
         return

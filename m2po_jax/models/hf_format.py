@@ -17,6 +17,9 @@ job.
 | model.layers.i.post_attention_layernorm.weight   | layers_i/post_attn_norm/scale      |
 | model.layers.i.mlp.{gate,up}_proj.weight [F, E]  | layers_i/mlp/{gate,up}_kernel [E,F]|
 | model.layers.i.mlp.down_proj.weight [E, F]       | layers_i/mlp/down_kernel [F, E]    |
+| model.layers.i.mlp.gate.weight [X, E] (MoE)      | layers_i/mlp/router_kernel [E, X]  |
+| ....mlp.experts.j.{gate,up}_proj.weight [F, E]   | layers_i/mlp/{gate,up}_experts[j]  |
+| ....mlp.experts.j.down_proj.weight [E, F]        | layers_i/mlp/down_experts[j]       |
 | model.norm.weight [E]                            | final_norm/scale                   |
 | lm_head.weight [V, E] (absent when tied)         | lm_head [E, V]                     |
 """
@@ -24,18 +27,14 @@ job.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from m2po_jax.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, as_dtype
+from m2po_jax.models import families
+from m2po_jax.models.model_config import ModelConfig, as_dtype
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -104,7 +103,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, num_layers: in
 def config_from_hf(
     hf_config: Mapping[str, Any], *, dtype: Any = "float32", param_dtype: Any = None
 ) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face `config.json` dict (llama, qwen2, qwen3).
+    """A `ModelConfig` from a Hugging Face `config.json` dict (a family in `families`).
 
     Args:
       hf_config: the parsed `config.json`.
@@ -115,11 +114,7 @@ def config_from_hf(
       The config; raises ValueError for a model type or feature the model can't run.
     """
     model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type: {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    fam = families.family(model_type)
     required = (
         "vocab_size",
         "hidden_size",
@@ -140,15 +135,12 @@ def config_from_hf(
     heads = int(hf_config["num_attention_heads"])
     kv_heads = hf_config.get("num_key_value_heads") or heads
     head_dim = hf_config.get("head_dim")
-    if head_dim is None:
-        # Qwen3Config defaults to 128 when the field is absent; the others to E / H.
-        head_dim = 128 if model_type == "qwen3" else int(hf_config["hidden_size"]) // heads
-    if model_type == "qwen2":
-        attention_bias = True  # Qwen2 always has q/k/v biases; the field is not read
-    else:
-        attention_bias = bool(hf_config.get("attention_bias", False))
+    if head_dim is None:  # as transformers' config class defaults it (Qwen3: 128)
+        head_dim = fam.head_dim or int(hf_config["hidden_size"]) // heads
+    attention_bias = fam.attention_bias or bool(hf_config.get("attention_bias", False))
     rope_theta, rope_scaling = _rope_settings(hf_config)
     dtype = _dtype_name(dtype)
+    feed_forward = _FEED_FORWARD[fam.mlp].fields(hf_config, model_type, num_layers)
     return ModelConfig(
         vocab_size=int(hf_config["vocab_size"]),
         hidden_size=int(hf_config["hidden_size"]),
@@ -163,10 +155,11 @@ def config_from_hf(
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=fam.qk_norm,
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         dtype=dtype,
         param_dtype=dtype if param_dtype is None else _dtype_name(param_dtype),
+        **feed_forward,
     )
 
 
@@ -177,11 +170,12 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
     `rope_parameters`.
     """
     mt = config.model_type
-    if mt == "qwen2" and not config.attention_bias:
-        raise ValueError("attention_bias: qwen2 checkpoints always have q/k/v biases; got False")
-    if mt == "qwen3" and not config.qk_norm:
+    fam = families.family(mt)
+    if fam.attention_bias and not config.attention_bias:
+        raise ValueError(f"attention_bias: {mt} checkpoints always have q/k/v biases; got False")
+    if fam.qk_norm and not config.qk_norm:
         raise ValueError(f"qk_norm: {mt} checkpoints always have q/k norms; got False")
-    if mt != "qwen3" and config.qk_norm:
+    if not fam.qk_norm and config.qk_norm:
         raise ValueError(f"qk_norm: {mt} checkpoints have no q/k norms; got True")
     scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
     if scaling is not None and scaling.get("rope_type", "default") == "default":
@@ -190,11 +184,12 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
     if scaling is not None:
         rope_parameters = {**scaling, "rope_theta": config.rope_theta}
     base = dict(base or {})
-    for stale in ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype"):
-        base.pop(stale, None)
+    stale = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype")
+    for key in (*stale, *_FEED_FORWARD[fam.mlp].stale_keys):
+        base.pop(key, None)
     hf = {
         **base,
-        "architectures": [_ARCHITECTURES[mt]],
+        "architectures": [fam.architecture],
         "model_type": mt,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -218,17 +213,17 @@ def config_to_hf(config: ModelConfig, base: Mapping[str, Any] | None = None) -> 
         "eos_token_id": base.get("eos_token_id"),
         "pad_token_id": base.get("pad_token_id"),
     }
-    if mt == "llama":
-        hf.update(attention_bias=config.attention_bias, mlp_bias=False, pretraining_tp=1)
-    else:
+    if fam.attention_bias is None:  # read from config.json, so written
+        hf["attention_bias"] = config.attention_bias
+    hf.update(fam.hf_constants)
+    hf.update(_FEED_FORWARD[fam.mlp].hf_keys(config))
+    if fam.sliding_window_keys:
         hf.update(
             use_sliding_window=False,
             sliding_window=None,
             max_window_layers=config.num_layers,
             layer_types=["full_attention"] * config.num_layers,
         )
-        if mt == "qwen3":
-            hf["attention_bias"] = config.attention_bias
     return hf
 
 
@@ -239,15 +234,23 @@ class HFTensor:
     param_path: tuple[str, ...]
     hf_name: str
     hf_shape: tuple[int, ...]
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the param's
     transpose: bool  # torch Linear weights are [out, in]; ours are [in, ...out]
+    # The tensor is slice [expert] of a param stacked over experts (one checkpoint tensor
+    # per expert); None: the whole param.
+    expert: int | None = None
 
     def to_param(self, x: np.ndarray) -> np.ndarray:
+        """The checkpoint tensor as the param (or its expert's slice of it)."""
         if self.transpose:
             x = x.T
-        return np.ascontiguousarray(x.reshape(self.shape))
+        shape = self.shape if self.expert is None else self.shape[1:]
+        return np.ascontiguousarray(x.reshape(shape))
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
+        """The checkpoint tensor of param `x` (the whole param, also of an expert's tensor)."""
+        if self.expert is not None:
+            x = x[self.expert]
         if self.transpose:
             return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T)
         return np.ascontiguousarray(x.reshape(self.hf_shape))
@@ -255,8 +258,9 @@ class HFTensor:
 
 def tensor_layout(config: ModelConfig) -> list[HFTensor]:
     """Every checkpoint tensor of `config`, in param-tree order."""
-    e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    e, v = config.hidden_size, config.vocab_size
     h, k, d = config.num_heads, config.num_kv_heads, config.dim_per_head
+    mlp = families.family(config.model_type).mlp
     out = [HFTensor(("embedding",), "model.embed_tokens.weight", (v, e), (v, e), False)]
     for i in range(config.num_layers):
         hf, p = f"model.layers.{i}.", f"layers_{i}"
@@ -286,10 +290,113 @@ def tensor_layout(config: ModelConfig) -> list[HFTensor]:
             add(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,), (d,), False)
         add(("input_norm", "scale"), "input_layernorm.weight", (e,), (e,), False)
         add(("post_attn_norm", "scale"), "post_attention_layernorm.weight", (e,), (e,), False)
-        add(("mlp", "gate_kernel"), "mlp.gate_proj.weight", (f, e), (e, f), True)
-        add(("mlp", "up_kernel"), "mlp.up_proj.weight", (f, e), (e, f), True)
-        add(("mlp", "down_kernel"), "mlp.down_proj.weight", (e, f), (f, e), True)
+        out.extend(_FEED_FORWARD[mlp].tensors(config, hf, p))
     out.append(HFTensor(("final_norm", "scale"), "model.norm.weight", (e,), (e,), False))
     if not config.tie_word_embeddings:
         out.append(HFTensor(("lm_head",), "lm_head.weight", (v, e), (e, v), True))
     return out
+
+
+def _dense_mlp_tensors(config: ModelConfig, hf: str, p: str) -> list[HFTensor]:
+    """A SwiGLU MLP's tensors in layer `p` (`hf`: the layer's checkpoint name prefix)."""
+    e, f = config.hidden_size, config.intermediate_size
+    return [
+        HFTensor((p, "mlp", f"{proj}_kernel"), f"{hf}mlp.{proj}_proj.weight", hf_shape, shape, True)
+        for proj, hf_shape, shape in (
+            ("gate", (f, e), (e, f)),
+            ("up", (f, e), (e, f)),
+            ("down", (e, f), (f, e)),
+        )
+    ]
+
+
+def _moe_tensors(config: ModelConfig, hf: str, p: str) -> list[HFTensor]:
+    """A mixture of experts' tensors in layer `p`: the router `mlp.gate` [X, E] and one
+    tensor per expert and projection (`mlp.experts.j.gate_proj`, ...), each expert's slice
+    of a param stacked over the experts (the layout of Qwen3-MoE checkpoints on the Hub
+    and of transformers' `save_pretrained`; in memory transformers 5 fuses them)."""
+    e, f, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    out = [HFTensor((p, "mlp", "router_kernel"), f"{hf}mlp.gate.weight", (n, e), (e, n), True)]
+    for proj, hf_shape, shape in (
+        ("gate", (f, e), (n, e, f)),
+        ("up", (f, e), (n, e, f)),
+        ("down", (e, f), (n, f, e)),
+    ):
+        path = (p, "mlp", f"{proj}_experts")
+        out.extend(
+            HFTensor(path, f"{hf}mlp.experts.{j}.{proj}_proj.weight", hf_shape, shape, True, j)
+            for j in range(n)
+        )
+    return out
+
+
+def _no_fields(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    return {}
+
+
+def _moe_fields(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The `ModelConfig` mixture-of-experts fields of a config.json (every layer sparse)."""
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(
+            f"decoder_sparse_step: {step} leaves some {model_type} layers dense; only 1 "
+            "(every layer a mixture of experts) is supported"
+        )
+    if hf.get("mlp_only_layers"):
+        raise ValueError(
+            f"mlp_only_layers: {hf['mlp_only_layers']} (dense layers among {model_type}'s "
+            "experts) is not supported; only []"
+        )
+    # transformers 5 writes num_experts as num_local_experts (its attribute_map)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [
+        name
+        for name, value in (
+            ("num_experts", experts),
+            ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+            ("moe_intermediate_size", hf.get("moe_intermediate_size")),
+        )
+        if value is None
+    ]
+    if missing:
+        raise ValueError(f"config.json: missing {missing} for model_type {model_type!r}")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _moe_keys(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _FeedForwardFormat:
+    """How a feed-forward kind (`families.Family.mlp`) reads and writes: its `ModelConfig`
+    fields from config.json, its config.json keys, the base keys it replaces and its
+    tensors in a layer."""
+
+    # (config.json, model_type, num_layers) -> ModelConfig fields
+    fields: Callable[[Mapping[str, Any], str, int], dict[str, Any]]
+    hf_keys: Callable[[ModelConfig], dict[str, Any]]  # config.json keys
+    stale_keys: tuple[str, ...]  # a base config.json's keys that would contradict them
+    # (config, the layer's checkpoint name prefix, its param name) -> its tensors
+    tensors: Callable[[ModelConfig, str, str], list[HFTensor]]
+
+
+_FEED_FORWARD = {
+    "dense": _FeedForwardFormat(_no_fields, lambda config: {}, (), _dense_mlp_tensors),
+    "moe": _FeedForwardFormat(_moe_fields, _moe_keys, ("num_local_experts",), _moe_tensors),
+}

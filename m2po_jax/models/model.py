@@ -1,4 +1,4 @@
-"""Flax causal language model for the Llama 3.x, Qwen2 / Qwen2.5 and Qwen3 families.
+"""Flax causal LM of the Llama 3.x, Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE families.
 
 The model is a pure function of (params, tokens): `CausalLM(config).apply({"params": p}, ...)`.
 Every parameter carries logical axis names (`nn.with_logical_partitioning`) that
@@ -21,6 +21,9 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
   with a cache (the sampler's prefill and decode steps) run "xla" unless it is
   "dot_product" or "chunked". `ModelConfig.remat_policy` (with `remat=True`) selects what
   each rematerialised layer keeps for the backward pass (`REMAT_POLICIES`).
+- A layer's feed-forward block is its family's (`families.py`): a SwiGLU `MLP`, or a sparse
+  mixture of experts `MoE` (`moe.py`) that sows its router logits for the load-balancing
+  loss (`router_logits`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from m2po_jax.models import attention, quant
+from m2po_jax.models import attention, families, moe, quant
 from m2po_jax.models import paged as paged_lib
 from m2po_jax.models.model_config import (
     REMAT_POLICIES,
@@ -328,6 +331,48 @@ class MLP(nn.Module):
         return projection(self, "down", hidden, (f, e), ("mlp",), ("embed",), c)
 
 
+class MoE(nn.Module):
+    """A sparse mixture of experts (Qwen3-MoE's block, `moe.py`): a router [E, X] whose
+    float32 logits pick each token's `num_experts_per_tok` experts, and X SwiGLU experts
+    stacked [X, E, F] / [X, F, E] (logical axis "expert" first), run dropless as grouped
+    matmuls (`moe.moe_experts`). The router logits [B, T, X] are sown as "intermediates" /
+    "router_logits" for the load-balancing loss (`router_logits`)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxE):
+        c = self.config
+        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        e, f, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
+        init = nn.initializers.normal(0.02)
+        router = _param(self, "router_kernel", (e, n), ("embed", "expert"), init, pdt)
+        gate, up = (
+            _param(self, f"{name}_experts", (n, e, f), ("expert", "embed", "mlp"), init, pdt)
+            for name in ("gate", "up")
+        )
+        down = _param(self, "down_experts", (n, f, e), ("expert", "mlp", "embed"), init, pdt)
+        b, t = x_BxTxE.shape[:2]
+        x_NxE = x_BxTxE.reshape(b * t, e)
+        # float32 logits at full precision whatever the compute dtype: the router is small,
+        # and the expert choice is a discontinuous function of them.
+        logits_NxX = jnp.matmul(
+            x_NxE.astype(jnp.float32),
+            router.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        self.sow("intermediates", "router_logits", logits_NxX.reshape(b, t, n))
+        weights_NxK, experts_NxK = moe.route(logits_NxX, c.num_experts_per_tok, c.norm_topk_prob)
+        y_NxE = moe.moe_experts(
+            x_NxE, experts_NxK, weights_NxK, gate.astype(dt), up.astype(dt), down.astype(dt)
+        )
+        return y_NxE.reshape(b, t, e)
+
+
+# Each feed-forward kind's block (`families.Family.mlp`).
+_MLP_BLOCKS = {"dense": MLP, "moe": MoE}
+
+
 class DecoderLayer(nn.Module):
     config: ModelConfig
     implementation: str
@@ -343,7 +388,8 @@ class DecoderLayer(nn.Module):
         )
         x_BxTxE = x_BxTxE + attn
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
-        return x_BxTxE + MLP(c, name="mlp")(normed), new_kv
+        mlp = _MLP_BLOCKS[families.family(c.model_type).mlp](c, name="mlp")
+        return x_BxTxE + mlp(normed), new_kv
 
 
 def _scan_layers(
@@ -355,6 +401,7 @@ def _scan_layers(
     mask,
     prefix: Prefix | None = None,
     return_kv: bool = False,
+    sown: bool = False,
 ):
     """The decoder layers as one `lax.scan` over their stacked params.
 
@@ -363,7 +410,8 @@ def _scan_layers(
     next one starts, so no scheduler can keep every layer's gathered weights or full-size
     gradients alive at once; the program also compiles one layer instead of all of them.
     With a `prefix` each iteration also takes that layer's prefix keys and values; with
-    `return_kv` it returns this call's keys and values, stacked [L, B, K, T, D].
+    `return_kv` it returns this call's keys and values, stacked [L, B, K, T, D]; with
+    `sown` the layers' "intermediates" (a mixture of experts' router logits), stacked.
     """
     stacked = jax.tree.map(
         lambda *ws: jnp.stack(ws), *[params[f"layers_{i}"] for i in range(c.num_layers)]
@@ -375,10 +423,17 @@ def _scan_layers(
         cache_kv, index = None, 0
         if prefix is not None:
             cache_kv, index = prefix.layer_cache(*prefix_kv, rows, width), prefix.k.shape[3]
-        y, kv = layer.apply({"params": layer_params}, x, cos_sin, mask, cache_kv, index)
+        variables = {"params": layer_params}
+        args = (x, cos_sin, mask, cache_kv, index)
+        intermediates = None
+        if sown:
+            (y, kv), state = layer.apply(variables, *args, mutable=["intermediates"])
+            intermediates = state.get("intermediates", {})
+        else:
+            y, kv = layer.apply(variables, *args)
         if prefix is not None:  # the rows' own columns of the buffers
             kv = tuple(z[:, :, index:] for z in kv)
-        return y, kv if return_kv else None
+        return y, (kv if return_kv else None, intermediates)
 
     if c.remat:
         one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
@@ -494,11 +549,14 @@ class CausalLM(nn.Module):
             )
         new_k, new_v = [], []
         if c.scan_layers and cache is None and paged is None and not self.is_initializing():
-            x, kv = _scan_layers(
-                c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv
+            sown = self.is_mutable_collection("intermediates")
+            x, (kv, intermediates) = _scan_layers(
+                c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv, sown
             )
             if return_kv:
                 new_k, new_v = kv
+            if sown:  # as the unrolled layers sow them, each leaf stacked [L, ...]
+                self.sow("intermediates", "scanned_layers", intermediates)
         else:
             for i in range(c.num_layers):
                 cache_kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -644,6 +702,20 @@ def apply(
         columns=columns,
         paged=paged,
     )
+
+
+def router_logits(intermediates, config: ModelConfig) -> jax.Array:
+    """Every layer's router logits [L, B, T, X] (float32) from the "intermediates" of a
+    mixture of experts' forward (`CausalLM(config).apply(..., mutable=["intermediates"])`),
+    layers unrolled or scanned; `moe.load_balancing_loss` takes them."""
+    if not config.is_moe:
+        raise ValueError(f"router_logits: {config.model_type} has no router (num_experts 0)")
+    if "scanned_layers" in intermediates:
+        return intermediates["scanned_layers"][0]["mlp"]["router_logits"][0]
+    layers = [
+        intermediates[f"layers_{i}"]["mlp"]["router_logits"][0] for i in range(config.num_layers)
+    ]
+    return jnp.stack(layers)
 
 
 def head_weight(params, config: ModelConfig) -> jax.Array:

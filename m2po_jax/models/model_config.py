@@ -11,9 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from m2po_jax.models import attention
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from m2po_jax.models import attention, families
 
 # `ModelConfig.remat_policy` -> what a rematerialised layer keeps for the backward pass
 # (`jax.checkpoint_policies`); the save_* policies keep the values `Attention` names.
@@ -63,7 +61,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_heads
-    model_type: str = "llama"  # llama | qwen2 | qwen3
+    model_type: str = "llama"  # a family in `families.FAMILIES`: llama | qwen2 | qwen3
     rope_theta: float = 10000.0
     # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
@@ -94,13 +92,16 @@ class ModelConfig:
     # every projection kernel held as WEIGHT_QUANTS says ("": float; the rollout engine's
     # copy under `rollout.weight_dtype` int8 / float8_e4m3fn, `quant.quantize_weights`)
     weight_quant: str = ""
+    # A mixture of experts (a family whose `mlp` is "moe", `moe.py`; 0 for dense families):
+    # experts per layer, experts per token, an expert's SwiGLU hidden width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    router_aux_loss_coef: float = 0.001  # weight of `moe.load_balancing_loss` in training
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type: {self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        moe = families.family(self.model_type).mlp == "moe"
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -189,6 +190,44 @@ class ModelConfig:
             raise ValueError(
                 f"attention_block_size: must be positive, got {self.attention_block_size}"
             )
+        self._check_experts(moe)
+
+    def _check_experts(self, moe: bool) -> None:
+        """The mixture-of-experts fields: set for a "moe" family, zero for a dense one."""
+        mt = self.model_type
+        if not moe:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: {mt} is dense (0), got {getattr(self, name)}")
+            return
+        if self.num_experts < 1 or self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) and moe_intermediate_size "
+                f"({self.moe_intermediate_size}): {mt} needs both positive"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: expected 1..num_experts ({self.num_experts}), got "
+                f"{self.num_experts_per_tok}"
+            )
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef}")
+        dense = sorted(set(self.lora_targets) & {"gate", "up", "down"})
+        if self.lora_rank and dense:
+            raise ValueError(
+                f"lora_targets: {','.join(dense)} adapt a dense MLP; {mt}'s experts take no "
+                "adapters yet (attention's q, k, v, o do)"
+            )
+        if self.weight_quant:
+            raise ValueError(
+                f"weight_quant: {mt}'s expert kernels are not quantised yet; got "
+                f"{self.weight_quant!r} (use '')"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's feed-forward block is a mixture of experts (`model.MoE`)."""
+        return self.num_experts > 0
 
     @property
     def dim_per_head(self) -> int:
@@ -231,8 +270,12 @@ class ModelConfig:
         per_layer = sum(sum(sizes[t]) for t in self.lora_targets)
         return self.num_layers * self.lora_rank * per_layer
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings included; LoRA adapters not: `lora_params`)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embeddings included; LoRA adapters not: `lora_params`).
+
+        `active`: what one token runs through: of a mixture of experts, the router and
+        `num_experts_per_tok` experts per layer (the same as the total for a dense model).
+        """
         e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
         h, k = self.num_heads, self.num_kv_heads
         attn = e * d * (h + 2 * k) + h * d * e
@@ -240,6 +283,10 @@ class ModelConfig:
             attn += d * (h + 2 * k)
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * e * f + 2 * e
+        mlp = 3 * e * f
+        if self.is_moe:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            mlp = e * self.num_experts + experts * 3 * e * self.moe_intermediate_size
+        layer = attn + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * self.vocab_size
         return self.num_layers * layer + self.vocab_size * e + e + head

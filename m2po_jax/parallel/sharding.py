@@ -4,6 +4,8 @@ One mesh with three axes, `MESH_AXES = ("data", "fsdp", "tensor")`:
 - `data`: pure data parallelism (batch split, weights replicated);
 - `fsdp`: batch split *and* weights split along "embed" (ZeRO-3 style);
 - `tensor`: heads, MLP and vocab split (Megatron style).
+A mixture of experts' expert axis ("expert") is on no mesh axis yet: its experts are
+sharded as a dense MLP's kernels (hidden dim over fsdp, expert hidden dim over tensor).
 
 Parameters carry logical axis names (model.py); a rule set maps each logical name
 to mesh axes. `TRAIN_RULES` shards weights over fsdp and tensor; `SAMPLE_RULES`
@@ -45,6 +47,7 @@ TRAIN_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("expert", None),  # a mixture of experts' expert axis: every device holds every expert
 )
 SAMPLE_RULES: Rules = (
     ("batch", BATCH_AXES),
@@ -54,6 +57,7 @@ SAMPLE_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("expert", None),  # a mixture of experts' expert axis: every device holds every expert
 )
 
 

@@ -689,6 +689,7 @@ def _roofline(tgt, model_config, train, decode, sample_params, rows, seq_len, pl
     kernel_flops = attention * passes / shards if train.kernels else 0.0
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
         jax.eval_shape(lambda: model_lib.init_params(c, jax.random.key(0)))))  # fmt: skip
+    n_params -= c.num_params() - c.num_params(active=True)  # experts a token does not run
     tokens = rows * seq_len
     model_flops = (6 * n_params * tokens + 3 * attention) / shards
     # XLA's cost analysis counts a loop body once (micro-batches and scanned layers are

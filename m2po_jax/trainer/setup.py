@@ -23,7 +23,7 @@ from m2po_jax.common.types import PromptGroups, TrainBatch
 from m2po_jax.learner import batching, memory, optim
 from m2po_jax.learner import step_plan as step_plan_lib
 from m2po_jax.learner import train_step as step_lib
-from m2po_jax.models import hf_format, lora, paged, quant
+from m2po_jax.models import families, hf_format, lora, paged, quant
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.models import prompts as prompts_lib
@@ -365,8 +365,8 @@ def _new_architecture(m, vocab_size: int) -> model_config_lib.ModelConfig:
         model_type=m.model_type,
         rope_theta=m.rope_theta,
         tie_word_embeddings=m.tie_word_embeddings,
-        attention_bias=m.model_type == "qwen2",
-        qk_norm=m.model_type == "qwen3",
+        attention_bias=bool(families.family(m.model_type).attention_bias),
+        qk_norm=families.family(m.model_type).qk_norm,
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,

@@ -211,6 +211,11 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("rollout.reward_timeout_s", -1.0, r"rollout.reward_timeout_s=-1.0 is out of range"),
         ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
         (
+            "model.model_type",
+            "qwen3_moe",  # loads from a checkpoint; a new model's fields have no experts
+            r"model.model_type='qwen3_moe' is not one of \['llama', 'qwen2', 'qwen3'\]",
+        ),
+        (
             "rollout.kv_dtype",
             "fp8",
             r"rollout.kv_dtype='fp8' is not one of \['', 'bfloat16', 'float8_e4m3fn'\]",

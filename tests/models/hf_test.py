@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from m2po_jax.models import hf, hf_format
+from m2po_jax.models import families, hf, hf_format
 from m2po_jax.models.model import apply, init_params
 from m2po_jax.models.model_config import ModelConfig
 
@@ -144,6 +144,16 @@ def test_config_from_checkpoints(loaded):
     c = loaded["qwen3_untied"].config
     assert c.qk_norm and c.head_dim == 32 and c.dim_per_head == 32 and not c.attention_bias
     assert loaded["qwen3_untied"].params["layers_0"]["attn"]["q_kernel"].shape == (64, 4, 32)
+
+
+def test_every_family_names_its_transformers_class():
+    """A registry row's architecture is the transformers class of its model_type, and its
+    default head_dim is that config class's (Qwen3: 128, the others hidden / heads)."""
+    for model_type, fam in families.FAMILIES.items():
+        cls = getattr(transformers, fam.architecture)
+        assert cls.config_class.model_type == model_type
+        cfg = cls.config_class(hidden_size=64, num_attention_heads=4)
+        assert (getattr(cfg, "head_dim", None) or 16) == (fam.head_dim or 16), model_type
 
 
 def test_legacy_and_v5_rope_layouts_agree():
