@@ -128,13 +128,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # math verifier runs in reward_workers processes for it; 0 = no limit
     c.rollout.reward_timeout_s = 10.0
     c.rollout.worker_timeout_s = 600.0  # async: fail (naming what it was doing) after this wait
-    c.rollout.publish_dtype = (
-        ""  # async: weights sent to the rollout devices as: "" (as trained) | bfloat16
-    )
+    c.rollout.publish_dtype = ""  # the older name of rollout.weight_dtype: "" | bfloat16
     # the rollout engine's copy of the weights (sync: made once per step; async: at each
-    # publish; publish_dtype is its older name): "" (as trained) | bfloat16 | int8 |
-    # float8_e4m3fn (every projection kernel with a float32 scale per output channel,
-    # dequantised before its matmul; the compute dtype stays model.dtype). Evaluation
+    # publish): "" (as trained) | bfloat16 | int8 | float8_e4m3fn (every projection kernel
+    # as codes with a float32 scale per output channel, the codes the matmul's operand and
+    # the scale applied to its output; the compute dtype stays model.dtype). Evaluation
     # runs the trained weights (docs/rollouts.md, "Cheaper rollout weights")
     c.rollout.weight_dtype = ""
     # static: each batch decodes until its longest completion ends (`sampling.generate`) |

@@ -92,7 +92,7 @@ class RolloutSection:
     reward_workers: int
     reward_timeout_s: float
     worker_timeout_s: float
-    publish_dtype: str  # "" (the params' dtype) | bfloat16 | float32
+    publish_dtype: str  # the older name of weight_dtype ("" | bfloat16 | float32)
     weight_dtype: str  # "" (as trained) | bfloat16 | int8 | float8_e4m3fn
     engine: str  # static | continuous
     engine_slots: int
