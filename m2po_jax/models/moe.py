@@ -12,8 +12,8 @@ experts. `model.MoE` declares the params and calls these:
 - `load_balancing_loss`: transformers' `load_balancing_loss_func` (Switch Transformer's
   auxiliary loss) over every layer's router logits.
 
-How `ragged_dot` runs depends on the platform: TPU lowers it to XLA's ragged-dot
-instruction; CPU (and jax's default lowering) to a masked dense product, every expert on
+How `ragged_dot` runs depends on the platform: TPU lowers it to its grouped-matmul
+custom call (`ragged-dot-none`, forward and backward: tests/parallel/tpu_compile_test.py); CPU (and jax's default lowering) to a masked dense product, every expert on
 every assignment (X times the FLOPs and a [X, N * K, ...] temporary: fine for tests, not
 for speed); GPU to `chlo.ragged_dot` as XLA compiles it (not measured here).
 

@@ -293,3 +293,39 @@ def test_the_paged_engines_decode_runs_the_triton_kernel_on_gpus():
     assert "__gpu$xla.gpu.triton" in run.compiled.as_text()
     assert "paged_attention" in run.compiled.as_text()
     assert resume.kernels == 0  # multi-token calls: the XLA path
+
+
+@needs_libtpu
+def test_a_mixture_of_experts_forward_and_backward_compile_on_a_multi_chip_tpu(v5e_2x2):
+    """Qwen3-MoE's grouped matmuls (`moe.moe_experts`, `jax.lax.ragged_dot`) compile for 4
+    chips sharded fsdp x tensor, forward and backward, as the TPU's grouped-matmul call
+    (`ragged-dot-none` custom calls: 3 per layer forward, and the backward's gradients
+    too), not a dense masked product."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from m2po_jax.models import model_config as model_config_lib
+
+    config = model_config_lib.ModelConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, dtype="bfloat16",
+    )  # fmt: skip
+    mesh = Mesh(np.array(v5e_2x2.devices).reshape(2, 2), ("fsdp", "tensor"))
+    shardings = sharding.param_shardings(config, mesh, sharding.TRAIN_RULES)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0))),
+        shardings,
+    )
+    tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
+
+    def loss(p, t):
+        logits = model_lib.apply(p, config, t)
+        return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+    text = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
+    calls = re.findall(r"%ragged-dot-none(?:\.\d+)? = \S+ custom-call\(", text)
+    assert len(calls) >= 2 * 3 * config.num_layers, len(calls)  # forward and backward
