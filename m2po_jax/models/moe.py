@@ -13,9 +13,10 @@ experts. `model.MoE` declares the params and calls these:
   auxiliary loss) over every layer's router logits.
 
 How `ragged_dot` runs depends on the platform: TPU lowers it to its grouped-matmul
-custom call (`ragged-dot-none`, forward and backward: tests/parallel/tpu_compile_test.py); CPU (and jax's default lowering) to a masked dense product, every expert on
-every assignment (X times the FLOPs and a [X, N * K, ...] temporary: fine for tests, not
-for speed); GPU to `chlo.ragged_dot` as XLA compiles it (not measured here).
+custom call (`ragged-dot-none`, forward and backward: tests/parallel/tpu_compile_test.py);
+CPU (and jax's default lowering) to a masked dense product, every expert on every
+assignment (X times the FLOPs and a [X, N * K, ...] temporary: fine for tests, not for
+speed); GPU to `chlo.ragged_dot` as XLA compiles it (not measured here).
 
 Ties: `jax.lax.top_k` takes the lowest expert index among equal probabilities. torch.topk
 on CPU breaks ties otherwise (8 equal probabilities, k = 3: experts 6, 5, 4), so the two
