@@ -20,7 +20,7 @@ from pathlib import Path
 
 import fixtures
 import jax
-from device_check_sections import TINY_HF, device_info, hf_config, peak_memory, random_params
+from device_check_common import TINY_HF, device_info, hf_config, peak_memory, random_params
 
 from m2po_jax import config as config_lib
 from m2po_jax import trainer as trainer_lib

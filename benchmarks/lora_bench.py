@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     tx, schedule = optim.make_optimizer(actor.optimizer, 100)
     base = model_lib.init_params(base_config, jax.random.key(0))
     # Adapters as after some training (B nonzero), so that no side computes zeros.
-    adapted = lora.add_adapters(base, config, jax.random.key(1))
+    adapted = model_lib.add_adapters(base, config, jax.random.key(1))
     adapted = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.01 if str(p[-1]).endswith("_lora_b']") else x, adapted
     )

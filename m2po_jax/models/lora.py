@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
@@ -132,35 +130,6 @@ def base_config(config: ModelConfig) -> ModelConfig:
         lora_targets=(),
         lora_base=default["lora_base"],
     )
-
-
-def add_adapters(params, config: ModelConfig, rng: jax.Array):
-    """`params` (a base model's, e.g. loaded from a checkpoint) with new adapters for
-    `config`: A as the model initialises it, B zero (so the function is unchanged). Under
-    a quantised base (`config.lora_base`) `params` must hold it quantised already
-    (`quant.quantize_base`)."""
-    if not config.lora_rank:
-        return params
-    from m2po_jax.models import model as model_lib
-
-    boxed = jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0), boxed=True))
-    shapes = traverse_util.flatten_dict(nn.meta.unbox(boxed))
-    flat = dict(traverse_util.flatten_dict(_plain(params)))
-    missing = [p for p in shapes if not is_adapter(p) and p not in flat]
-    if missing:
-        hint = ""
-        if str(missing[0][-1]).endswith(quant.SCALE_SUFFIX):
-            hint = f" (lora_base={config.lora_base!r}: quantise it first, quant.quantize_base)"
-        raise ValueError(f"params: the base lacks {'/'.join(missing[0])} of the LoRA config{hint}")
-    adapters = sorted(p for p in shapes if is_adapter(p))
-    for i, path in enumerate(adapters):
-        shape = shapes[path]
-        if str(path[-1]).endswith("_lora_b"):
-            flat[path] = jnp.zeros(shape.shape, shape.dtype)
-        else:
-            key = jax.random.fold_in(rng, i)
-            flat[path] = model_lib.lora_a_init(key, shape.shape, shape.dtype)
-    return traverse_util.unflatten_dict(flat)
 
 
 def adapter_bytes(params) -> int:

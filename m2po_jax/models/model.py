@@ -36,9 +36,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
-from m2po_jax.models import attention, families, moe, quant
+from m2po_jax.models import attention, families, lora, moe, quant
 from m2po_jax.models import paged as paged_lib
 from m2po_jax.models.model_config import (
     REMAT_POLICIES,
@@ -634,7 +635,7 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
     """Random params (unboxed arrays unless `boxed`, which keeps the logical-axis metadata).
 
     Under LoRA the base is the same as without it (`lora.base_config`'s init from the same
-    key) and the adapters are new (`lora.add_adapters`, B = 0). Under a quantised base
+    key) and the adapters are new (`add_adapters`, B = 0). Under a quantised base
     (`lora_base` int8 / nf4) that float base is quantised (`quant.quantize_base`) before
     the adapters are added; under `weight_quant` (int8 / float8_e4m3fn) the float model's
     projection kernels are quantised (`quant.quantize_weights`). (`boxed` runs the
@@ -642,11 +643,9 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
     axes, `logical_axes`.)
     """
     if config.lora_rank and not boxed:
-        from m2po_jax.models import lora
-
         base = init_params(lora.base_config(config), rng)
         base = quant.quantize_base(base, config)
-        return lora.add_adapters(base, config, jax.random.fold_in(rng, 1))
+        return add_adapters(base, config, jax.random.fold_in(rng, 1))
     if config.weight_quant and not boxed:
         params = init_params(config.replace(weight_quant=""), rng)
         return _quantize_weights(params, config.weight_quant)
@@ -656,6 +655,33 @@ def init_params(config: ModelConfig, rng: jax.Array, boxed: bool = False):
 
 
 _quantize_weights = jax.jit(quant.quantize_weights, static_argnums=1)
+
+
+def add_adapters(params, config: ModelConfig, rng: jax.Array):
+    """`params` (a base model's, e.g. loaded from a checkpoint) with new adapters for
+    `config`: A as the model initialises it, B zero (so the function is unchanged). Under
+    a quantised base (`config.lora_base`) `params` must hold it quantised already
+    (`quant.quantize_base`)."""
+    if not config.lora_rank:
+        return params
+    boxed = jax.eval_shape(lambda: init_params(config, jax.random.key(0), boxed=True))
+    shapes = traverse_util.flatten_dict(nn.meta.unbox(boxed))
+    flat = dict(traverse_util.flatten_dict(flax.core.unfreeze(params)))
+    missing = [p for p in shapes if not lora.is_adapter(p) and p not in flat]
+    if missing:
+        hint = ""
+        if str(missing[0][-1]).endswith(quant.SCALE_SUFFIX):
+            hint = f" (lora_base={config.lora_base!r}: quantise it first, quant.quantize_base)"
+        raise ValueError(f"params: the base lacks {'/'.join(missing[0])} of the LoRA config{hint}")
+    adapters = sorted(p for p in shapes if lora.is_adapter(p))
+    for i, path in enumerate(adapters):
+        shape = shapes[path]
+        if str(path[-1]).endswith("_lora_b"):
+            flat[path] = jnp.zeros(shape.shape, shape.dtype)
+        else:
+            key = jax.random.fold_in(rng, i)
+            flat[path] = lora_a_init(key, shape.shape, shape.dtype)
+    return traverse_util.unflatten_dict(flat)
 
 
 def logical_axes(config: ModelConfig):

@@ -20,7 +20,7 @@ from m2po_jax.tasks.base import (
     reward_fn_from_name,
 )
 from m2po_jax.tasks.calculator import CalculatorTask
-from m2po_jax.tasks.gsm8k import GSM8KTask, extract_last_number
+from m2po_jax.tasks.gsm8k import GSM8KTask
 from m2po_jax.tasks.math_problems import MathTask
 from m2po_jax.tasks.problems import (
     ProblemTask,
@@ -28,7 +28,13 @@ from m2po_jax.tasks.problems import (
     parse_eval_sets,
     prompt_template_text,
 )
-from m2po_jax.tasks.verifiers import VERIFIERS, Verifier, make_verifier, numeric_reward
+from m2po_jax.tasks.verifiers import (
+    VERIFIERS,
+    Verifier,
+    extract_last_number,
+    make_verifier,
+    numeric_reward,
+)
 
 TASKS: dict[str, type[Task]] = {
     "arith": ArithTask,

@@ -8,34 +8,12 @@ with the reference. Files are read as `problems.load_problems` reads them.
 
 from __future__ import annotations
 
-import re
-
 from m2po_jax.tasks.problems import ProblemTask
 
 DEFAULT_PROMPT_TEMPLATE = (
     "Solve the math problem step by step and end with the final numeric answer.\n"
     "Question: {question}\nAnswer:"
 )
-TOLERANCE = 1e-6
-
-# A sign counts only when it is not a hyphen or minus between two terms ("5-3", "x-3").
-# Thousands separators must group by three, so "1,2,3" reads as three numbers.
-_NUMBER_RE = re.compile(
-    r"(?P<sign>(?<![0-9A-Za-z)])-)?\$?(?P<number>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
-)
-
-
-def extract_last_number(text: str) -> float | None:
-    """The last number in `text` ("The answer is $1,234.50." -> 1234.5), or None.
-
-    Commas, "$" and trailing units or "%" are ignored; a leading "-" makes it negative.
-    """
-    matches = _NUMBER_RE.findall(text)
-    if not matches:
-        return None
-    sign, number = matches[-1]
-    value = float(number.replace(",", ""))
-    return -value if sign else value
 
 
 def format_number(value: float) -> str:

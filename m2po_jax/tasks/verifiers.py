@@ -4,7 +4,7 @@
     verifier.check_reference("\\frac{1}{2}")   # ValueError if it cannot read the reference
     verifier("... so \\boxed{0.5}", "\\frac{1}{2}")   # 1.0
 
-`numeric` (GSM8K): the completion's last number (`gsm8k.extract_last_number`) equals the
+`numeric` (GSM8K): the completion's last number (`extract_last_number`) equals the
 reference within 1e-6. The reference must be one plain number as GSM8K writes them: a sign,
 digits with thousands grouped by commas, decimals, a leading `$`, a trailing `%` (`72`,
 `1,234`, `-5`, `$18`, `-$5`, `0.5`, `15%`). Anything else (`1/3`, `\\frac{1}{2}`, `1e3`,
@@ -31,7 +31,27 @@ import functools
 import re
 from collections.abc import Callable
 
-from m2po_jax.tasks.gsm8k import TOLERANCE, extract_last_number
+TOLERANCE = 1e-6
+
+# A sign counts only when it is not a hyphen or minus between two terms ("5-3", "x-3").
+# Thousands separators must group by three, so "1,2,3" reads as three numbers.
+_NUMBER_RE = re.compile(
+    r"(?P<sign>(?<![0-9A-Za-z)])-)?\$?(?P<number>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+)
+
+
+def extract_last_number(text: str) -> float | None:
+    """The last number in `text` ("The answer is $1,234.50." -> 1234.5), or None.
+
+    Commas, "$" and trailing units or "%" are ignored; a leading "-" makes it negative.
+    """
+    matches = _NUMBER_RE.findall(text)
+    if not matches:
+        return None
+    sign, number = matches[-1]
+    value = float(number.replace(",", ""))
+    return -value if sign else value
+
 
 RewardFn = Callable[[str, str], float]
 

@@ -616,7 +616,7 @@ def initial_params(run: RunSetup, rng: jax.Array):
         )
         params = quant.quantize_base(params, run.model_config)
         # New adapters (B = 0: the checkpoint's function), laid out like the rest.
-        params = lora.add_adapters(params, run.model_config, rng)
+        params = model_lib.add_adapters(params, run.model_config, rng)
         return jax.device_put(params, run.placement.train_params)
     return run.placement.init_params(rng)
 

@@ -14,6 +14,7 @@ from m2po_jax.models import prompts as prompts_lib
 from m2po_jax.models import tokenizer as tokenizer_lib
 from m2po_jax.run import metrics as metrics_lib
 from m2po_jax.tasks import gsm8k as gsm8k_task
+from m2po_jax.tasks import verifiers
 from m2po_jax.trainer import sft
 
 WORDS = "what is plus minus the answer apples have has how many".split()
@@ -135,7 +136,7 @@ def test_gsm8k_config_trains_from_a_local_checkpoint(checkpoint, tmp_path):
     texts = _greedy_by_torch(checkpoint, prompts, tokenizer, new_tokens=4)
     right = 0
     for i, (record, text) in enumerate(zip(eval_records, texts, strict=True)):
-        number = gsm8k_task.extract_last_number(text)
+        number = verifiers.extract_last_number(text)
         if number is not None and i % 2 == 0:
             record["answer"] = f"#### {gsm8k_task.format_number(number)}"
             right += 1

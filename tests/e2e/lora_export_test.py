@@ -65,7 +65,7 @@ def _with_adapters(source, rank, alpha, targets, seed):
     config = dataclasses.replace(
         base.config, lora_rank=rank, lora_alpha=alpha, lora_targets=targets
     )
-    params = lora.add_adapters(base.params, config, jax.random.key(seed))
+    params = model_lib.add_adapters(base.params, config, jax.random.key(seed))
     rng = np.random.default_rng(seed)
     flat = traverse_util.flatten_dict(params)
     for path, x in flat.items():

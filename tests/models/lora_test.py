@@ -51,7 +51,7 @@ def _random_b(params, seed=1, std=0.2):
 @pytest.fixture(scope="module")
 def adapted():
     base = model_lib.init_params(CONFIG, jax.random.key(0))
-    return base, _random_b(lora.add_adapters(base, LORA, jax.random.key(2)))
+    return base, _random_b(model_lib.add_adapters(base, LORA, jax.random.key(2)))
 
 
 def test_rank_and_targets_make_the_adapters_their_names_say():
@@ -152,7 +152,7 @@ def _actor(**changes):
 
 def test_the_step_trains_the_adapters_alone_and_leaves_the_base_bit_identical(adapted):
     base, _ = adapted
-    params = lora.add_adapters(base, LORA, jax.random.key(3))  # B = 0, as a run starts
+    params = model_lib.add_adapters(base, LORA, jax.random.key(3))  # B = 0, as a run starts
     actor = _actor()
     tx, schedule = optim.make_optimizer(actor.optimizer, 10)
     state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), tx)
@@ -177,7 +177,7 @@ def test_the_step_trains_the_adapters_alone_and_leaves_the_base_bit_identical(ad
 
 def test_zero_adapters_give_the_full_models_first_step_and_kl_is_against_the_base(adapted):
     base, _ = adapted
-    params = lora.add_adapters(base, LORA, jax.random.key(3))
+    params = model_lib.add_adapters(base, LORA, jax.random.key(3))
     actor = _actor(kl_ctl=0.1, ppo_n_minibatches=1)  # one update: the step's loss is its own
     tx, schedule = optim.make_optimizer(actor.optimizer, 10)
     batch = _batch(seed=4)

@@ -385,7 +385,7 @@ def test_rollout_weights_quantise_every_projection_and_the_model_runs_them(float
     LoRA the adapters stay float32 and are added as ever."""
     cfg = qlora("float", targets=("q", "down")).replace(weight_quant=base)
     rng = np.random.default_rng(1)
-    params = lora.add_adapters(float_base, cfg.replace(weight_quant=""), jax.random.key(1))
+    params = model_lib.add_adapters(float_base, cfg.replace(weight_quant=""), jax.random.key(1))
     params = traverse_util.unflatten_dict(
         {
             p: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype) if p[-1].endswith("_lora_b") else x
@@ -649,7 +649,7 @@ def test_the_base_reaches_the_model_config_and_the_model_config_checks_it():
         CONFIG.replace(lora_rank=2, lora_targets=("q",), lora_base="fp8")
     # A float base given to a quantised config's adapters is named, with the fix.
     with pytest.raises(ValueError, match="quantise it first"):
-        lora.add_adapters(
+        model_lib.add_adapters(
             model_lib.init_params(CONFIG, jax.random.key(0)), qlora("nf4"), jax.random.key(1)
         )
     # lora.base_config is the float base.
