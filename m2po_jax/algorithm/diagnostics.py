@@ -47,7 +47,6 @@ _SUMS = (
     "diag_parts/abs_loss_masked",
 )
 PART_KEYS = (_HIST, _MAX, *_LSE, *_SUMS)
-LOSS_PART_KEYS = _SUMS[2:]  # what `loss_parts` reports (the loss pass only)
 
 
 def _bins(m2: jax.Array) -> jax.Array:

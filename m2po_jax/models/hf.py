@@ -21,7 +21,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -39,8 +38,7 @@ from m2po_jax.models.model_config import ModelConfig, as_dtype
 from m2po_jax.models.tokenizer import HFTokenizer, load_tokenizer
 
 # safetensors' numpy backend reads BF16 tensors as numpy's "bfloat16", a type that exists
-# once ml_dtypes is imported (it registers it).
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+# once ml_dtypes is imported (it registers it); jax imports it.
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

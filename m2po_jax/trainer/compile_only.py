@@ -36,6 +36,7 @@ import optax
 
 from m2po_jax import config as config_lib
 from m2po_jax.common.config_schema import Config
+from m2po_jax.common.mesh_axes import BATCH_AXES
 from m2po_jax.common.types import TrainBatch
 from m2po_jax.learner import batching, optim
 from m2po_jax.learner import train_step as step_lib
@@ -43,10 +44,12 @@ from m2po_jax.models import model as model_lib
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.models import quant
 from m2po_jax.parallel import chips as chips_lib
+from m2po_jax.parallel import gpu_targets, sharding
 from m2po_jax.parallel import placement as placement_lib
-from m2po_jax.parallel import sharding
 from m2po_jax.rollout import engines, sampling
-from m2po_jax.trainer import hlo_traffic
+from m2po_jax.trainer import evaluate as evaluate_lib
+from m2po_jax.trainer import hlo_traffic, sft
+from m2po_jax.trainer import setup as setup_lib
 
 _GIB = 2**30
 # The kernels a compiled program calls: Mosaic (Pallas TPU), cuDNN attention, Triton (Pallas GPU).
@@ -127,7 +130,6 @@ def target(topology: str | None) -> Target:
 
 def _gpu_target(topology: str, chip: chips_lib.Chip, dims: list[int]) -> Target:
     """Compile-only GPUs: "h100:8" is one host of 8, "h100:2x8" two hosts of 8."""
-    from m2po_jax.parallel import gpu_targets
 
     if len(dims) > 2:
         raise ValueError(
@@ -365,7 +367,6 @@ class Report:
 def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, Any]:
     """The run's train step (`setup.build_train_step`) compiled for the run's largest batch
     on `placement`'s devices, and its abstract train state."""
-    from m2po_jax.trainer import setup as setup_lib
 
     rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
     seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
@@ -406,8 +407,6 @@ def _key(placement):
 def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target, *,
             stop_ids=(0,), pad_id: int = 0, say=print) -> Report:  # fmt: skip
     """Compiles every program of `cfg`'s run for `tgt`'s devices; see the module doc."""
-    from m2po_jax.trainer import evaluate as evaluate_lib
-    from m2po_jax.trainer import setup as setup_lib
 
     mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
     devices = list(tgt.devices)
@@ -459,8 +458,6 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
 
     # ---- the supervised warm-up -------------------------------------------------------
     if cfg.sft.max_steps:
-        from m2po_jax.trainer import sft
-
         sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
         # What the warm-up trains: every param, or under LoRA the base, or under a quantised
         # base the adapters (`sft.warmup_split`).
@@ -639,8 +636,6 @@ def _compile_decode(placement, params, model_config, rows, seq_len) -> Program:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from m2po_jax.common.mesh_axes import BATCH_AXES
-
     mesh = placement.mesh
     cache_shape = jax.eval_shape(lambda: model_lib.init_cache(model_config, rows, seq_len))
     # Rows over the batch axes, kv heads over tensor where they divide (as the sampling
@@ -780,7 +775,6 @@ def model_for(
     `config.json` of `model.path`, a named architecture (`architectures.ARCHITECTURES`),
     or the built-in task's new model."""
     from m2po_jax.models import architectures
-    from m2po_jax.trainer import setup as setup_lib
 
     m = cfg.model
     layout = dict(remat=m.remat, remat_policy=m.remat_policy, attention=m.attention,
@@ -816,7 +810,6 @@ def run(cfg: Config, topology: str = "", architecture: str = "", say=print) -> R
     """The dry run of `m2po-train --compile_only`: prints the report; raises MemoryError
     naming a setting that would fit when the run does not fit the chip."""
     from m2po_jax.trainer import memory_check
-    from m2po_jax.trainer import setup as setup_lib
 
     tgt = target(topology)
     model_config, stop, pad = model_for(cfg, architecture)
