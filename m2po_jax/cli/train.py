@@ -257,6 +257,11 @@ def main(argv) -> None:
             distributed.wait_if_peer_lost(distributed.heartbeat_timeout_s() + 15)
         raise
     distributed.leaving()  # every process ends here together: no lost peer
+    _print_result(result)
+
+
+def _print_result(result) -> None:
+    """What the run did, in two lines; exits 128 + the signal when it was interrupted."""
     metrics_file = result.workdir / "metrics.jsonl"
     if result.already_finished:
         print(
