@@ -1077,9 +1077,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "add-adapters-b-not-zero",
-        "m2po_jax/models/lora.py",
+        "m2po_jax/models/model.py",
         "            flat[path] = jnp.zeros(shape.shape, shape.dtype)",
-        "            flat[path] = model_lib.lora_a_init(rng, shape.shape, shape.dtype)",
+        "            flat[path] = lora_a_init(rng, shape.shape, shape.dtype)",
         (T("tests/models/lora_test.py", "zero_adapters"),),
         "adapters added to a loaded checkpoint start with B != 0: the first step is not the base's",
     ),
