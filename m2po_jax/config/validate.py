@@ -448,11 +448,14 @@ def _check_derived(cfg: Config) -> None:
             )
 
 
-def from_configdict(config: ml_collections.ConfigDict | dict) -> Config:
+def from_configdict(
+    config: ml_collections.ConfigDict | dict, schema: type[Config] = Config
+) -> Config:
     """Typed, validated `Config` from a ConfigDict (or plain nested dict); derived fields
-    that are unset take their source's value (`DERIVED`)."""
+    that are unset take their source's value (`DERIVED`). `schema`: `Config` or a subclass
+    that declares more fields (tests/common/knobs_test.py adds one)."""
     if isinstance(config, ml_collections.ConfigDict):
         mapping = config.to_dict()
     else:
         mapping = copy.deepcopy(config)
-    return validate(_build(Config, _derive(mapping), ""))
+    return validate(_build(schema, _derive(mapping), ""))
