@@ -822,6 +822,37 @@ MUTANTS: tuple[Mutant, ...] = (
         "rollout.engine=auto always samples with the static sampler",
     ),
     Mutant(
+        "config-open-bound-taken-as-closed",
+        "m2po_jax/common/checks.py",
+        "(value <= low if low_open else value < low)",
+        "value < low",
+        (
+            T("tests/common/knobs_test.py", "allows_its_range"),
+            T("tests/config/config_test.py", "out_of_range_values"),
+        ),
+        "a declared open lower bound admits the bound itself: actor.m2_threshold=0.0 passes",
+    ),
+    Mutant(
+        "knob-unbounded-float-not-checked-finite",
+        "m2po_jax/common/knobs.py",
+        "elif self.low is not None or self.high is not None or isinstance(value, float):",
+        "elif self.low is not None or self.high is not None:",
+        (
+            T("tests/common/knobs_test.py", "allows_its_range"),
+            T("tests/config/config_test.py", "rejection_sampling_ranges"),
+        ),
+        "a float field declared without bounds takes nan (rejection_sampling.upper=nan)",
+    ),
+    Mutant(
+        "knob-none-default-not-a-placeholder",
+        "m2po_jax/common/knobs.py",
+        "            c[f.name] = placeholder(_optional_type(hints[f.name]))",
+        "            c[f.name] = None",
+        (T("tests/common/knobs_test.py", "default_of_its_type"),),
+        "an optional field's default is a bare None: --config.actor.eps_clip_higher=0.28 no "
+        "longer parses as a float",
+    ),
+    Mutant(
         "setup-reads-the-engine-unresolved",
         "m2po_jax/trainer/setup.py",
         "    engine = engines.engine_class(config_lib.rollout_engine(cfg))",
@@ -1142,8 +1173,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "paged-page-copy-changes-the-pools-layout",
         "m2po_jax/models/paged.py",
-        "        kv = tuple(kv.at[to_XxP, pos_XxP].set(kv[src_XxP, pos_XxP], mode=\"drop\")",
-        "        kv = tuple(kv.at[to_X].set(kv[src_XxP[:, 0]], mode=\"drop\")",
+        '        kv = tuple(kv.at[to_XxP, pos_XxP].set(kv[src_XxP, pos_XxP], mode="drop")',
+        '        kv = tuple(kv.at[to_X].set(kv[src_XxP[:, 0]], mode="drop")',
         (T("tests/parallel/tpu_compile_test.py", "ragged_paged_attention_kernel"),),
         "the prompt's tail page is copied by whole-page indexing: the TPU compiler changes "
         "every layer's pool to another layout and back around it, each decode step",
@@ -1160,7 +1191,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hlo-traffic-in-place-update-counts-the-buffer",
         "m2po_jax/trainer/hlo_traffic.py",
-        "        moved = _in_hbm(shapes.get(root.operands[_IN_PLACE[root.op]], \"\"))",
+        '        moved = _in_hbm(shapes.get(root.operands[_IN_PLACE[root.op]], ""))',
         "        moved = _in_hbm(i.shape)",
         (T("tests/trainer/hlo_traffic_test.py", "by_hand"),),
         "an in-place cache write counted as a write of the whole pool, not of its update",

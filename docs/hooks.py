@@ -1,16 +1,15 @@
-"""MkDocs hook: the Configuration page's tables, generated from the config files.
+"""MkDocs hook: the Configuration page's tables, generated from the declarations.
 
-`configs/default.py` is the one commented list of every field. At build time this hook
-parses it with `ast` (the `c.section.field = value` assignments of `get_config`) and
-`tokenize` (the comment lines right above each assignment and the comments on its own
-lines), and renders one table per section (field, default, comment) where a page holds
-the marker `<!-- m2po:config-fields -->`. `<!-- m2po:presets -->` becomes the presets of
-`configs/arith.py`, `configs/gsm8k.py` and `configs/math.py`: each file's docstring, the
-fields its base config changes, and per preset its docstring and the fields it sets.
-
-Nothing here imports the configs (or jax): the files are read as text. A field the parser
-cannot read (an assignment of a shape it does not know) stops the build, so the page can
-never silently miss a field.
+`<!-- m2po:config-fields -->` becomes one table per config section (field, type, default,
+allowed, doc), read from the dataclasses of `m2po_jax/common/config_schema.py`, where each
+field is declared once (`knob(default, doc, low=..., high=..., choices=...)`).
+`<!-- m2po:presets -->` becomes the presets of `configs/arith.py`, `configs/gsm8k.py` and
+`configs/math.py`: each file's docstring, the fields its base config changes, and per
+preset its docstring and the fields it sets. The preset files are read as text: this hook
+parses them with `ast` (the `c.section.field = value` assignments of each preset function)
+and `tokenize` (the comment lines right above each assignment and the comments on its own
+lines); an assignment of a shape it does not know stops the build, so the page can never
+silently miss a field.
 """
 
 from __future__ import annotations
@@ -20,11 +19,17 @@ import dataclasses
 import html
 import inspect
 import io
+import json
 import re
+import sys
 import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's schema, whatever is installed
+
+from m2po_jax.common import config_schema, knobs  # noqa: E402
+
 CONFIGS = ROOT / "configs"
 FIELDS_MARKER = "<!-- m2po:config-fields -->"
 PRESETS_MARKER = "<!-- m2po:presets -->"
@@ -133,24 +138,6 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
     raise ValueError(f"no function {name}")
 
 
-def default_fields(path: Path = CONFIGS / "default.py") -> list[Field]:
-    """Every field of `get_config` in `configs/default.py`, sections included, in order.
-
-    A field assigned twice (a `placeholder(type)` then its default) is one field: the last
-    value, the comments of both.
-    """
-    source = path.read_text()
-    merged: dict[str, Field] = {}
-    for f in _assignments(_function(ast.parse(source), "get_config"), source):
-        if not f.path:
-            raise ValueError(f"{path}: a call in get_config: {f.value}")
-        if f.path in merged:
-            old = merged[f.path]
-            f = Field(f.path, f.value, " ".join(filter(None, [old.comment, f.comment])))
-        merged[f.path] = f
-    return list(merged.values())
-
-
 def _docstring_as_written(tree: ast.Module, source: str) -> str:
     """The module docstring as the file spells it: a backslash that ends a line (a shell
     continuation inside a command) is kept, and a doubled backslash is shown as one."""
@@ -208,24 +195,34 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
     return lines + [""]
 
 
-def render_fields(fields: list[Field]) -> str:
-    """One table per section: `##` for top-level sections, `###` for nested ones."""
-    sections: dict[str, tuple[str, list[Field]]] = {"": ("", [])}
-    for f in fields:
-        if f.is_section:
-            sections[f.path] = (f.comment, [])
-        else:
-            sections[f.path.rpartition(".")[0]][1].append(f)
-    lines = [f"{sum(not f.is_section for f in fields)} fields in {len(sections)} sections.", ""]
-    for name, (comment, members) in sections.items():
+def _literal(value) -> str:
+    """A default as Python spells it, strings in double quotes: `"arith"`, `0.2`, `None`."""
+    return f"`{json.dumps(value)}`" if isinstance(value, str) else f"`{value!r}`"
+
+
+def render_fields(schema: type = config_schema.Config) -> str:
+    """One table per section of `schema`: `##` for top-level sections, `###` for nested
+    ones; a row per field: its path, type, default, what it allows and its doc."""
+    sections: dict[str, tuple[str, list[tuple[str, ...]]]] = {"": ("", [])}
+    for path, f in knobs.fields(schema):
+        if "section" in f.metadata:
+            sections[path] = (f.metadata["section"], [])
+            continue
+        spec = f.metadata["knob"]
+        # each choice its own code span: a pipe inside one would be read as a cell border
+        allowed = " | ".join(f"`{part}`" for part in spec.allowed().split(" | ") if part)
+        row = (f"`{path}`", f"`{f.type}`", _literal(f.default), cell(allowed), cell(spec.doc))
+        sections[path.rpartition(".")[0]][1].append(row)
+    count = sum(len(rows) for _, rows in sections.values())
+    lines = [f"{count} fields in {len(sections)} sections.", ""]
+    for name, (doc, rows) in sections.items():
         depth = "##" if "." not in name else "###"
         anchor = name.replace(".", "-") or "top-level"
         lines += [f"{depth} {name or 'Top level'} {{#{anchor}}}", ""]
-        if comment:
-            lines += [cell(comment), ""]
-        if members:
-            rows = [(f"`{f.path}`", _code(f.value), cell(f.comment)) for f in members]
-            lines += _table(rows, ("field", "default", "comment"))
+        if doc:
+            lines += [cell(doc), ""]
+        if rows:
+            lines += _table(rows, ("field", "type", "default", "allowed", "doc"))
     return "\n".join(lines)
 
 
@@ -257,7 +254,7 @@ def render_presets(paths: list[Path]) -> str:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if FIELDS_MARKER in markdown:
-        markdown = markdown.replace(FIELDS_MARKER, render_fields(default_fields()))
+        markdown = markdown.replace(FIELDS_MARKER, render_fields())
     if PRESETS_MARKER in markdown:
         paths = [CONFIGS / name for name in PRESET_FILES]
         markdown = markdown.replace(PRESETS_MARKER, render_presets(paths))

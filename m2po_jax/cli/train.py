@@ -448,7 +448,7 @@ def usage() -> str:
     lines += [
         "",
         "Any config field: --config.SECTION.FIELD=VALUE (AReaL's --SECTION.FIELD=VALUE too);",
-        "=None sets a field to None. Every field is commented in configs/default.py.",
+        "=None sets a field to None. Every field: m2po_jax/common/config_schema.py.",
         "verl's algorithm.rollout_correction.KEY=VALUE too (docs/algorithm.md, the loss).",
         f"Sections: {', '.join(_SECTIONS)}.",
         "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import numbers
 import os
 from collections.abc import Iterable
@@ -21,6 +22,39 @@ def check_choice(
     choices = tuple(choices)
     if value not in choices:
         raise error(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def interval(low=None, high=None, low_open: bool = False, high_open: bool = False) -> str:
+    """An interval as the messages and the manual write it: `[0.0, 1.0)`, `(0.0, inf)`; an
+    unbounded end is open (inf itself is never allowed)."""
+    lo = "-inf" if low is None else str(low)
+    hi = "inf" if high is None else str(high)
+    text = ("(" if low_open or low is None else "[") + f"{lo}, {hi}"
+    return text + (")" if high_open or high is None else "]")
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low=None,
+    high=None,
+    low_open: bool = False,
+    high_open: bool = False,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Raises `error("<name>=<value!r> is out of range; allowed <interval>")` unless `value`
+    lies in the interval (None passes: an unset optional value); a non-finite float never
+    does."""
+    if value is None:
+        return
+    allowed = interval(low, high, low_open, high_open)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise error(f"{name}={value!r} is not a finite number; allowed {allowed}")
+    bad = (low is not None and (value <= low if low_open else value < low)) or (
+        high is not None and (value >= high if high_open else value > high)
+    )
+    if bad:
+        raise error(f"{name}={value!r} is out of range; allowed {allowed}")
 
 
 def is_number(x: Any) -> bool:

@@ -7,6 +7,8 @@ verl's rollout-correction keys in `verl`.
 """
 
 from m2po_jax.common.config_schema import (
+    MIN_TEMPERATURE,
+    PARAM_DTYPES,
     ActorSection,
     AgentSection,
     CheckpointSection,
@@ -29,8 +31,6 @@ from m2po_jax.common.errors import ConfigError
 from m2po_jax.config.overrides import apply_dotted, apply_overrides, load_overrides
 from m2po_jax.config.validate import (
     DERIVED,
-    MIN_TEMPERATURE,
-    PARAM_DTYPES,
     build_library_objects,
     from_configdict,
     rollout_engine,

@@ -289,14 +289,15 @@ def test_turns_append_host_tokens_and_the_trainer_sees_exactly_the_tokens_attend
 
 
 def test_the_registry_holds_every_engine_and_the_config_reads_it():
-    from m2po_jax.config.validate import ROLLOUT_ENGINES
+    from m2po_jax.common import config_schema, knobs
 
     assert engine_lib.ENGINES == {
         "static": engine_lib.StaticEngine,
         "continuous": engine_lib.ContinuousEngine,
         "paged": engine_lib.PagedEngine,
     }
-    assert ROLLOUT_ENGINES == ("auto", *engine_lib.ENGINES)
+    declared = dict(knobs.knobs(config_schema.Config))["rollout.engine"].choices
+    assert sorted(declared) == sorted(["auto", *engine_lib.ENGINES])
     with pytest.raises(ValueError, match=r"^rollout.engine='vllm': unknown; known: "):
         engine_lib.engine_class("vllm")
     with pytest.raises(ValueError, match="not a RolloutEngine"):
