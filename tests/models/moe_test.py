@@ -451,3 +451,45 @@ def test_expert_axis_refuses_experts_it_does_not_divide(checkpoints):
         ours.config.replace(expert_axis="tensor")
     with pytest.raises(ValueError, match="moe_kernel: expected one of"):
         ours.config.replace(moe_kernel="dense")
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_megablox_matches_ragged_dot(shards):
+    """Pallas' `gmm` (its interpreter on CPU: rows padded to whole tiles, the other experts'
+    rows left to the kernel to zero) gives ragged_dot's y and gradients under skewed
+    routing: all 8 experts on one device, and the sum of 4 devices' `local_experts` over
+    their 2 experts each (what each device of an expert axis of 4 runs; Pallas'
+    interpreter does not run inside a CPU `shard_map`)."""
+    n, k, x_, e, f = 8, 2, 8, 16, 8
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(n, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
+    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
+    experts, weights = _skewed_routing(n, k, x_, 3)
+    probe = rng.normal(size=(n, e)).astype(np.float32)
+    per = x_ // shards
+
+    def loss(x, weights, gate, up, down, kernel):
+        y = sum(
+            moe.local_experts(
+                x,
+                jnp.asarray(experts),
+                weights,
+                *(a[s * per : (s + 1) * per] for a in (gate, up, down)),
+                s * per,
+                x_,
+                kernel,
+            )  # fmt: skip
+            for s in range(shards)
+        )
+        return jnp.sum(y * probe), y
+
+    grad = jax.value_and_grad(loss, argnums=range(5), has_aux=True)
+    args = (x, weights, gate, up, down)
+    (_, want_y), want = jax.jit(functools.partial(grad, kernel="ragged_dot"))(*args)
+    (_, y), grads = jax.jit(functools.partial(grad, kernel="megablox"))(*args)
+    np.testing.assert_allclose(want_y, _dense_experts(x, experts, weights, gate, up, down),
+                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(y, want_y, atol=1e-5)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
