@@ -313,6 +313,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel axis size (-1 = all remaining devices)
     c.mesh.fsdp = 1  # fully sharded data-parallel axis (params and optimizer state)
     c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP)
+    # a mixture of experts' experts split over this axis ("" = every device holds every
+    # expert; "fsdp" / "data": tokens exchanged over it instead of weights gathered)
+    c.mesh.expert_axis = ""
     # rollout.mode=async: devices of each process given to rollouts (0 = half of them); the
     # mesh above spans the rest of every process's devices
     c.mesh.rollout_devices = 0

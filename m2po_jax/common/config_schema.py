@@ -236,6 +236,7 @@ class MeshSection:
     data: int
     fsdp: int
     tensor: int
+    expert_axis: str  # a mixture of experts' experts split over this axis ("" = none)
     rollout_devices: int  # async: each process's devices for rollouts (0 = half)
     m2po_per_shard: bool
     device_memory_gib: float

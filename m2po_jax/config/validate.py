@@ -29,6 +29,7 @@ from m2po_jax.common.config_schema import (
 )
 from m2po_jax.common.errors import ConfigError
 from m2po_jax.learner import batching, optim
+from m2po_jax.models import moe
 from m2po_jax.models.model_config import WEIGHT_QUANTS
 from m2po_jax.models.prompts import CHAT_TEMPLATE_MODES, LONG_PROMPT_MODES
 from m2po_jax.models.quant import WEIGHT_DTYPES
@@ -292,6 +293,7 @@ def validate(cfg: Config) -> Config:
     _check_choice("rollout.publish_dtype", r.publish_dtype, ("", *PARAM_DTYPES))
     _check_weight_dtype(cfg)
     _check_range("mesh.rollout_devices", cfg.mesh.rollout_devices, 0)
+    _check_choice("mesh.expert_axis", cfg.mesh.expert_axis, moe.EXPERT_AXES)
     _check_choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
     _check_range("rollout.engine_slots", r.engine_slots, 0)
     _check_range("rollout.insert_lanes", r.insert_lanes, 0)

@@ -318,6 +318,27 @@ def test_param_counts_total_and_active():
     assert plan.params == leaves * 4
 
 
+def test_memory_plan_counts_experts_split_over_fsdp():
+    """fsdp=4 with expert_axis="fsdp": each device holds 2 of 8 experts whole (not all 8 with
+    their hidden dim split: the same bytes), and the activations grow by the routed rows of
+    the 4 x gathered tokens, by hand: (s - 1) x (3KF + 2KE) + s x E x (1 + 4 / 2 bytes) per
+    token and layer, bfloat16 compute, no remat."""
+    c = ModelConfig(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=40,
+        num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, dtype="bfloat16",
+    )  # fmt: skip
+    mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
+    split = c.replace(expert_axis="fsdp")
+    specs = sharding.param_specs(split, mesh, sharding.TRAIN_RULES)["layers_0"]["mlp"]
+    assert specs["up_experts"] == P("fsdp", None, "tensor")  # tensor: size 1 here
+    whole, parted = (memory.memory_plan(x, mesh, batch=8, seq_len=8) for x in (c, split))
+    assert parted.params == whole.params and parted.optimizer == whole.optimizer
+    s, k, e, f, tokens = 4, 2, 16, 12, 2 * 8  # 2 rows of 8 tokens a device
+    per_token = (s - 1) * (3 * k * f + 2 * k * e) + s * e * (1 + 2)
+    assert parted.activations - whole.activations == 3 * tokens * per_token * 2
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
