@@ -126,7 +126,9 @@ def memory_plan(
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
       [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3 (a mixture of experts: F = K x its
       experts' width, plus [b,T,K,E]x2 of the routed rows and [b,T,X]x2 of the router's
-      logits and probabilities; not yet checked against XLA), and for the attention
+      logits and probabilities; with the experts split over an axis of s devices,
+      `expert_axis`, s x those routed rows and the s x [b,T,E] gathered tokens and their
+      float32 sum), and for the attention
       implementations that materialise them ("xla", "dot_product") the probabilities
       [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
       layer recomputed and its gradients;
