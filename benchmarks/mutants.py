@@ -291,6 +291,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ------------------------------------------------------------------ mixture of experts
     Mutant(
+        "moe-expert-parallel-no-offset",
+        "m2po_jax/models/moe.py",
+        "first = jax.lax.axis_index(split) * gate.shape[0]",
+        "first = jax.lax.axis_index(split)",
+        (T("tests/models/moe_test.py", "expert_parallel"),),
+        "each device's local experts taken to start at its axis index, not index x X / s",
+    ),
+    Mutant(
+        "memory-expert-split-rows-not-counted",
+        "m2po_jax/learner/memory.py",
+        "gathered = mesh.shape.get(c.expert_axis, 1) if c.is_moe and c.expert_axis else 1",
+        "gathered = 1",
+        (T("tests/models/moe_test.py", "memory_plan_counts"),),
+        "the plan leaves out the routed rows of the tokens gathered over the expert axis",
+    ),
+    Mutant(
         "moe-unsorted-by-the-sort-order",
         "m2po_jax/models/moe.py",
         "y_NxKxE = jnp.take(y_MxE, inverse_M, axis=0).reshape(n, k, -1)",

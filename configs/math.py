@@ -61,7 +61,23 @@ def _qwen3_4b_base(c):
     # GiB per chip at the peak, the evaluation's resume; the static sampler: 9.81).
 
 
-PRESETS = {"qwen3-1.7b-base": _qwen3_17b_base, "qwen3-4b-base": _qwen3_4b_base}
+def _qwen3_30b_a3b_base(c):
+    """TPU v5p-8 (8 chips x 95 GB): fsdp=8 with the 128 experts split over fsdp (16 a chip,
+    tokens exchanged instead of expert weights gathered), bfloat16 params, 128 rows of
+    512 + 2,048 tokens in 4 minibatches."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 1
+    c.mesh.expert_axis = "fsdp"
+    c.model.param_dtype = "bfloat16"
+    c.rollout.batch_size = 16
+    c.actor.ppo_n_minibatches = 4
+    c.actor.mb_spec.max_tokens_per_mb = 8 * 2560
+
+
+PRESETS = {
+    "qwen3-1.7b-base": _qwen3_17b_base,
+    "qwen3-4b-base": _qwen3_4b_base,
+    "qwen3-30b-a3b-base": _qwen3_30b_a3b_base,
+}
 
 
 def _data(c, directory: str) -> None:

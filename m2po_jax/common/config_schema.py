@@ -662,6 +662,12 @@ class MeshSection:
     data: int = knob(-1, "data-parallel axis size (-1 = all remaining devices)")
     fsdp: int = knob(1, "fully sharded data-parallel axis (params and optimizer state)")
     tensor: int = knob(1, "tensor-parallel axis (heads and MLP)")
+    expert_axis: str = knob(
+        "",
+        'a mixture of experts\' experts split over this axis ("" = every device holds every '
+        'expert; "fsdp" / "data": tokens exchanged over it instead of weights gathered)',
+        choices=("", "data", "fsdp"),
+    )
     rollout_devices: int = knob(
         0,
         "rollout.mode=async: devices of each process given to rollouts (0 = half of "

@@ -126,7 +126,9 @@ def memory_plan(
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
       [b,T,(3H+3K)D], MLP gate/up/hidden [b,T,F]x3 (a mixture of experts: F = K x its
       experts' width, plus [b,T,K,E]x2 of the routed rows and [b,T,X]x2 of the router's
-      logits and probabilities; not yet checked against XLA), and for the attention
+      logits and probabilities; with the experts split over an axis of s devices,
+      `expert_axis`, s x those routed rows and the s x [b,T,E] gathered tokens and their
+      float32 sum), and for the attention
       implementations that materialise them ("xla", "dot_product") the probabilities
       [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
       layer recomputed and its gradients;
@@ -261,11 +263,16 @@ class _Trunk:
     cbytes: int
     dense_attention: bool
     policy: str
+    gathered: int = 1  # tokens per local token a mixture of experts' block routes (`of`)
 
     @classmethod
     def of(cls, c, mesh: Mesh, cbytes: int, policy: str) -> _Trunk:
         tensor = mesh.shape.get("tensor", 1)
         split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731
+        # Experts split over a batch axis of s devices (`moe.moe_experts`): each device routes
+        # the s x its tokens of its expert group, all N x K assignments of them as static
+        # rows (most for other devices' experts, zero here).
+        gathered = mesh.shape.get(c.expert_axis, 1) if c.is_moe and c.expert_axis else 1
         return cls(
             config=c,
             tensor=tensor,
@@ -273,12 +280,14 @@ class _Trunk:
             k=split(c.num_kv_heads),
             d=c.dim_per_head,
             # the hidden units a token runs through: of a mixture of experts, its K experts'
-            f=c.num_experts_per_tok * split(c.moe_intermediate_size)
+            # (of the s tokens gathered per local token)
+            f=gathered * c.num_experts_per_tok * split(c.moe_intermediate_size)
             if c.is_moe
             else split(c.intermediate_size),
             cbytes=cbytes,
             dense_attention=attention_kind(c, mesh_platform(mesh)) in _DENSE_ATTENTION,
             policy=policy,
+            gathered=gathered,
         )
 
     def split(self, n: int) -> int:
@@ -290,7 +299,9 @@ class _Trunk:
         c, e, h, k, d, f = self.config, self.config.hidden_size, self.h, self.k, self.d, self.f
         per_token = 4 * e + (3 * h + 3 * k) * d + 3 * f
         if c.is_moe:  # each of its K assignments' input and output rows; router logits, probs
-            per_token += 2 * c.num_experts_per_tok * e + 2 * c.num_experts
+            per_token += 2 * self.gathered * c.num_experts_per_tok * e + 2 * c.num_experts
+            if self.gathered > 1:  # the gathered tokens, their float32 sum before the scatter
+                per_token += self.gathered * e * (1 + 4 // self.cbytes)
         scores = rows * h * queries * keys if self.dense_attention else 0
         layer = (rows * queries * per_token + scores) * self.cbytes
         if self.policy == "everything_saveable":

@@ -99,6 +99,27 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         max_position_embeddings=40960,
     ),
+    # Qwen3-30B-A3B: transformers' Qwen3MoeConfig defaults (hidden, heads, experts, widths)
+    # but for the checkpoint's 48 layers, norm_topk_prob and context length.
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
     "llama-3.1-8b": dict(
         model_type="llama",
         hidden_act="silu",

@@ -365,7 +365,14 @@ class MoE(nn.Module):
         self.sow("intermediates", "router_logits", logits_NxX.reshape(b, t, n))
         weights_NxK, experts_NxK = moe.route(logits_NxX, c.num_experts_per_tok, c.norm_topk_prob)
         y_NxE = moe.moe_experts(
-            x_NxE, experts_NxK, weights_NxK, gate.astype(dt), up.astype(dt), down.astype(dt)
+            x_NxE,
+            experts_NxK,
+            weights_NxK,
+            gate.astype(dt),
+            up.astype(dt),
+            down.astype(dt),
+            expert_axis=c.expert_axis,
+            kernel=c.moe_kernel,
         )
         return y_NxE.reshape(b, t, e)
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from m2po_jax.models import attention, families
+from m2po_jax.models import moe as moe_lib
 
 # `ModelConfig.remat_policy` -> what a rematerialised layer keeps for the backward pass
 # (`jax.checkpoint_policies`); the save_* policies keep the values `Attention` names.
@@ -99,6 +100,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     router_aux_loss_coef: float = 0.001  # weight of `moe.load_balancing_loss` in training
+    # The mesh axis the experts are split over (`moe_lib.EXPERT_AXES`: "" = none, every device
+    # holds every expert; "fsdp" / "data": tokens exchanged over it, `moe.moe_experts`)
+    expert_axis: str = ""
+    # The experts' grouped matmul (`moe_lib.MOE_KERNELS`; "auto": megablox on TPU, else ragged_dot)
+    moe_kernel: str = "auto"
 
     def __post_init__(self):
         moe = families.family(self.model_type).mlp == "moe"
@@ -217,6 +223,14 @@ class ModelConfig:
             raise ValueError(
                 f"lora_targets: {','.join(dense)} adapt a dense MLP; {mt}'s experts take no "
                 "adapters yet (attention's q, k, v, o do)"
+            )
+        if self.expert_axis not in moe_lib.EXPERT_AXES:
+            raise ValueError(
+                f"expert_axis: expected one of {moe_lib.EXPERT_AXES}, got {self.expert_axis!r}"
+            )
+        if self.moe_kernel not in moe_lib.MOE_KERNELS:
+            raise ValueError(
+                f"moe_kernel: expected one of {', '.join(moe_lib.MOE_KERNELS)}, got {self.moe_kernel!r}"
             )
         if self.weight_quant:
             raise ValueError(

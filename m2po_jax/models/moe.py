@@ -26,8 +26,24 @@ route differently only where a token's K-th and (K+1)-th probabilities are exact
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import megablox
+from jax.sharding import PartitionSpec as P
+
+from m2po_jax.common.mesh_axes import BATCH_AXES
+from m2po_jax.models import attention_kernels
+
+# The experts' grouped matmul (`moe_experts`' kernel): "auto" = "megablox" when compiling
+# for TPU, "ragged_dot" elsewhere.
+MOE_KERNELS = ("auto", "ragged_dot", "megablox")
+# The mesh axes `expert_axis` may split the experts over ("" = none): the batch axes, so
+# the devices that hold one expert's shard exchange tokens they already split.
+EXPERT_AXES = ("",) + BATCH_AXES
+# `gmm`'s tile: rows, contraction and output width.
+_GMM_TILE = 128
 
 
 def route(
@@ -55,28 +71,177 @@ def moe_experts(
     gate_XxExF: jax.Array,
     up_XxExF: jax.Array,
     down_XxFxE: jax.Array,
+    expert_axis: str = "",
+    kernel: str = "auto",
 ) -> jax.Array:
     """y[n] = sum_k weights[n, k] * down_e(silu(gate_e(x[n])) * up_e(x[n])), e = experts[n, k].
 
-    The N * K assignments are sorted by expert (stably: token order within an expert), so
-    each expert's tokens are one contiguous group of rows; `jax.lax.ragged_dot` multiplies
-    each group by its expert's kernel, and the rows go back to their (token, k) places.
-    Matmuls in x's dtype; the weighted sum in float32, cast back to x's dtype.
+    The dispatch point of the experts' work over the mesh in context (`target_mesh`):
+    with none (or one device, or inside a `shard_map` manual over every axis), or for
+    ragged_dot without `expert_axis` (XLA partitions it), the arrays are computed as they
+    are (`local_experts`). Otherwise inside `jax.shard_map` (a Pallas kernel cannot be
+    partitioned by XLA): tokens
+    split over the batch axes, the experts' hidden width F over "tensor", and with
+    `expert_axis` (a batch axis, `EXPERT_AXES`) the experts themselves split over that
+    axis: each device all-gathers the tokens (with their routes) of its `expert_axis`
+    group, runs its X / s local experts on the assignments routed to them, and a
+    reduce-scatter over the axis sums every token's K contributions back onto the device
+    that holds the token. Without `expert_axis` every device runs every expert on its own
+    tokens (the experts' weights gathered, as for a dense MLP).
+
+    Args:
+      expert_axis: the mesh axis the X experts are split over ("" = none); X must divide
+        by its size.
+      kernel: the grouped matmul (`MOE_KERNELS`): "ragged_dot" (`jax.lax.ragged_dot`),
+        "megablox" (Pallas' TPU kernel `gmm`, its interpreter off TPU), "auto" =
+        megablox when compiling for TPU, ragged_dot elsewhere.
+    """
+    if kernel not in MOE_KERNELS:
+        raise ValueError(f"moe_kernel: expected one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
+    if kernel == "auto":
+        kernel = "megablox" if attention_kernels.target_platform() == "tpu" else "ragged_dot"
+    interpret = attention_kernels.target_platform() != "tpu"
+    num_experts = gate_XxExF.shape[0]
+    mesh = attention_kernels.target_mesh()
+    whole = not expert_axis and kernel == "ragged_dot"  # XLA partitions ragged_dot itself
+    if whole or mesh is None or mesh.size == 1 or mesh.are_all_axes_manual:
+        return local_experts(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF,
+                             down_XxFxE, 0, num_experts, kernel, interpret)  # fmt: skip
+    manual = set(getattr(mesh, "manual_axes", ()))
+    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+             if a not in manual}  # fmt: skip
+    n = x_NxE.shape[0]
+    rows, used = [], 1
+    for axis in BATCH_AXES:
+        size = shape.get(axis, 1)
+        if size > 1 and n % (used * size) == 0:
+            rows.append(axis)
+            used *= size
+    split = expert_axis if shape.get(expert_axis, 1) > 1 else ""
+    if split and num_experts % shape[split]:
+        raise ValueError(
+            f"num_experts ({num_experts}) must divide by the size of mesh axis {split!r} "
+            f"({shape[split]}) that expert_axis splits the experts over"
+        )
+    tensor = shape.get("tensor", 1)
+    hidden = "tensor" if tensor > 1 and gate_XxExF.shape[2] % tensor == 0 else None
+    rows_axes = tuple(rows) or None
+    token_spec = P(rows_axes, None)
+    expert = split or None
+
+    def local(x, experts, weights, gate, up, down):
+        first = 0
+        if split:
+            first = jax.lax.axis_index(split) * gate.shape[0]
+            if split in rows:  # each device's tokens, gathered over the expert axis
+                x, experts, weights = (
+                    jax.lax.all_gather(a, split, axis=0, tiled=True) for a in (x, experts, weights)
+                )
+        y = local_experts(x, experts, weights, gate, up, down, first, num_experts, kernel,
+                          interpret, out_dtype=jnp.float32)  # fmt: skip
+        if hidden:
+            y = jax.lax.psum(y, "tensor")
+        if split in rows:
+            y = jax.lax.psum_scatter(y, split, scatter_dimension=0, tiled=True)
+        elif split:
+            y = jax.lax.psum(y, split)
+        return y.astype(x_NxE.dtype)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            token_spec,
+            token_spec,
+            token_spec,
+            P(expert, None, hidden),
+            P(expert, None, hidden),
+            P(expert, hidden, None),
+        ),  # fmt: skip
+        out_specs=token_spec,
+        axis_names=set(shape),
+        # Pallas' output shapes carry no varying-axes type; the gradients through the
+        # collectives are tested equal to one device's (tests/models/moe_test.py).
+        check_vma=False,
+    )(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF, down_XxFxE)
+
+
+def local_experts(
+    x_NxE: jax.Array,
+    experts_NxK: jax.Array,
+    weights_NxK: jax.Array,
+    gate_LxExF: jax.Array,
+    up_LxExF: jax.Array,
+    down_LxFxE: jax.Array,
+    first_expert: jax.Array | int,
+    num_experts: int,
+    kernel: str = "ragged_dot",
+    interpret: bool = True,
+    out_dtype=None,
+) -> jax.Array:
+    """`moe_experts`' sum over the L local experts first_expert ... first_expert + L - 1 of
+    X (the others' assignments add nothing), on one device's arrays.
+
+    The N * K assignments are sorted (stably: token order within an expert) by expert
+    index relative to `first_expert` mod X, so the local experts' rows come first, one
+    contiguous group each; the grouped matmul multiplies each group by its expert's
+    kernel (rows past the local groups come out zero), and the rows go back to their
+    (token, k) places. Matmuls in x's dtype; the weighted sum in float32, cast to
+    `out_dtype` (default x's dtype).
     """
     n, k = experts_NxK.shape
-    num_experts = gate_XxExF.shape[0]
     flat_M = experts_NxK.reshape(-1)  # M = N * K assignments, token-major
+    if gate_LxExF.shape[0] < num_experts:
+        flat_M = (flat_M - first_expert) % num_experts  # the local experts first
     order_M = jnp.argsort(flat_M, stable=True)  # assignment of each sorted row
     sizes_X = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
     x_MxE = jnp.take(x_NxE, order_M // k, axis=0)
-    hidden_MxF = jax.nn.silu(jax.lax.ragged_dot(x_MxE, gate_XxExF, sizes_X))
-    hidden_MxF = hidden_MxF * jax.lax.ragged_dot(x_MxE, up_XxExF, sizes_X)
-    y_MxE = jax.lax.ragged_dot(hidden_MxF, down_XxFxE, sizes_X)
+    matmul = functools.partial(
+        _megablox if kernel == "megablox" else _ragged_dot,
+        sizes_X=sizes_X,
+        interpret=interpret,
+    )
+    hidden_MxF = jax.nn.silu(matmul(x_MxE, gate_LxExF)) * matmul(x_MxE, up_LxExF)
+    y_MxE = matmul(hidden_MxF, down_LxFxE)
     # Back to token-major rows: row order_M[i] of the output is sorted row i.
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype))
     y_NxKxE = jnp.take(y_MxE, inverse_M, axis=0).reshape(n, k, -1)
     y_NxE = jnp.einsum("nke,nk->ne", y_NxKxE.astype(jnp.float32), weights_NxK)
-    return y_NxE.astype(x_NxE.dtype)
+    return y_NxE.astype(out_dtype or x_NxE.dtype)
+
+
+def _ragged_dot(lhs_MxA, rhs_LxAxB, sizes_X, interpret):
+    """`jax.lax.ragged_dot` over the first L groups of the rows (the rest come out zero)."""
+    del interpret
+    return jax.lax.ragged_dot(lhs_MxA, rhs_LxAxB, sizes_X[: rhs_LxAxB.shape[0]])
+
+
+def _megablox(lhs_MxA, rhs_LxAxB, sizes_X, interpret):
+    """Pallas' grouped matmul `gmm` (TPU; its interpreter elsewhere) over the first L groups
+    of the rows, the others zero.
+
+    `gmm` needs the rows in whole tiles of `tm` rows (zero rows appended, cut off after)
+    and leaves rows outside the kernel's groups unwritten unless its group sizes name more
+    groups than its kernel has: the L local sizes plus one group of every other row, so
+    the rows past the local groups come out zero, forward and backward (`gmm`'s VJP).
+    Contraction and output widths are tiled by 128 (or the whole width when narrower).
+    """
+    m, a = lhs_MxA.shape
+    num_local, _, b = rhs_LxAxB.shape
+    tm = min(_GMM_TILE, -(-m // 16) * 16)
+    padded = -(-m // tm) * tm
+    local_L = sizes_X[:num_local]
+    sizes = jnp.concatenate([local_L, (padded - jnp.sum(local_L))[None]]).astype(jnp.int32)
+    lhs = jnp.pad(lhs_MxA, ((0, padded - m), (0, 0)))
+    out = megablox.gmm(
+        lhs,
+        rhs_LxAxB,
+        sizes,
+        lhs_MxA.dtype,
+        (tm, min(_GMM_TILE, a), min(_GMM_TILE, b)),
+        interpret=interpret,
+    )
+    return out[:m]
 
 
 def load_balancing_loss(

@@ -4,8 +4,11 @@ One mesh with three axes, `MESH_AXES = ("data", "fsdp", "tensor")`:
 - `data`: pure data parallelism (batch split, weights replicated);
 - `fsdp`: batch split *and* weights split along "embed" (ZeRO-3 style);
 - `tensor`: heads, MLP and vocab split (Megatron style).
-A mixture of experts' expert axis ("expert") is on no mesh axis yet: its experts are
-sharded as a dense MLP's kernels (hidden dim over fsdp, expert hidden dim over tensor).
+A mixture of experts' expert axis ("expert") goes where its model's `expert_axis` says
+(`param_specs`): "" (the rules' default) keeps every expert on every device, sharded as a
+dense MLP's kernels (hidden dim over fsdp, expert hidden dim over tensor); "fsdp" or
+"data" splits the experts over that batch axis (hidden dim whole, expert hidden dim over
+tensor), and `moe.moe_experts` exchanges tokens over it instead of gathering weights.
 
 Parameters carry logical axis names (model.py); a rule set maps each logical name
 to mesh axes. `TRAIN_RULES` shards weights over fsdp and tensor; `SAMPLE_RULES`
@@ -182,7 +185,20 @@ def param_shapes(model_config: model_config_lib.ModelConfig):
 
 
 def param_specs(model_config: model_config_lib.ModelConfig, mesh: Mesh, rules: Rules | Mapping):
-    """Pytree of mesh PartitionSpecs matching `init_params(model_config, ...)`."""
+    """Pytree of mesh PartitionSpecs matching `init_params(model_config, ...)`.
+
+    A mixture of experts' "expert" axis goes on `model_config.expert_axis` (ahead of the
+    rules' own "expert" rule), whose size must divide `num_experts`.
+    """
+    axis = model_config.expert_axis
+    if model_config.is_moe and axis:
+        size = mesh.shape.get(axis, 1)
+        if model_config.num_experts % size:
+            raise ValueError(
+                f"expert_axis: num_experts ({model_config.num_experts}) must divide by the "
+                f"size of mesh axis {axis!r} ({size})"
+            )
+        rules = (("expert", axis), *_canonical_rules(rules))
     logical = model_lib.logical_axes(model_config)
     shapes = param_shapes(model_config)
     return jax.tree.map(

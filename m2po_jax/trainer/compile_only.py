@@ -778,7 +778,8 @@ def model_for(
 
     m = cfg.model
     layout = dict(remat=m.remat, remat_policy=m.remat_policy, attention=m.attention,
-                  scan_layers=m.scan_layers, **setup_lib.lora_fields(m))  # fmt: skip
+                  scan_layers=m.scan_layers, expert_axis=cfg.mesh.expert_axis,
+                  **setup_lib.lora_fields(m))  # fmt: skip
     if architecture:
         model_config = architectures.model_config(
             architecture, dtype=m.dtype, param_dtype=m.param_dtype, **layout

@@ -327,12 +327,13 @@ def build_model(cfg: Config, vocab_size: int):
             remat_policy=m.remat_policy,
             attention=m.attention,
             scan_layers=m.scan_layers,
+            expert_axis=cfg.mesh.expert_axis,
             **lora_fields(m),
         )
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     fields = [f.name for f in dataclasses.fields(model_config_lib.ModelConfig)]
     with _named_as_in_the_config({name: f"model.{name}" for name in fields}):
-        model_config = _new_architecture(m, vocab_size)
+        model_config = _new_architecture(m, vocab_size).replace(expert_axis=cfg.mesh.expert_axis)
     if model_config.vocab_size < vocab_size:
         raise ValueError(
             f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "

@@ -57,7 +57,8 @@ def test_a_new_field_is_one_declaration():
     )
     page = _hooks().render_fields(ConfigWithEntropy)
     assert row in page.splitlines()
-    assert "161 fields in 18 sections." in page  # one more than Config's
+    fields = len(list(knobs.knobs(Config)))
+    assert f"{fields + 1} fields in 18 sections." in page  # one more than Config's
     assert "entropy_coef" not in _hooks().render_fields()
 
 
@@ -120,7 +121,7 @@ def test_declared_choices_are_the_librarys():
         scopes,
     )
     from m2po_jax.learner import optim
-    from m2po_jax.models import attention, families, model_config, prompts, quant
+    from m2po_jax.models import attention, families, model_config, moe, prompts, quant
     from m2po_jax.rollout import engines
 
     library = {
@@ -146,6 +147,7 @@ def test_declared_choices_are_the_librarys():
         "actor.reward_norm.std_level": advantages.NORM_LEVELS,
         "actor.kl_estimator": penalties.KL_ESTIMATORS,
         "actor.optimizer.lr_scheduler_type": optim.LR_SCHEDULER_TYPES,
+        "mesh.expert_axis": moe.EXPERT_AXES,
     }
     declared = {path: spec.choices for path, spec in knobs.knobs(Config) if spec.choices}
     for path, choices in library.items():

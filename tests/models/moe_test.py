@@ -8,12 +8,15 @@ load-balancing loss and greedy tokens are independent of `model.py`, `moe.py` an
 norms and attention all move the logits.
 """
 
+import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from m2po_jax.learner import memory
@@ -315,6 +318,27 @@ def test_param_counts_total_and_active():
     assert plan.params == leaves * 4
 
 
+def test_memory_plan_counts_experts_split_over_fsdp():
+    """fsdp=4 with expert_axis="fsdp": each device holds 2 of 8 experts whole (not all 8 with
+    their hidden dim split: the same bytes), and the activations grow by the routed rows of
+    the 4 x gathered tokens, by hand: (s - 1) x (3KF + 2KE) + s x E x (1 + 4 / 2 bytes) per
+    token and layer, bfloat16 compute, no remat."""
+    c = ModelConfig(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=40,
+        num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, dtype="bfloat16",
+    )  # fmt: skip
+    mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
+    split = c.replace(expert_axis="fsdp")
+    specs = sharding.param_specs(split, mesh, sharding.TRAIN_RULES)["layers_0"]["mlp"]
+    assert specs["up_experts"] == P("fsdp", None, "tensor")  # tensor: size 1 here
+    whole, parted = (memory.memory_plan(x, mesh, batch=8, seq_len=8) for x in (c, split))
+    assert parted.params == whole.params and parted.optimizer == whole.optimizer
+    s, k, e, f, tokens = 4, 2, 16, 12, 2 * 8  # 2 rows of 8 tokens a device
+    per_token = (s - 1) * (3 * k * f + 2 * k * e) + s * e * (1 + 2)
+    assert parted.activations - whole.activations == 3 * tokens * per_token * 2
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -349,3 +373,144 @@ def test_model_config_refuses_combinations_that_do_not_compose(changes, match):
         ModelConfig(**{**moe_config, **changes})
     with pytest.raises(ValueError, match=r"router_logits: qwen3 has no router"):
         model.router_logits({}, ModelConfig(model_type="qwen3", qk_norm=True))
+
+
+# ----------------------------------------------------------------------------- expert parallel
+
+
+def _dense_experts(x, experts, weights, gate, up, down):
+    """moe_experts by the formula, every token through every expert, in float64 numpy."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    y = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = int(experts[n, k])
+            y[n] += float(weights[n, k]) * (silu(x[n] @ gate[e]) * (x[n] @ up[e])) @ down[e]
+    return y
+
+
+def _skewed_routing(n: int, k: int, num_experts: int, seed: int):
+    """Tokens, routes and weights where experts 3, 4, 6, 7 get no token and the others
+    uneven counts (expert 0 most)."""
+    rng = np.random.default_rng(seed)
+    used = np.array([0, 0, 0, 1, 2, 5])
+    experts = np.stack([rng.permutation(used)[:k] for _ in range(n)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    return experts, weights
+
+
+@pytest.mark.parametrize("expert_axis", ["fsdp", "data"])
+def test_expert_parallel_forward_and_gradients_match_one_device(expert_axis):
+    """8 experts split over a batch axis of data=2 x fsdp=2 x tensor=2 (tokens gathered over
+    it, reduce-scattered back), with routing skewed (4 experts get no token, expert 0 most):
+    y equals a float64 numpy reference, and y and the gradients of every input equal one
+    device's `moe_experts` (float32 sums of <= 16 products: 1e-5)."""
+    n, k, x_, e, f = 8, 2, 8, 16, 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
+    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
+    experts, weights = _skewed_routing(n, k, x_, 1)
+    assert np.bincount(experts.ravel(), minlength=x_)[[3, 4, 6, 7]].sum() == 0
+    probe = rng.normal(size=(n, e)).astype(np.float32)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
+
+    def loss(x, weights, gate, up, down, axis):
+        y = moe.moe_experts(x, jnp.asarray(experts), weights, gate, up, down, expert_axis=axis)
+        return jnp.sum(y * probe), y
+
+    args = (x, weights, gate, up, down)
+    grad = jax.value_and_grad(loss, argnums=range(5), has_aux=True)
+    (_, want_y), want = jax.jit(functools.partial(grad, axis=""))(*args)
+    split = P(expert_axis, None, "tensor")
+    specs = (P(("data", "fsdp")), P(("data", "fsdp")), split, split, P(expert_axis, "tensor"))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+    step = jax.jit(sharding.on_mesh(functools.partial(grad, axis=expert_axis), mesh))
+    (_, y), grads = step(*placed)
+    hlo = step.lower(*placed).as_text()
+    assert "all_gather" in hlo and "reduce_scatter" in hlo
+    np.testing.assert_allclose(want_y, _dense_experts(x, experts, weights, gate, up, down),
+                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(y, want_y, atol=1e-5)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert float(jnp.abs(grads[2][3]).max()) == 0 and float(jnp.abs(grads[2][0]).max()) > 1e-3
+
+
+def test_expert_parallel_model_matches_one_device(checkpoints):
+    """The whole model with expert_axis="fsdp" on fsdp=4 x tensor=2: experts split over
+    fsdp (whole hidden dim), and the logits and every param's gradient equal one device's."""
+    _, _, ours = checkpoints["x8_top2_norm_untied"]
+    c, params = ours.config.replace(expert_axis="fsdp"), ours.params
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2}, jax.devices()[:8])
+    specs = sharding.param_specs(c, mesh, sharding.TRAIN_RULES)["layers_0"]["mlp"]
+    assert specs["gate_experts"] == P("fsdp", None, "tensor")
+    assert specs["down_experts"] == P("fsdp", "tensor", None)
+    ids = jnp.asarray(_ids(3, (4, 6)))
+
+    def loss(p, config):
+        return jnp.sum(jax.nn.log_softmax(model.apply(p, config, ids))[..., 7])
+
+    shardings = sharding.param_shardings(c, mesh, sharding.TRAIN_RULES)
+    step = jax.jit(sharding.on_mesh(jax.value_and_grad(loss), mesh), static_argnums=1)
+    value, grads = step(jax.device_put(params, shardings), c)
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
+        params, ours.config
+    )
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, want_grads)
+
+
+def test_expert_axis_refuses_experts_it_does_not_divide(checkpoints):
+    """6 experts over fsdp=4: one line naming expert_axis, 6 and 4."""
+    _, _, ours = checkpoints["x6_top3_tied"]
+    mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"expert_axis: num_experts \(6\) .* 'fsdp' \(4\)"):
+        sharding.param_specs(ours.config.replace(expert_axis="fsdp"), mesh, sharding.TRAIN_RULES)
+    with pytest.raises(ValueError, match="expert_axis: expected one of"):
+        ours.config.replace(expert_axis="tensor")
+    with pytest.raises(ValueError, match="moe_kernel: expected one of"):
+        ours.config.replace(moe_kernel="dense")
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_megablox_matches_ragged_dot(shards):
+    """Pallas' `gmm` (its interpreter on CPU: rows padded to whole tiles, the other experts'
+    rows left to the kernel to zero) gives ragged_dot's y and gradients under skewed
+    routing: all 8 experts on one device, and the sum of 4 devices' `local_experts` over
+    their 2 experts each (what each device of an expert axis of 4 runs; Pallas'
+    interpreter does not run inside a CPU `shard_map`)."""
+    n, k, x_, e, f = 8, 2, 8, 16, 8
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(n, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
+    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
+    experts, weights = _skewed_routing(n, k, x_, 3)
+    probe = rng.normal(size=(n, e)).astype(np.float32)
+    per = x_ // shards
+
+    def loss(x, weights, gate, up, down, kernel):
+        y = sum(
+            moe.local_experts(
+                x,
+                jnp.asarray(experts),
+                weights,
+                *(a[s * per : (s + 1) * per] for a in (gate, up, down)),
+                s * per,
+                x_,
+                kernel,
+            )  # fmt: skip
+            for s in range(shards)
+        )
+        return jnp.sum(y * probe), y
+
+    grad = jax.value_and_grad(loss, argnums=range(5), has_aux=True)
+    args = (x, weights, gate, up, down)
+    (_, want_y), want = jax.jit(functools.partial(grad, kernel="ragged_dot"))(*args)
+    (_, y), grads = jax.jit(functools.partial(grad, kernel="megablox"))(*args)
+    np.testing.assert_allclose(want_y, _dense_experts(x, experts, weights, gate, up, down),
+                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(y, want_y, atol=1e-5)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
