@@ -407,30 +407,10 @@ def _key(placement):
 def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target, *,
             stop_ids=(0,), pad_id: int = 0, say=print) -> Report:  # fmt: skip
     """Compiles every program of `cfg`'s run for `tgt`'s devices; see the module doc."""
-
-    mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    devices = list(tgt.devices)
-    rollout_placement = None
+    placement, rollout_placement = _placements(cfg, model_config, list(tgt.devices))
+    sampler_placement = rollout_placement or placement
     # The rollouts' weights (`rollout.weight_dtype`), as the trainer's engine runs them.
     rollout_config = setup_lib.rollout_model_config(cfg, model_config)
-    if cfg.rollout.mode == "async":
-        rollout_devices, train_devices = _split(devices, cfg.mesh.rollout_devices)
-        placement = placement_lib.Placement(
-            sharding.make_mesh(mesh_shape, train_devices), model_config
-        )
-        tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
-        rollout_placement = placement_lib.Placement(
-            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), rollout_config
-        )
-    else:
-        size = math.prod(mesh_shape.values())
-        if -1 not in mesh_shape.values() and size < len(devices):
-            devices = devices[:size]  # as `Placement.from_shape`: a mesh on the first devices
-        placement = placement_lib.Placement(sharding.make_mesh(mesh_shape, devices), model_config)
-    setup_lib.check_rows(cfg, placement, rollout_placement)
-    sampler_placement = rollout_placement or placement
-    decoding = sampling.from_gconfig(cfg.gconfig, stop_ids, pad_id)
-
     programs: list[Program] = []
 
     def add(program: Program) -> Program:
@@ -446,51 +426,117 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         )
         return program
 
-    # ---- the train step ----------------------------------------------------------------
     rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
-    prompt_len, new = cfg.task.max_prompt_len, cfg.gconfig.max_new_tokens
-    seq_len = prompt_len + new
+    seq_len = cfg.task.max_prompt_len + cfg.gconfig.max_new_tokens
     train, state = train_step_program(cfg, model_config, placement)
     add(train)
     params_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-    train_params = state.params
     state_bytes = _bytes_per_device(state)
-
-    # ---- the supervised warm-up -------------------------------------------------------
     if cfg.sft.max_steps:
-        sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
-        # What the warm-up trains: every param, or under LoRA the base, or under a quantised
-        # base the adapters (`sft.warmup_split`).
-        warm_shape = sft.warmup_split(params_shape, model_config)[0]
-        opt_shape = jax.eval_shape(sft_tx.init, warm_shape)
-        warm_shardings = sft.warmup_split(placement.train_params, model_config)[0]
-        opt = _abstract(
-            opt_shape, sharding.opt_state_shardings(opt_shape, warm_shardings, placement.mesh)
-        )
-        b = cfg.sft.batch_size
-        add(
-            compile_program(
-                "sft_step",
-                f"warm-up, {b} rows x {seq_len} tokens",
-                sft.make_sft_step(model_config, sft_tx, placement.mesh),
-                train_params,
-                opt,
-                _rows(placement, jnp.int32, b, seq_len),
-                _rows(placement, jnp.bool_, b, seq_len),
-                _rows(placement, jnp.bool_, b, seq_len),
-            )
-        )
+        add(_sft_program(cfg, model_config, placement, state.params, params_shape, seq_len))
+    publish, sample_params = _reshard_program(
+        cfg, rollout_config, placement, rollout_placement, state.params, params_shape
+    )
+    add(publish)
+    # The train state stays resident beside the sampling-side programs when they share
+    # devices; the sampling copy replaces nothing.
+    beside = 0 if rollout_placement is not None else state_bytes
+    publish.resident_beside = beside - _bytes_per_device(state.params)
 
-    # ---- weights to the sampling layout -------------------------------------------------
-    # Converted to `rollout.weight_dtype` on the way (`quant.convert_weights`), as the
-    # trainer's `SamplingCopy` (sync) or `WeightPublisher` (async) does.
+    limit = cfg.mesh.device_memory_gib and int(cfg.mesh.device_memory_gib * 2**30)
+    limit = limit or tgt.hbm_bytes
+    prompts = _sampled_prompts(cfg, rollout_placement is not None, tgt.devices)
+    engine, step_params, decode = _sampling_programs(
+        cfg, model_config, rollout_config, (placement, sampler_placement), sample_params,
+        params_shape, prompts, limit, (stop_ids, pad_id), add,
+    )  # fmt: skip
+    for p in programs[programs.index(publish) + 1 :]:
+        p.resident_beside = state_bytes if p.name.startswith("evaluate") else beside
+
+    plan, _ = setup_lib.memory_plan(cfg, model_config, placement, limit)
+    new = cfg.gconfig.max_new_tokens
+    widths = sorted({batching.completion_width(n, new) for n in range(new + 1)})
+    roofline = _roofline(
+        tgt, rollout_config, train, decode, sample_params, rows, seq_len, sampler_placement
+    )
+    run = next((p for p in programs if p.name == "paged_decode_step"), None)
+    if roofline and run is not None:  # the probe was compiled: `step_params` is its weights
+        prompt_len = cfg.task.max_prompt_len
+        size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
+        weights = _bytes_per_device(step_params)
+        roofline |= _paged_roofline(
+            tgt, rollout_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
+        )
+    return Report(
+        target=tgt,
+        mesh_shape=dict(placement.mesh.shape),
+        programs=programs,
+        state_bytes=state_bytes,
+        plan_total=plan.peak,
+        roofline=roofline,
+        widths=widths,
+    )
+
+
+def _placements(cfg: Config, model_config, devices: list):
+    """(train placement, rollout placement or None) as the run makes them on `devices`:
+    async splits each host's devices, sync takes the first devices of the mesh's size."""
+    mesh_shape = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    rollout_placement = None
+    if cfg.rollout.mode == "async":
+        rollout_config = setup_lib.rollout_model_config(cfg, model_config)
+        rollout_devices, train_devices = _split(devices, cfg.mesh.rollout_devices)
+        placement = placement_lib.Placement(
+            sharding.make_mesh(mesh_shape, train_devices), model_config
+        )
+        tensor = cfg.mesh.tensor if len(rollout_devices) % cfg.mesh.tensor == 0 else 1
+        rollout_placement = placement_lib.Placement(
+            sharding.make_mesh({"data": -1, "tensor": tensor}, rollout_devices), rollout_config
+        )
+    else:
+        size = math.prod(mesh_shape.values())
+        if -1 not in mesh_shape.values() and size < len(devices):
+            devices = devices[:size]  # as `Placement.from_shape`: a mesh on the first devices
+        placement = placement_lib.Placement(sharding.make_mesh(mesh_shape, devices), model_config)
+    setup_lib.check_rows(cfg, placement, rollout_placement)
+    return placement, rollout_placement
+
+
+def _sft_program(cfg: Config, model_config, placement, train_params, params_shape, seq_len):
+    """The supervised warm-up's step, on what it trains: every param, or under LoRA the
+    base, or under a quantised base the adapters (`sft.warmup_split`)."""
+    sft_tx = optax.adamw(cfg.sft.lr, weight_decay=0.0)
+    warm_shape = sft.warmup_split(params_shape, model_config)[0]
+    opt_shape = jax.eval_shape(sft_tx.init, warm_shape)
+    warm_shardings = sft.warmup_split(placement.train_params, model_config)[0]
+    opt = _abstract(
+        opt_shape, sharding.opt_state_shardings(opt_shape, warm_shardings, placement.mesh)
+    )
+    b = cfg.sft.batch_size
+    return compile_program(
+        "sft_step",
+        f"warm-up, {b} rows x {seq_len} tokens",
+        sft.make_sft_step(model_config, sft_tx, placement.mesh),
+        train_params,
+        opt,
+        _rows(placement, jnp.int32, b, seq_len),
+        _rows(placement, jnp.bool_, b, seq_len),
+        _rows(placement, jnp.bool_, b, seq_len),
+    )
+
+
+def _reshard_program(cfg, rollout_config, placement, rollout_placement, train_params,
+                     params_shape) -> tuple[Program, Any]:  # fmt: skip
+    """The weights' move to the sampling layout, converted to `rollout.weight_dtype` on
+    the way (`quant.convert_weights`) as the trainer's `SamplingCopy` (sync) or
+    `WeightPublisher` (async) does; and the sampling-side params it makes (abstract)."""
     weight_dtype = config_lib.rollout_weight_dtype(cfg)
     convert = functools.partial(quant.convert_weights, weight_dtype=weight_dtype)
     rollout_shape = jax.eval_shape(convert, params_shape)
+    sampler_placement = rollout_placement or placement
     sample_shardings = sharding.param_shardings(
         rollout_config, sampler_placement.mesh, sharding.SAMPLE_RULES
     )
-    sample_params = _abstract(rollout_shape, sample_shardings)
     converted = f", as {weight_dtype}" if weight_dtype else ""
     if rollout_placement is None:
         reshard = jax.jit(convert, out_shardings=sample_shardings)
@@ -502,28 +548,44 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
             "async: params gathered on the train mesh before the copy to rollout devices"
             + converted
         )
-    publish = add(compile_program("reshard", what, reshard, train_params))
-    # The train state stays resident beside the sampling-side programs when they share
-    # devices; the sampling copy replaces nothing.
-    beside = 0 if rollout_placement is not None else state_bytes
-    publish.resident_beside = beside - _bytes_per_device(train_params)
+    program = compile_program("reshard", what, reshard, train_params)
+    return program, _abstract(rollout_shape, sample_shardings)
 
-    # ---- sampling -----------------------------------------------------------------------
+
+def _sampled_prompts(cfg: Config, async_rollouts: bool, devices) -> int:
+    """Prompts per rollout batch on one process's engine: async rollouts split the batch
+    over the topology's processes."""
     prompts = cfg.rollout.batch_size
-    if rollout_placement is not None:
+    if async_rollouts:
         prompts //= max(1, len({d.process_index for d in devices}))
-    # The engine's KV sized as the run sizes it on this chip (`setup.kv_budget`).
-    limit = cfg.mesh.device_memory_gib and int(cfg.mesh.device_memory_gib * 2**30)
-    limit = limit or tgt.hbm_bytes
-    rollout_config = setup_lib.rollout_model_config(cfg, model_config)
+    return prompts
+
+
+def _sampling_programs(cfg, model_config, rollout_config, placements, sample_params,
+                       params_shape, prompts, limit, stop_pad, add):  # fmt: skip
+    """The rollout engine's programs (its KV sized as the run sizes it on this chip,
+    `setup.kv_budget`), the evaluation's (the run's engine on the training devices, the
+    evaluation's decoding, eval.n_samples per prompt), the static decode step, and under
+    the paged engine one decode step as its loop runs it. Returns (engine, the step's
+    params, the decode program)."""
+    placement, sampler_placement = placements
+    decoding = sampling.from_gconfig(cfg.gconfig, *stop_pad)
+    prompt_len = cfg.task.max_prompt_len
+    rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
+    seq_len = prompt_len + cfg.gconfig.max_new_tokens
     engine = setup_lib.build_engine(cfg, rollout_config, decoding, sampler_placement, limit)
     max_append = cfg.agent.max_append_tokens if cfg.agent.env else 0
-    for program in _compile_engine(
-        engine, sample_params, prompts, cfg.gconfig.n_samples, prompt_len, max_append=max_append
-    ):
-        add(program)
-    # The evaluation as the run makes it (`evaluate.evaluate`): the run's engine on the
-    # training devices, the evaluation's decoding, eval.n_samples per prompt.
+    started = [
+        add(p)
+        for p in _compile_engine(
+            engine,
+            sample_params,
+            prompts,
+            cfg.gconfig.n_samples,
+            prompt_len,
+            max_append=max_append,
+        )  # fmt: skip
+    ]
     settings = evaluate_lib.eval_decoding(cfg, decoding)
     evaluator = setup_lib.build_engine(
         cfg, model_config, settings, placement, limit, trained_weights=True
@@ -537,7 +599,8 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         p.what = f"evaluation ({p.what}), {cfg.eval.batch_size} prompts x {cfg.eval.n_samples}"
         add(p)
     decode = add(_compile_decode(sampler_placement, sample_params, rollout_config, rows, seq_len))
-    start = next((p for p in programs if p.name == "engine_start" and not p.error), None)
+    start = next((p for p in started if p.name == "engine_start" and not p.error), None)
+    step_params = None
     if isinstance(engine, engines.PagedEngine) and start is not None:
         # The weights as the decode loop's body reads them: XLA hoists their cast to the
         # compute dtype out of `engine_run`'s while loop (its HLO converts them in the
@@ -557,33 +620,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
         args = [_outputs(start.compiled) if isinstance(a, engines.OutputOf) else a
                 for a in probe.args]  # fmt: skip
         add(compile_program(probe.name, probe.what, probe.jitted, *args)).probe = True
-    for p in programs[programs.index(publish) + 1 :]:
-        if p.name.startswith("evaluate"):
-            p.resident_beside = state_bytes
-        else:
-            p.resident_beside = beside
-
-    plan, _ = setup_lib.memory_plan(cfg, model_config, placement, limit)
-    widths = sorted({batching.completion_width(n, new) for n in range(new + 1)})
-    roofline = _roofline(
-        tgt, rollout_config, train, decode, sample_params, rows, seq_len, sampler_placement
-    )
-    run = next((p for p in programs if p.name == "paged_decode_step"), None)
-    if roofline and run is not None:  # the probe was compiled: `step_params` is its weights
-        size = engine.sizes(prompts, prompt_len, cfg.gconfig.n_samples)
-        weights = _bytes_per_device(step_params)
-        roofline |= _paged_roofline(
-            tgt, rollout_config, run, engine, size, prompt_len, cfg.gconfig.n_samples, weights
-        )
-    return Report(
-        target=tgt,
-        mesh_shape=dict(placement.mesh.shape),
-        programs=programs,
-        state_bytes=state_bytes,
-        plan_total=plan.peak,
-        roofline=roofline,
-        widths=widths,
-    )
+    return engine, step_params, decode
 
 
 def _split(devices: list, rollout_per_process: int) -> tuple[list, list]:
