@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.num_heads = 4  # query heads
     c.model.num_kv_heads = 2  # key/value heads (grouped-query attention)
     c.model.head_dim = 0  # 0 = hidden_size // num_heads
-    c.model.model_type = "llama"  # llama | qwen2 | qwen3 (for a new model)
+    c.model.model_type = "llama"  # llama | qwen2 | qwen3 | qwen3_moe (for a new model)
     c.model.rope_theta = 10000.0  # RoPE base
     c.model.tie_word_embeddings = True  # share input embedding and output head
     c.model.dtype = "float32"  # compute dtype: float32 on CPU, bfloat16 on GPU/TPU
@@ -50,6 +50,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # run the layers of a training pass as one lax.scan: fast compiles and bounded memory for
     # deep models (each layer's weights gathered and gradients reduced in turn)
     c.model.scan_layers = False
+    # A new qwen3_moe model's mixture of experts (every layer's feed-forward block; 0 for the
+    # dense model_types; a checkpoint's come from its config.json): experts per layer
+    c.model.num_experts = 0
+    c.model.num_experts_per_tok = 0  # experts each token runs (the router's top k)
+    c.model.moe_intermediate_size = 0  # one expert's SwiGLU hidden width
+    c.model.norm_topk_prob = True  # the top-k routing weights renormalised to sum to 1
     # LoRA: train low-rank adapters on the frozen model (rank 0 = off, full fine-tuning).
     # Each target projection (q, k, v, o, gate, up, down) gets A [in, rank] and B [rank, out]
     # in float32, its output scaled by alpha / rank; only the adapters get gradients and

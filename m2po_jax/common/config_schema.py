@@ -38,6 +38,10 @@ class ModelSection:
     remat_policy: str
     scan_layers: bool
     attention: str
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
     lora: LoraSection
 
 

@@ -140,6 +140,30 @@ def _check_lora(lora, names: tuple[str, ...]) -> None:
         )
 
 
+def _check_experts(m, moe: bool) -> None:
+    """A new model's mixture-of-experts fields: set for a "moe" model_type (qwen3_moe), 0
+    for a dense one and with model.path (a checkpoint's config.json gives its experts)."""
+    sizes = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    for name in sizes:
+        _check_range(f"model.{name}", getattr(m, name), 0)
+    given = [name for name in sizes if getattr(m, name)]
+    if given and (m.path or not moe):
+        whose = "model.path's config.json gives a checkpoint's"
+        if not m.path:
+            whose = f"model.model_type={m.model_type!r} is dense; experts need qwen3_moe"
+        raise ConfigError(f"model.{given[0]}={getattr(m, given[0])}: {whose} (leave it 0)")
+    if m.path or not moe:
+        return
+    for name in ("num_experts", "moe_intermediate_size"):
+        if not getattr(m, name):
+            raise ConfigError(f"model.{name}=0: model.model_type={m.model_type!r} needs it >= 1")
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        raise ConfigError(
+            f"model.num_experts_per_tok={m.num_experts_per_tok}: expected 1..model.num_experts "
+            f"({m.num_experts})"
+        )
+
+
 def _check_range(where: str, value, low=None, high=None, low_open=False, high_open=False):
     if value is None:
         return
@@ -377,7 +401,8 @@ def validate(cfg: Config) -> Config:
     _check_range("sft.max_steps", cfg.sft.max_steps, 0)
     _check_range("sft.stop_at_accuracy", cfg.sft.stop_at_accuracy, 0.0, 1.0)
     m = cfg.model
-    _check_choice("model.model_type", m.model_type, families.DENSE_MODEL_TYPES)
+    _check_choice("model.model_type", m.model_type, tuple(families.FAMILIES))
+    _check_experts(m, families.family(m.model_type).mlp == "moe")
     _check_choice("model.dtype", m.dtype, tuple(model_config.DTYPES))
     _check_choice("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))

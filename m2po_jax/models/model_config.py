@@ -61,7 +61,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_heads
-    model_type: str = "llama"  # a family in `families.FAMILIES`: llama | qwen2 | qwen3
+    model_type: str = "llama"  # a name in `families.FAMILIES`: llama | qwen2 | qwen3 | qwen3_moe
     rope_theta: float = 10000.0
     # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
