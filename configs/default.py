@@ -58,8 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.norm_topk_prob = True  # the top-k routing weights renormalised to sum to 1
     # LoRA: train low-rank adapters on the frozen model (rank 0 = off, full fine-tuning).
     # Each target projection (q, k, v, o, gate, up, down) gets A [in, rank] and B [rank, out]
-    # in float32, its output scaled by alpha / rank; only the adapters get gradients and
-    # optimizer state; the KL reference is the model with the adapters off.
+    # in float32, its output scaled by alpha / rank (qwen3_moe: gate, up and down adapt every
+    # expert, the router stays frozen); only the adapters get gradients and optimizer state;
+    # the KL reference is the model with the adapters off.
     c.model.lora = ml_collections.ConfigDict()
     c.model.lora.rank = 0
     c.model.lora.alpha = 16.0

@@ -7,8 +7,9 @@ experts. `model.MoE` declares the params and calls these:
   `norm_topk_prob` (transformers' `Qwen3MoeTopKRouter`);
 - `moe_experts`: the experts' SwiGLU on the routed tokens, dropless (no capacity: every
   token reaches its K experts), as grouped matmuls (`jax.lax.ragged_dot`) over the N * K
-  assignments sorted by expert, then unsorted and summed with the routing weights. The one
-  function a kernel (megablox on TPU) or an expert-parallel dispatch would replace;
+  assignments sorted by expert, then unsorted and summed with the routing weights; with
+  per-expert LoRA adapters on gate, up and down when given. The one function a kernel
+  (megablox on TPU) or an expert-parallel dispatch would replace;
 - `load_balancing_loss`: transformers' `load_balancing_loss_func` (Switch Transformer's
   auxiliary loss) over every layer's router logits.
 
@@ -48,6 +49,10 @@ def route(
     return weights_NxK, experts_NxK.astype(jnp.int32)
 
 
+# One projection's LoRA adapters on every expert: (A [X, in, r], B [X, r, out]).
+ExpertAdapters = tuple[jax.Array, jax.Array]
+
+
 def moe_experts(
     x_NxE: jax.Array,
     experts_NxK: jax.Array,
@@ -55,6 +60,11 @@ def moe_experts(
     gate_XxExF: jax.Array,
     up_XxExF: jax.Array,
     down_XxFxE: jax.Array,
+    *,
+    gate_lora: ExpertAdapters | None = None,
+    up_lora: ExpertAdapters | None = None,
+    down_lora: ExpertAdapters | None = None,
+    lora_scale: float = 1.0,
 ) -> jax.Array:
     """y[n] = sum_k weights[n, k] * down_e(silu(gate_e(x[n])) * up_e(x[n])), e = experts[n, k].
 
@@ -62,16 +72,31 @@ def moe_experts(
     each expert's tokens are one contiguous group of rows; `jax.lax.ragged_dot` multiplies
     each group by its expert's kernel, and the rows go back to their (token, k) places.
     Matmuls in x's dtype; the weighted sum in float32, cast back to x's dtype.
+
+    LoRA: a projection given its adapters (`gate_lora`, `up_lora`, `down_lora`: A and B in
+    x's dtype) is proj_e(h) = h W_e + lora_scale * (h A_e) B_e, the adapter product two
+    more grouped matmuls over the same sorted groups: the merged kernel
+    W_e + lora_scale * A_e B_e without forming it.
     """
     n, k = experts_NxK.shape
     num_experts = gate_XxExF.shape[0]
     flat_M = experts_NxK.reshape(-1)  # M = N * K assignments, token-major
     order_M = jnp.argsort(flat_M, stable=True)  # assignment of each sorted row
     sizes_X = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+
+    def grouped(rows_MxI, kernel_XxIxO, lora):
+        out_MxO = jax.lax.ragged_dot(rows_MxI, kernel_XxIxO, sizes_X)
+        if lora is None:
+            return out_MxO
+        a_XxIxR, b_XxRxO = lora
+        low_MxR = jax.lax.ragged_dot(rows_MxI, a_XxIxR, sizes_X)
+        scale = jnp.asarray(lora_scale, out_MxO.dtype)
+        return out_MxO + scale * jax.lax.ragged_dot(low_MxR, b_XxRxO, sizes_X)
+
     x_MxE = jnp.take(x_NxE, order_M // k, axis=0)
-    hidden_MxF = jax.nn.silu(jax.lax.ragged_dot(x_MxE, gate_XxExF, sizes_X))
-    hidden_MxF = hidden_MxF * jax.lax.ragged_dot(x_MxE, up_XxExF, sizes_X)
-    y_MxE = jax.lax.ragged_dot(hidden_MxF, down_XxFxE, sizes_X)
+    hidden_MxF = jax.nn.silu(grouped(x_MxE, gate_XxExF, gate_lora))
+    hidden_MxF = hidden_MxF * grouped(x_MxE, up_XxExF, up_lora)
+    y_MxE = grouped(hidden_MxF, down_XxFxE, down_lora)
     # Back to token-major rows: row order_M[i] of the output is sorted row i.
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype))
     y_NxKxE = jnp.take(y_MxE, inverse_M, axis=0).reshape(n, k, -1)
