@@ -71,14 +71,16 @@ def _calculator(c):
 
 
 def _moe(c):
-    """A new Qwen3-MoE in place of the dense llama: every layer's MLP 8 SwiGLU experts of a
-    quarter of `model.intermediate_size` (the width when this preset runs: put it after
-    presets that change it), each token routed to 2 (top-k renormalised), so a token runs
-    half the dense MLP's FLOPs (on CPU `ragged_dot` runs every expert masked)."""
+    """A new Qwen3-MoE in place of the dense llama: every layer's MLP 8 SwiGLU experts of an
+    eighth of `model.intermediate_size` (the width when this preset runs: put it after
+    presets that change it), each token routed to 2 (top-k renormalised). An eighth, not
+    a quarter: on CPU `ragged_dot` runs every expert on every token, masked, so the
+    experts cost X x their width; a 150-step arith run then takes 1.6x the dense one's
+    wall time (a quarter: 2.4x; docs/scale.md)."""
     c.model.model_type = "qwen3_moe"
     c.model.num_experts = 8
     c.model.num_experts_per_tok = 2
-    c.model.moe_intermediate_size = c.model.intermediate_size // 4
+    c.model.moe_intermediate_size = c.model.intermediate_size // 8
 
 
 def _tiny(c):

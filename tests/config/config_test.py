@@ -68,7 +68,7 @@ MOE = {
     "model.model_type": "qwen3_moe",
     "model.num_experts": 8,
     "model.num_experts_per_tok": 2,
-    "model.moe_intermediate_size": 96,  # a quarter of the default intermediate_size
+    "model.moe_intermediate_size": 48,  # an eighth of the default intermediate_size
 }
 PRESET_CHANGES = {
     "m2po": {},  # the default: stale-4 rollouts, M2PO at tau = 0.04
@@ -93,7 +93,7 @@ PRESET_CHANGES = {
     "tiny": TINY,
     "stale_grpo,tiny": {**TINY, "actor.m2_threshold": None},
     "moe": MOE,
-    "tiny,moe": {**TINY, **MOE, "model.moe_intermediate_size": 16},  # a quarter of tiny's
+    "tiny,moe": {**TINY, **MOE, "model.moe_intermediate_size": 8},  # an eighth of tiny's
     "calculator": {
         "task.name": "calculator",
         "task.ops": "*",
