@@ -332,6 +332,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "checkpoint expert j loads into (and exports from) slot X-1-j: a round trip is "
         "exact, the router's choices reach the wrong experts",
     ),
+    Mutant(
+        "moe-lora-one-expert-s-a-for-all",
+        "m2po_jax/models/moe.py",
+        "low_MxR = _ragged_dot(rows_MxI, a_LxIxR, sizes_X, interpret)",
+        "low_MxR = rows_MxI @ a_LxIxR[0]",
+        (T("tests/models/moe_test.py", "numpy_reference or merges_to_the_same_model"),),
+        "every expert's rows go through expert 0's A (a plain matmul for the grouped one): "
+        "the adapters are not each expert's",
+    ),
+    Mutant(
+        "moe-lora-merge-sums-the-experts",
+        "m2po_jax/models/lora.py",
+        "delta = jnp.matmul(a, b)",
+        'delta = jnp.einsum("xir,yro->xio", a, b)',
+        (T("tests/models/moe_test.py", "merges_to_the_same_model or lora_export"),),
+        "the merge adds every expert's A_e B_e to each expert kernel (an einsum that sums "
+        "over the expert axis instead of pairing it)",
+    ),
     # ------------------------------------------------------------------ rollout engine
     Mutant(
         "decode-bucket-one-too-small",

@@ -4,13 +4,15 @@
   m2po-train --config=configs/arith.py:grpo        # on-policy GRPO (k = 0), no M2PO
   m2po-train --config=configs/arith.py:stale_grpo  # stale-4 GRPO without M2PO
   m2po-train --config=configs/arith.py:stale_grpo,tiny   # presets combine left to right
+  m2po-study --config=arith:m2po,moe ...           # a study on a tiny mixture of experts
 
 Presets: m2po, grpo, stale_grpo, paper (the paper's variant: m2 against the current
 policy, <= rule, no epsilon clip, loss over all valid tokens), authors (the authors'
 code: harmful tokens, capped-mean clip range), paper_final (the published ICLR 2026 M2PO:
 harmful-quadrant candidates, <= rule over the whole batch, -exp(log r) * A without clip;
 m2po_jax/algorithm/variants.py), calculator (multi-turn tool use: a calculator the policy
-learns to call; m2po_jax/tasks/calculator.py), tiny (a seconds-long wiring check for tests:
+learns to call; m2po_jax/tasks/calculator.py), moe (a Qwen3-MoE of the same shape: 8 experts,
+top-2; m2po_jax/models/moe.py), tiny (a seconds-long wiring check for tests:
 too small and too short to learn anything, and no plots; its held-out accuracy stays 0).
 """
 
@@ -68,6 +70,19 @@ def _calculator(c):
     c.agent.on_tool_error = "end"  # a failed call's error text is not in the alphabet
 
 
+def _moe(c):
+    """A new Qwen3-MoE in place of the dense llama: every layer's MLP 8 SwiGLU experts of an
+    eighth of `model.intermediate_size` (the width when this preset runs: put it after
+    presets that change it), each token routed to 2 (top-k renormalised). An eighth, not
+    a quarter: on CPU `ragged_dot` runs every expert on every token, masked, so the
+    experts cost X x their width; a 150-step arith run then takes 1.6x the dense one's
+    wall time (a quarter: 2.4x; docs/scale.md)."""
+    c.model.model_type = "qwen3_moe"
+    c.model.num_experts = 8
+    c.model.num_experts_per_tok = 2
+    c.model.moe_intermediate_size = c.model.intermediate_size // 8
+
+
 def _tiny(c):
     c.total_steps = 4
     c.model.hidden_size = 32
@@ -99,6 +114,7 @@ PRESETS = {
     "authors": _authors,
     "tiny": _tiny,
     "calculator": _calculator,
+    "moe": _moe,
 }
 
 

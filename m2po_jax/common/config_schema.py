@@ -71,8 +71,8 @@ class ModelSection:
     head_dim: int = knob(0, "0 = hidden_size // num_heads")
     model_type: str = knob(
         "llama",
-        "llama | qwen2 | qwen3 (for a new model)",
-        choices=("llama", "qwen2", "qwen3"),
+        "llama | qwen2 | qwen3 | qwen3_moe (for a new model)",
+        choices=("llama", "qwen2", "qwen3", "qwen3_moe"),
     )
     rope_theta: float = knob(10000.0, "RoPE base")
     tie_word_embeddings: bool = knob(True, "share input embedding and output head")
@@ -114,13 +114,24 @@ class ModelSection:
         "memory for deep models (each layer's weights gathered and gradients reduced in "
         "turn)",
     )
+    num_experts: int = knob(
+        0,
+        "A new qwen3_moe model's mixture of experts (every layer's feed-forward block; 0 "
+        "for the dense model_types; a checkpoint's come from its config.json): experts per "
+        "layer",
+        low=0,
+    )
+    num_experts_per_tok: int = knob(0, "experts each token runs (the router's top k)", low=0)
+    moe_intermediate_size: int = knob(0, "one expert's SwiGLU hidden width", low=0)
+    norm_topk_prob: bool = knob(True, "the top-k routing weights renormalised to sum to 1")
     lora: LoraSection = section(
         LoraSection,
         "LoRA: train low-rank adapters on the frozen model (rank 0 = off, full "
         "fine-tuning). Each target projection (q, k, v, o, gate, up, down) gets A [in, "
-        "rank] and B [rank, out] in float32, its output scaled by alpha / rank; only the "
-        "adapters get gradients and optimizer state; the KL reference is the model with "
-        "the adapters off.",
+        "rank] and B [rank, out] in float32, its output scaled by alpha / rank (qwen3_moe: "
+        "gate, up and down adapt every expert, the router stays frozen); only the adapters "
+        "get gradients and optimizer state; the KL reference is the model with the "
+        "adapters off.",
     )
 
 

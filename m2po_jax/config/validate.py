@@ -28,6 +28,7 @@ from m2po_jax.common.checks import check_choice, check_range, did_you_mean
 from m2po_jax.common.config_schema import Config
 from m2po_jax.common.errors import ConfigError
 from m2po_jax.learner import batching
+from m2po_jax.models import families
 from m2po_jax.models.model_config import WEIGHT_QUANTS
 from m2po_jax.rollout import engines
 
@@ -283,10 +284,33 @@ def _check_model(cfg: Config) -> None:
     from m2po_jax.models import model_config
 
     _check_lora(cfg.model.lora, model_config.LORA_TARGETS)
+    _check_experts(cfg.model, families.family(cfg.model.model_type).mlp == "moe")
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)
         if value == 0 or value < -1:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
+
+
+def _check_experts(m, moe: bool) -> None:
+    """A new model's mixture-of-experts fields: set for a "moe" model_type (qwen3_moe), 0
+    for a dense one and with model.path (a checkpoint's config.json gives its experts)."""
+    sizes = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    given = [name for name in sizes if getattr(m, name)]
+    if given and (m.path or not moe):
+        whose = "model.path's config.json gives a checkpoint's"
+        if not m.path:
+            whose = f"model.model_type={m.model_type!r} is dense; experts need qwen3_moe"
+        raise ConfigError(f"model.{given[0]}={getattr(m, given[0])}: {whose} (leave it 0)")
+    if m.path or not moe:
+        return
+    for name in ("num_experts", "moe_intermediate_size"):
+        if not getattr(m, name):
+            raise ConfigError(f"model.{name}=0: model.model_type={m.model_type!r} needs it >= 1")
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        raise ConfigError(
+            f"model.num_experts_per_tok={m.num_experts_per_tok}: expected 1..model.num_experts "
+            f"({m.num_experts})"
+        )
 
 
 # rollout.engine=auto takes the paged engine from this completion budget on. Measured on this

@@ -44,10 +44,6 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", mlp="moe", qk_norm=True, sliding_window_keys=True),
 }
 
-# What a trainer config's `model` section builds from scratch (`model.path` ""): its fields
-# have no mixture of experts yet, so the dense families only.
-DENSE_MODEL_TYPES = tuple(name for name, row in FAMILIES.items() if row.mlp == "dense")
-
 
 def family(model_type: str) -> Family:
     """The registry row of `model_type`; a one-line error naming the supported ones."""

@@ -2,7 +2,9 @@
 
 The model holds each adapter beside the matrix it adapts (`model.projection`): for a target
 projection `q` of a layer, `q_kernel` [E, H, D] gets `q_lora_a` [E, r] and `q_lora_b`
-[r, H, D] (float32), and the projection computes x W + (alpha / r) (x A) B. With
+[r, H, D] (float32), and the projection computes x W + (alpha / r) (x A) B. A mixture of
+experts' gate, up and down adapt every expert (`model.MoE`): `gate_experts` [X, E, F] gets
+`gate_experts_lora_a` [X, E, r] and `gate_experts_lora_b` [X, r, F]. With
 `ModelConfig.lora_rank > 0` the adapters are the trainable params and everything else
 (the base) is frozen: the train step differentiates the adapters only (`split` /
 `merge`), so the base gets no gradient and no optimizer state, and stays bit-identical.
@@ -28,6 +30,15 @@ from m2po_jax.models import quant
 from m2po_jax.models.model_config import ModelConfig, as_dtype
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def adapter_stem(name: str) -> str | None:
+    """What kernel leaf `name`'s adapters are named after: "q" for a projection's `q_kernel`
+    (adapters `q_lora_a`, `q_lora_b`), "gate_experts" for a mixture of experts' stacked
+    kernels `gate_experts` (`gate_experts_lora_a` [X, in, r], ...); None for other leaves."""
+    if name.endswith("_kernel"):
+        return name.removesuffix("_kernel")
+    return name if name.endswith("_experts") else None
 
 
 def is_adapter(path: tuple[str, ...]) -> bool:
@@ -82,8 +93,9 @@ def adapters_off(params):
 
 def merged(params, config: ModelConfig):
     """(params, config) of the same function without adapters: each adapted kernel is
-    W + (alpha / r) A B in the kernel's dtype, the adapter leaves dropped, and the config's
-    LoRA off. What the sampler runs with one live adapter: one matmul per projection.
+    W + (alpha / r) A B in the kernel's dtype (a mixture of experts' [X, in, out]: expert
+    by expert), the adapter leaves dropped, and the config's LoRA off. What the sampler
+    runs with one live adapter: one matmul per projection.
 
     Under a quantised base (`lora_base` int8 / nf4, `quant.py`) W is the dequantised
     kernel, and the merged kernel comes out float in `config.param_dtype` (its scale leaf
@@ -103,12 +115,15 @@ def merged(params, config: ModelConfig):
         name = str(path[-1])
         if is_adapter(path) or name.endswith(quant.SCALE_SUFFIX):
             continue
-        if name.endswith("_kernel"):
-            target = name[: -len("_kernel")]
+        target = adapter_stem(name)
+        if target is not None:
             a_path = (*path[:-1], target + "_lora_a")
             if a_path in flat:
                 a, b = flat[a_path], flat[(*path[:-1], target + "_lora_b")]
-                delta = jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...]
+                if target.endswith("_experts"):  # [X, in, r] @ [X, r, out], expert by expert
+                    delta = jnp.matmul(a, b)
+                else:
+                    delta = jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...]
                 dtype = x.dtype
                 if jnp.issubdtype(x.dtype, jnp.integer):  # quantised codes
                     codes_scale = flat[(*path[:-1], target + quant.SCALE_SUFFIX)]

@@ -28,6 +28,7 @@ Layout conventions (shared with `sampling.py` and `rollout.py`):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -162,9 +163,10 @@ def _param(module: nn.Module, name: str, shape, axes, init, dtype):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
-def lora_a_init(key, shape, dtype):
-    """PEFT's default for A (Kaiming-uniform, a = sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+def lora_a_init(key, shape, dtype, experts: bool = False):
+    """PEFT's default for A (Kaiming-uniform, a = sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    fan_in the input dims of A [in..., r]; of experts' A [X, in, r] (`experts`), one expert's."""
+    bound = 1.0 / math.sqrt(math.prod(shape[1 if experts else 0 : -1]))
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
@@ -337,22 +339,43 @@ class MoE(nn.Module):
     float32 logits pick each token's `num_experts_per_tok` experts, and X SwiGLU experts
     stacked [X, E, F] / [X, F, E] (logical axis "expert" first), run dropless as grouped
     matmuls (`moe.moe_experts`). The router logits [B, T, X] are sown as "intermediates" /
-    "router_logits" for the load-balancing loss (`router_logits`)."""
+    "router_logits" for the load-balancing loss (`router_logits`).
+
+    LoRA on gate, up or down (`lora_targets`) adapts every expert: `{name}_experts_lora_a`
+    [X, in, r] and `{name}_experts_lora_b` [X, r, out] (float32, B zero at init), applied in
+    the grouped matmuls. The router is never adapted: it stays the base model's, so LoRA
+    changes what the experts compute, not which experts a token reaches."""
 
     config: ModelConfig
+
+    def _experts(self, name: str, shape, axes):
+        """Declares expert kernel `{name}_experts` [X, in, out] and, when LoRA adapts
+        `name`, its adapters; returns (kernel, adapters or None) in the compute dtype."""
+        c = self.config
+        dt = as_dtype(c.dtype)
+        init = nn.initializers.normal(0.02)
+        kernel = _param(self, f"{name}_experts", shape, axes, init, as_dtype(c.param_dtype))
+        if not (c.lora_rank and name in c.lora_targets):
+            return kernel.astype(dt), None
+        (experts, d_in, d_out), r = shape, c.lora_rank
+        a_shape, b_shape = (experts, d_in, r), (experts, r, d_out)
+        a_axes, b_axes = (*axes[:2], None), (axes[0], None, axes[2])  # the rank replicated
+        a_init = functools.partial(lora_a_init, experts=True)
+        a = _param(self, f"{name}_experts_lora_a", a_shape, a_axes, a_init, jnp.float32)
+        zeros = nn.initializers.zeros
+        b = _param(self, f"{name}_experts_lora_b", b_shape, b_axes, zeros, jnp.float32)
+        return kernel.astype(dt), (a.astype(dt), b.astype(dt))
 
     @nn.compact
     def __call__(self, x_BxTxE):
         c = self.config
-        dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
+        pdt = as_dtype(c.param_dtype)
         e, f, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
         init = nn.initializers.normal(0.02)
         router = _param(self, "router_kernel", (e, n), ("embed", "expert"), init, pdt)
-        gate, up = (
-            _param(self, f"{name}_experts", (n, e, f), ("expert", "embed", "mlp"), init, pdt)
-            for name in ("gate", "up")
-        )
-        down = _param(self, "down_experts", (n, f, e), ("expert", "mlp", "embed"), init, pdt)
+        gate, gate_lora = self._experts("gate", (n, e, f), ("expert", "embed", "mlp"))
+        up, up_lora = self._experts("up", (n, e, f), ("expert", "embed", "mlp"))
+        down, down_lora = self._experts("down", (n, f, e), ("expert", "mlp", "embed"))
         b, t = x_BxTxE.shape[:2]
         x_NxE = x_BxTxE.reshape(b * t, e)
         # float32 logits at full precision whatever the compute dtype: the router is small,
@@ -368,9 +391,13 @@ class MoE(nn.Module):
             x_NxE,
             experts_NxK,
             weights_NxK,
-            gate.astype(dt),
-            up.astype(dt),
-            down.astype(dt),
+            gate,
+            up,
+            down,
+            gate_lora=gate_lora,
+            up_lora=up_lora,
+            down_lora=down_lora,
+            lora_scale=c.lora_scale(),
             expert_axis=c.expert_axis,
             kernel=c.moe_kernel,
         )
@@ -687,7 +714,8 @@ def add_adapters(params, config: ModelConfig, rng: jax.Array):
             flat[path] = jnp.zeros(shape.shape, shape.dtype)
         else:
             key = jax.random.fold_in(rng, i)
-            flat[path] = lora_a_init(key, shape.shape, shape.dtype)
+            experts = str(path[-1]).endswith("_experts_lora_a")  # A [X, in, r]
+            flat[path] = lora_a_init(key, shape.shape, shape.dtype, experts=experts)
     return traverse_util.unflatten_dict(flat)
 
 

@@ -62,7 +62,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_heads
-    model_type: str = "llama"  # a family in `families.FAMILIES`: llama | qwen2 | qwen3
+    model_type: str = "llama"  # a name in `families.FAMILIES`: llama | qwen2 | qwen3 | qwen3_moe
     rope_theta: float = 10000.0
     # Llama 3 rope scaling as a sorted tuple of (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
@@ -218,11 +218,11 @@ class ModelConfig:
             )
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef}")
-        dense = sorted(set(self.lora_targets) & {"gate", "up", "down"})
-        if self.lora_rank and dense:
+        experts = sorted(set(self.lora_targets) & {"gate", "up", "down"})
+        if self.lora_rank and experts and self.lora_base != "float":
             raise ValueError(
-                f"lora_targets: {','.join(dense)} adapt a dense MLP; {mt}'s experts take no "
-                "adapters yet (attention's q, k, v, o do)"
+                f"lora_base: {mt}'s expert kernels ({','.join(experts)}) are not quantised "
+                f"yet; got {self.lora_base!r} (use float, or adapt q, k, v, o only)"
             )
         if self.expert_axis not in moe_lib.EXPERT_AXES:
             raise ValueError(
@@ -274,14 +274,18 @@ class ModelConfig:
         return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     def lora_params(self) -> int:
-        """Adapter parameter count (0 without LoRA): rank x (in + out) per adapted matrix."""
+        """Adapter parameter count (0 without LoRA): rank x (in + out) per adapted matrix
+        (of a mixture of experts, gate, up and down: per expert)."""
         if not self.lora_rank:
             return 0
-        e, f, d = self.hidden_size, self.intermediate_size, self.dim_per_head
+        e, d = self.hidden_size, self.dim_per_head
+        f = self.moe_intermediate_size if self.is_moe else self.intermediate_size
         h, k = self.num_heads, self.num_kv_heads
         sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
         sizes.update({"gate": (e, f), "up": (e, f), "down": (f, e)})
-        per_layer = sum(sum(sizes[t]) for t in self.lora_targets)
+        experts = self.num_experts if self.is_moe else 1  # copies of gate, up and down
+        copies = {t: experts if t in ("gate", "up", "down") else 1 for t in sizes}
+        per_layer = sum(copies[t] * sum(sizes[t]) for t in self.lora_targets)
         return self.num_layers * self.lora_rank * per_layer
 
     def num_params(self, active: bool = False) -> int:

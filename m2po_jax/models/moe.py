@@ -7,8 +7,9 @@ experts. `model.MoE` declares the params and calls these:
   `norm_topk_prob` (transformers' `Qwen3MoeTopKRouter`);
 - `moe_experts`: the experts' SwiGLU on the routed tokens, dropless (no capacity: every
   token reaches its K experts), as grouped matmuls (`jax.lax.ragged_dot`) over the N * K
-  assignments sorted by expert, then unsorted and summed with the routing weights. The one
-  function a kernel (megablox on TPU) or an expert-parallel dispatch would replace;
+  assignments sorted by expert, then unsorted and summed with the routing weights; with
+  per-expert LoRA adapters on gate, up and down when given. The one function a kernel
+  (megablox on TPU) or an expert-parallel dispatch would replace;
 - `load_balancing_loss`: transformers' `load_balancing_loss_func` (Switch Transformer's
   auxiliary loss) over every layer's router logits.
 
@@ -64,6 +65,10 @@ def route(
     return weights_NxK, experts_NxK.astype(jnp.int32)
 
 
+# One projection's LoRA adapters on every expert: (A [X, in, r], B [X, r, out]).
+ExpertAdapters = tuple[jax.Array, jax.Array]
+
+
 def moe_experts(
     x_NxE: jax.Array,
     experts_NxK: jax.Array,
@@ -71,8 +76,13 @@ def moe_experts(
     gate_XxExF: jax.Array,
     up_XxExF: jax.Array,
     down_XxFxE: jax.Array,
+    *,
     expert_axis: str = "",
     kernel: str = "auto",
+    gate_lora: ExpertAdapters | None = None,
+    up_lora: ExpertAdapters | None = None,
+    down_lora: ExpertAdapters | None = None,
+    lora_scale: float = 1.0,
 ) -> jax.Array:
     """y[n] = sum_k weights[n, k] * down_e(silu(gate_e(x[n])) * up_e(x[n])), e = experts[n, k].
 
@@ -95,6 +105,11 @@ def moe_experts(
       kernel: the grouped matmul (`MOE_KERNELS`): "ragged_dot" (`jax.lax.ragged_dot`),
         "megablox" (Pallas' TPU kernel `gmm`, its interpreter off TPU), "auto" =
         megablox when compiling for TPU, ragged_dot elsewhere.
+      gate_lora, up_lora, down_lora: a projection's LoRA adapters on every expert (A and
+        B in x's dtype): proj_e(h) = h W_e + lora_scale * (h A_e) B_e, the adapter product
+        two more grouped matmuls over the same sorted groups (the merged kernel
+        W_e + lora_scale * A_e B_e without forming it).
+      lora_scale: alpha / rank.
     """
     if kernel not in MOE_KERNELS:
         raise ValueError(f"moe_kernel: expected one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
@@ -102,11 +117,13 @@ def moe_experts(
         kernel = "megablox" if attention_kernels.target_platform() == "tpu" else "ragged_dot"
     interpret = attention_kernels.target_platform() != "tpu"
     num_experts = gate_XxExF.shape[0]
+    loras = (gate_lora, up_lora, down_lora)
     mesh = attention_kernels.target_mesh()
     whole = not expert_axis and kernel == "ragged_dot"  # XLA partitions ragged_dot itself
     if whole or mesh is None or mesh.size == 1 or mesh.are_all_axes_manual:
         return local_experts(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF,
-                             down_XxFxE, 0, num_experts, kernel, interpret)  # fmt: skip
+                             down_XxFxE, 0, num_experts, kernel, interpret,
+                             loras=loras, lora_scale=lora_scale)  # fmt: skip
     manual = set(getattr(mesh, "manual_axes", ()))
     shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
              if a not in manual}  # fmt: skip
@@ -129,7 +146,7 @@ def moe_experts(
     token_spec = P(rows_axes, None)
     expert = split or None
 
-    def local(x, experts, weights, gate, up, down):
+    def local(x, experts, weights, gate, up, down, local_loras):
         first = 0
         if split:
             first = jax.lax.axis_index(split) * gate.shape[0]
@@ -137,8 +154,10 @@ def moe_experts(
                 x, experts, weights = (
                     jax.lax.all_gather(a, split, axis=0, tiled=True) for a in (x, experts, weights)
                 )
+        local_loras = tuple(lo or None for lo in local_loras)
         y = local_experts(x, experts, weights, gate, up, down, first, num_experts, kernel,
-                          interpret, out_dtype=jnp.float32)  # fmt: skip
+                          interpret, out_dtype=jnp.float32, loras=local_loras,
+                          lora_scale=lora_scale)  # fmt: skip
         if hidden:
             y = jax.lax.psum(y, "tensor")
         if split in rows:
@@ -157,13 +176,20 @@ def moe_experts(
             P(expert, None, hidden),
             P(expert, None, hidden),
             P(expert, hidden, None),
+            # A [X, in, r] and B [X, r, out], the experts' width F split as its kernel's
+            (
+                (P(expert, None, None), P(expert, None, hidden)) if gate_lora else (),
+                (P(expert, None, None), P(expert, None, hidden)) if up_lora else (),
+                (P(expert, hidden, None), P(expert, None, None)) if down_lora else (),
+            ),
         ),  # fmt: skip
         out_specs=token_spec,
         axis_names=set(shape),
         # Pallas' output shapes carry no varying-axes type; the gradients through the
         # collectives are tested equal to one device's (tests/models/moe_test.py).
         check_vma=False,
-    )(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF, down_XxFxE)
+    )(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF, down_XxFxE,
+      tuple(lo or () for lo in loras))  # fmt: skip
 
 
 def local_experts(
@@ -178,6 +204,9 @@ def local_experts(
     kernel: str = "ragged_dot",
     interpret: bool = True,
     out_dtype=None,
+    *,
+    loras: tuple[ExpertAdapters | None, ...] = (None, None, None),
+    lora_scale: float = 1.0,
 ) -> jax.Array:
     """`moe_experts`' sum over the L local experts first_expert ... first_expert + L - 1 of
     X (the others' assignments add nothing), on one device's arrays.
@@ -187,7 +216,9 @@ def local_experts(
     contiguous group each; the grouped matmul multiplies each group by its expert's
     kernel (rows past the local groups come out zero), and the rows go back to their
     (token, k) places. Matmuls in x's dtype; the weighted sum in float32, cast to
-    `out_dtype` (default x's dtype).
+    `out_dtype` (default x's dtype). `loras`: gate's, up's and down's adapters on the L
+    local experts, or None (`moe_experts`); their grouped matmuls are ragged_dot's (a rank
+    below megablox's tiles).
     """
     n, k = experts_NxK.shape
     flat_M = experts_NxK.reshape(-1)  # M = N * K assignments, token-major
@@ -195,14 +226,26 @@ def local_experts(
         flat_M = (flat_M - first_expert) % num_experts  # the local experts first
     order_M = jnp.argsort(flat_M, stable=True)  # assignment of each sorted row
     sizes_X = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+
+    def grouped(rows_MxI, kernel_LxIxO, lora):
+        out_MxO = matmul(rows_MxI, kernel_LxIxO)
+        if lora is None:
+            return out_MxO
+        a_LxIxR, b_LxRxO = lora
+        low_MxR = _ragged_dot(rows_MxI, a_LxIxR, sizes_X, interpret)
+        scale = jnp.asarray(lora_scale, out_MxO.dtype)
+        return out_MxO + scale * _ragged_dot(low_MxR, b_LxRxO, sizes_X, interpret)
+
     x_MxE = jnp.take(x_NxE, order_M // k, axis=0)
     matmul = functools.partial(
         _megablox if kernel == "megablox" else _ragged_dot,
         sizes_X=sizes_X,
         interpret=interpret,
     )
-    hidden_MxF = jax.nn.silu(matmul(x_MxE, gate_LxExF)) * matmul(x_MxE, up_LxExF)
-    y_MxE = matmul(hidden_MxF, down_LxFxE)
+    gate_lora, up_lora, down_lora = loras
+    hidden_MxF = jax.nn.silu(grouped(x_MxE, gate_LxExF, gate_lora))
+    hidden_MxF = hidden_MxF * grouped(x_MxE, up_LxExF, up_lora)
+    y_MxE = grouped(hidden_MxF, down_LxFxE, down_lora)
     # Back to token-major rows: row order_M[i] of the output is sorted row i.
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype))
     y_NxKxE = jnp.take(y_MxE, inverse_M, axis=0).reshape(n, k, -1)

@@ -125,22 +125,23 @@ def _merged_lazily(params, config: ModelConfig):
         name = str(path[-1])
         if path not in shapes:  # an adapter, or a quantised kernel's scale: merged below
             continue
-        stem = name.removesuffix("_kernel")
-        if name.endswith("_kernel") and (*path[:-1], f"{stem}_lora_a") in flat:
+        stem = lora.adapter_stem(name)
+        if stem is not None and (*path[:-1], f"{stem}_lora_a") in flat:
             # The kernel, its adapters and any other leaf of its own (a quantised scale),
-            # renamed to one projection "w" for `lora.merged`.
+            # renamed to one projection "w" (`w_kernel`, or experts' `w_experts`) for
+            # `lora.merged`.
+            projection = name.split("_")[0]
             leaves = {
-                "w" + str(p[-1])[len(stem) :]: v
+                "w" + str(p[-1])[len(projection) :]: v
                 for p, v in flat.items()
-                if p[:-1] == path[:-1]
-                and str(p[-1]).startswith((f"{stem}_kernel", f"{stem}_lora_"))
+                if p[:-1] == path[:-1] and str(p[-1]).startswith((name, f"{stem}_lora_"))
             }
             x = _Adapted(leaves, shapes[path].shape)
         out[path] = x
 
     def fetch(x):
         if isinstance(x, _Adapted):
-            x = lora.merged(x.leaves, config)[0]["w_kernel"]
+            (x,) = lora.merged(x.leaves, config)[0].values()  # the merged kernel alone
         return placement.to_host(x)
 
     return traverse_util.unflatten_dict(out), base_config, fetch
@@ -267,13 +268,21 @@ def export_peft(
     "nf4") the source loaded with bitsandbytes' NF4 (`NF4_BASE_QUANTIZATION`, also
     written as `base_quantization_config.json`), which dequantises to the run's base. An
     int8 base is refused: bitsandbytes' `load_in_8bit` quantises the activations too, so
-    no PEFT base gives the run's logits (the merged export does)."""
+    no PEFT base gives the run's logits (the merged export does); so are adapters on a
+    mixture of experts' experts (peft adapts transformers' fused `gate_up_proj` with one
+    adapter for gate and up, not our two)."""
     if not model_config.lora_rank:
         raise ValueError("model_config: lora_rank is 0; a PEFT export needs LoRA adapters")
     if model_config.lora_base == "int8":
         raise ValueError(
             "model_config: lora_base='int8' has no PEFT base that gives the run's logits; "
             "export the merged model (export_params)"
+        )
+    experts = sorted(set(model_config.lora_targets) & {"gate", "up", "down"})
+    if model_config.is_moe and experts:
+        raise ValueError(
+            f"model_config: LoRA on {model_config.model_type}'s experts ({','.join(experts)}) "
+            "has no PEFT layout here; export the merged model (export_params)"
         )
     config = peft_config(model_config, source_dir)
 

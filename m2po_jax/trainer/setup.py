@@ -374,6 +374,10 @@ def _new_architecture(m, vocab_size: int) -> model_config_lib.ModelConfig:
         remat_policy=m.remat_policy,
         attention=m.attention,
         scan_layers=m.scan_layers,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
         **lora_fields(m),
     )
 

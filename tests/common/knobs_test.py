@@ -125,7 +125,7 @@ def test_declared_choices_are_the_librarys():
     from m2po_jax.rollout import engines
 
     library = {
-        "model.model_type": families.DENSE_MODEL_TYPES,
+        "model.model_type": tuple(families.FAMILIES),
         "model.dtype": tuple(model_config.DTYPES),
         "model.remat_policy": tuple(model_config.REMAT_POLICIES),
         "model.attention": attention.IMPLEMENTATIONS,

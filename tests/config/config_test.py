@@ -64,6 +64,12 @@ TINY = {
     "logging.progress": False,
     "logging.plots": False,
 }
+MOE = {
+    "model.model_type": "qwen3_moe",
+    "model.num_experts": 8,
+    "model.num_experts_per_tok": 2,
+    "model.moe_intermediate_size": 48,  # an eighth of the default intermediate_size
+}
 PRESET_CHANGES = {
     "m2po": {},  # the default: stale-4 rollouts, M2PO at tau = 0.04
     "grpo": {"actor.m2_threshold": None, "rollout.max_head_offpolicyness": 0},
@@ -86,6 +92,8 @@ PRESET_CHANGES = {
     "authors": {"actor.m2po_candidates": "harmful", "actor.m2po_stop_rule": "capped_clip"},
     "tiny": TINY,
     "stale_grpo,tiny": {**TINY, "actor.m2_threshold": None},
+    "moe": MOE,
+    "tiny,moe": {**TINY, **MOE, "model.moe_intermediate_size": 8},  # an eighth of tiny's
     "calculator": {
         "task.name": "calculator",
         "task.ops": "*",
@@ -113,7 +121,7 @@ def test_default_and_presets_build():
         "kept",
     )
     base = _flat(cfg)
-    assert sorted(PRESET_CHANGES) == sorted([*arith.PRESETS, "stale_grpo,tiny"])
+    assert sorted(PRESET_CHANGES) == sorted([*arith.PRESETS, "stale_grpo,tiny", "tiny,moe"])
     for preset, changes in PRESET_CHANGES.items():
         got = _flat(config_lib.from_configdict(arith.get_config(preset)))
         changed = {k: v for k, v in got.items() if v != base[k]}
@@ -212,8 +220,8 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
         (
             "model.model_type",
-            "qwen3_moe",  # loads from a checkpoint; a new model's fields have no experts
-            r"model.model_type='qwen3_moe' is not one of \['llama', 'qwen2', 'qwen3'\]",
+            "qwen3_moe",  # a new mixture of experts needs its experts
+            r"model.num_experts=0: model.model_type='qwen3_moe' needs it >= 1",
         ),
         (
             "rollout.kv_dtype",
@@ -360,6 +368,55 @@ def test_build_model_passes_attention_and_remat_policy():
     assert model_config.remat and model_config.remat_policy == "dots_saveable"
     default_config, _ = trainer.build_model(build(), vocab_size=20)
     assert default_config.attention == "auto" and not default_config.remat
+
+
+MOE_FIELDS = {"model.model_type": "qwen3_moe", "model.num_experts": 4,
+              "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 24}  # fmt: skip
+
+
+def test_build_model_makes_a_new_mixture_of_experts_from_the_config_fields():
+    from m2po_jax import trainer
+
+    cfg = build(**MOE_FIELDS, **{"model.norm_topk_prob": False})
+    model_config, _ = trainer.build_model(cfg, vocab_size=20)
+    got = (model_config.model_type, model_config.num_experts, model_config.num_experts_per_tok)
+    assert got == ("qwen3_moe", 4, 2)
+    assert (model_config.moe_intermediate_size, model_config.norm_topk_prob) == (24, False)
+    assert model_config.qk_norm and not model_config.attention_bias  # Qwen3's attention
+    default_config, _ = trainer.build_model(build(), vocab_size=20)
+    assert (default_config.num_experts, default_config.model_type) == (0, "llama")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model.num_experts": 4}, r"^model.num_experts=4: model.model_type='llama' is dense; "),
+        (
+            {"model.model_type": "qwen3", "model.moe_intermediate_size": 8},
+            r"^model.moe_intermediate_size=8: model.model_type='qwen3' is dense; experts need",
+        ),
+        (
+            {**MOE_FIELDS, "model.num_experts_per_tok": 5},
+            r"^model.num_experts_per_tok=5: expected 1..model.num_experts \(4\)$",
+        ),
+        (
+            {**MOE_FIELDS, "model.num_experts_per_tok": 0},
+            r"^model.num_experts_per_tok=0: expected 1..model.num_experts \(4\)$",
+        ),
+        (
+            {**MOE_FIELDS, "model.moe_intermediate_size": 0},
+            r"^model.moe_intermediate_size=0: model.model_type='qwen3_moe' needs it >= 1$",
+        ),
+        ({**MOE_FIELDS, "model.num_experts": -1}, r"^model.num_experts=-1 is out of range"),
+        (
+            {**MOE_FIELDS, "model.path": "/ckpt"},
+            r"^model.num_experts=4: model.path's config.json gives a checkpoint's \(leave it 0\)",
+        ),
+    ],
+)
+def test_expert_fields_that_do_not_compose_are_named(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        build(**changes)
 
 
 # What the library's RejectionSampling refuses is refused by the config, before any work.

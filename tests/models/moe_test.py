@@ -15,15 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from m2po_jax.learner import memory
-from m2po_jax.models import hf, hf_format, model, moe
+from m2po_jax.models import hf, hf_format, lora, model, moe
 from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.parallel import sharding
 from m2po_jax.rollout import sampling
+from m2po_jax.run import export as export_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -249,6 +251,126 @@ def test_sharded_forward_and_gradients_match_one_device(checkpoints):
     assert float(jnp.abs(grads["layers_1"]["mlp"]["gate_experts"]).max()) > 1e-3
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+
+@pytest.mark.parametrize("targets", [("gate", "up", "down"), ("up",), ("gate", "down")])
+def test_expert_adapters_are_each_experts_merged_kernel_in_a_numpy_reference(targets):
+    """`moe_experts` with per-expert adapters on `targets` against the float64 dense
+    reference on the merged kernels W_e + (alpha / r) A_e B_e; the untargeted kernels as
+    they are. Routing as in the grouped-matmul test: one expert empty, one crowded."""
+    rng = np.random.default_rng(len(targets))
+    n, e, f, x, r, scale = 40, 8, 6, 5, 3, 0.75
+    x_NxE = rng.standard_normal((n, e)).astype(np.float32)
+    logits = rng.standard_normal((n, x)).astype(np.float32) + np.array([0, 2, 0, 0, -9])
+    shapes = {"gate": (x, e, f), "up": (x, e, f), "down": (x, f, e)}
+    kernels = {t: rng.standard_normal(s).astype(np.float32) for t, s in shapes.items()}
+    adapters = {
+        t: (
+            rng.standard_normal((x, shapes[t][1], r)).astype(np.float32) * 0.5,
+            rng.standard_normal((x, r, shapes[t][2])).astype(np.float32) * 0.5,
+        )
+        for t in targets
+    }
+    merged = dict(kernels)
+    for t, (a, b) in adapters.items():
+        merged[t] = kernels[t] + scale * np.einsum("xir,xro->xio", np.float64(a), np.float64(b))
+    weights, experts = moe.route(logits, 2, True)
+    lora = {f"{t}_lora": ab for t, ab in adapters.items()}
+    run = jax.jit(functools.partial(moe.moe_experts, lora_scale=scale))
+    got = np.asarray(run(x_NxE, experts, weights, *kernels.values(), **lora))
+    want = _dense_reference(x_NxE, logits, 2, True, *merged.values())
+    # float32 sums of <= 8 + 3 products of O(1) terms: ~1e-5 relative to the O(10) outputs
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    base = _dense_reference(x_NxE, logits, 2, True, *kernels.values())
+    assert np.max(np.abs(want - base)) > 1.0  # the adapters move the output
+
+
+LORA_MOE = ModelConfig(
+    model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+    num_layers=2, num_heads=2, num_kv_heads=1, qk_norm=True, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
+    lora_rank=2, lora_alpha=4.0, lora_targets=("q", "gate", "up", "down"),
+)  # fmt: skip
+
+
+def _random_b(params, seed=1, std=0.3):
+    """`params` with every adapter's B drawn at random (a new adapter's is zero)."""
+    rng = np.random.default_rng(seed)
+    flat = traverse_util.flatten_dict(params)
+    for path, leaf in flat.items():
+        if path[-1].endswith("_lora_b"):
+            flat[path] = jnp.asarray(rng.normal(0, std, leaf.shape), leaf.dtype)
+    return traverse_util.unflatten_dict(flat)
+
+
+def test_lora_adapts_every_expert_trains_no_router_and_merges_to_the_same_model():
+    """Adapters [X, in, r] / [X, r, out] beside each expert kernel (A at one expert's
+    fan-in, B zero: the base model's logits), none on the router; gradients reach every
+    expert's B; the merged kernels give the adapter forward's logits."""
+    params = model.add_adapters(
+        model.init_params(lora.base_config(LORA_MOE), jax.random.key(0)),
+        LORA_MOE,
+        jax.random.key(1),
+    )
+    mlp = params["layers_0"]["mlp"]
+    assert {k: v.shape for k, v in mlp.items() if "lora" in k} == {
+        "gate_experts_lora_a": (4, 16, 2), "gate_experts_lora_b": (4, 2, 8),
+        "up_experts_lora_a": (4, 16, 2), "up_experts_lora_b": (4, 2, 8),
+        "down_experts_lora_a": (4, 8, 2), "down_experts_lora_b": (4, 2, 16),
+    }  # fmt: skip
+    assert LORA_MOE.lora_params() * 4 == lora.adapter_bytes(params)
+    a = np.asarray(mlp["down_experts_lora_a"])  # U(-1/sqrt(8), 1/sqrt(8)): one expert's F
+    assert 1 / np.sqrt(32) < np.abs(a).max() <= 1 / np.sqrt(8)
+    assert np.all(np.asarray(mlp["gate_experts_lora_b"]) == 0)
+    ids = jnp.asarray(_ids(5, (2, 9)))
+    apply = jax.jit(model.apply, static_argnums=1)
+    base_config = lora.base_config(LORA_MOE)
+    base = model.init_params(base_config, jax.random.key(0))
+    # B = 0 adds exact zeros; the compiled programs differ, so their sums' rounding may
+    np.testing.assert_allclose(
+        apply(params, LORA_MOE, ids), apply(base, base_config, ids), atol=1e-6
+    )
+    trainable, frozen = lora.split(params)
+    assert "router_kernel" in frozen["layers_0"]["mlp"]
+    assert not [k for k in trainable["layers_0"]["mlp"] if "router" in k]
+
+    def loss(t):
+        return jnp.sum(
+            jax.nn.log_softmax(model.apply(lora.merge(t, frozen), LORA_MOE, ids))[..., 3]
+        )
+
+    grads = jax.jit(jax.grad(loss))(trainable)["layers_1"]["mlp"]["up_experts_lora_b"]
+    assert np.all(np.abs(np.asarray(grads)).reshape(4, -1).max(-1) > 0)  # every expert
+    params = _random_b(params)
+    logits = apply(params, LORA_MOE, ids)
+    merged, merged_config = lora.merged(params, LORA_MOE)
+    assert merged_config == base_config and not lora.has_adapters(merged)
+    # float32 sums of <= 32 products through 2 layers, logits ~1: measured ~1e-6
+    np.testing.assert_allclose(apply(merged, base_config, ids), logits, atol=2e-5)
+    assert float(jnp.max(jnp.abs(logits - apply(base, base_config, ids)))) > 1e-2
+
+
+def test_an_expert_lora_export_is_the_adapter_forward_in_transformers(checkpoints, tmp_path):
+    """A checkpoint with adapters on q and every expert's gate, up and down, exported merged
+    (`export_params`, float32): transformers' logits of the export equal our adapter
+    forward's; a PEFT export of expert adapters is refused."""
+    path, _, ours = checkpoints["x4_top1_tied"]
+    config = ours.config.replace(lora_rank=2, lora_alpha=4.0, lora_targets=("q", "up", "down"))
+    params = _random_b(model.add_adapters(ours.params, config, jax.random.key(3)), std=0.5)
+    export_lib.export_params(params, config, str(path), tmp_path / "out", dtype="float32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager", dtype=torch.float32
+    )
+    ids = _ids(6)
+    want = np.asarray(model.apply(params, config, jnp.asarray(ids)))
+    np.testing.assert_allclose(_torch(back, ids).logits.numpy(), want, atol=TOL)
+    base = np.asarray(model.apply(ours.params, ours.config, jnp.asarray(ids)))
+    assert np.max(np.abs(want - base)) > 0.1  # the adapters moved the logits
+    with pytest.raises(ValueError, match=r"LoRA on qwen3_moe's experts \(down,up\) has no PEFT"):
+        export_lib.export_peft(params, config, str(path), tmp_path / "peft")
+
+
 # ----------------------------------------------------------------------------- load, export
 
 
@@ -361,14 +483,18 @@ def test_config_from_hf_refuses_what_the_model_cannot_run(changes, match):
     ("changes", "match"),
     [
         ({"model_type": "qwen3"}, r"num_experts: qwen3 is dense \(0\), got 4"),
-        ({"lora_rank": 4, "lora_targets": "q,up"}, r"lora_targets: up adapt a dense MLP"),
+        (
+            {"lora_rank": 4, "lora_targets": "q,up", "lora_base": "nf4"},
+            r"lora_base: qwen3_moe's expert kernels \(up\) are not quantised yet; got 'nf4'",
+        ),
         ({"weight_quant": "int8"}, r"weight_quant: qwen3_moe's expert kernels are not quantised"),
     ],
 )
 def test_model_config_refuses_combinations_that_do_not_compose(changes, match):
     moe_config = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=8)  # fmt: skip
-    ModelConfig(**moe_config, lora_rank=4, lora_targets="q,v")  # attention adapters are fine
+    ModelConfig(**moe_config, lora_rank=4, lora_targets="q,v,gate,up,down")  # float adapters
+    ModelConfig(**moe_config, lora_rank=4, lora_targets="q,v", lora_base="nf4")  # QLoRA on q, v
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**moe_config, **changes})
     with pytest.raises(ValueError, match=r"router_logits: qwen3 has no router"):
@@ -438,11 +564,24 @@ def test_expert_parallel_forward_and_gradients_match_one_device(expert_axis):
     assert float(jnp.abs(grads[2][3]).max()) == 0 and float(jnp.abs(grads[2][0]).max()) > 1e-3
 
 
-def test_expert_parallel_model_matches_one_device(checkpoints):
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
+def test_expert_parallel_model_matches_one_device(checkpoints, adapted):
     """The whole model with expert_axis="fsdp" on fsdp=4 x tensor=2: experts split over
-    fsdp (whole hidden dim), and the logits and every param's gradient equal one device's."""
+    fsdp (whole hidden dim), and the logits and every param's gradient equal one device's;
+    also with LoRA on every expert projection (random B: the adapters' grouped matmuls run
+    on each device's local experts, down's A over the tensor-split width)."""
     _, _, ours = checkpoints["x8_top2_norm_untied"]
-    c, params = ours.config.replace(expert_axis="fsdp"), ours.params
+    base, params = ours.config, ours.params
+    if adapted:
+        base = base.replace(lora_rank=2, lora_targets=("gate", "up", "down"))
+        params = model.add_adapters(params, base, jax.random.key(5))
+        flat = traverse_util.flatten_dict(params)
+        for i, path in enumerate(sorted(p for p in flat if lora.is_adapter(p))):
+            if path[-1].endswith("_lora_b"):
+                noise = jax.random.normal(jax.random.key(i), flat[path].shape) * 0.1
+                flat[path] = noise.astype(flat[path].dtype)
+        params = traverse_util.unflatten_dict(flat)
+    c = base.replace(expert_axis="fsdp")
     mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2}, jax.devices()[:8])
     specs = sharding.param_specs(c, mesh, sharding.TRAIN_RULES)["layers_0"]["mlp"]
     assert specs["gate_experts"] == P("fsdp", None, "tensor")
@@ -455,9 +594,7 @@ def test_expert_parallel_model_matches_one_device(checkpoints):
     shardings = sharding.param_shardings(c, mesh, sharding.TRAIN_RULES)
     step = jax.jit(sharding.on_mesh(jax.value_and_grad(loss), mesh), static_argnums=1)
     value, grads = step(jax.device_put(params, shardings), c)
-    want_value, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
-        params, ours.config
-    )
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, base)
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, want_grads)
 

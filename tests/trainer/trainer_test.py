@@ -206,6 +206,48 @@ def test_on_policy_float32_rollouts_show_no_engine_trainer_mismatch(tmp_path):
         assert r["mismatch/fresh/m2po_drop_alone"] == r["mismatch/fresh/m2po_dropped"] == 0
 
 
+def test_a_new_mixture_of_experts_from_the_config_trains_on_policy_without_mismatch(tmp_path):
+    """arith's `moe` preset on `tiny`: a new Qwen3-MoE (8 experts of 8, top-2) whose
+    param tree holds the stacked experts and the router, no dense MLP; three on-policy
+    float32 steps with finite losses, rollouts whose behaviour log-probs the trainer's
+    pass recomputes to float32 rounding, and every layer's experts updated."""
+    trainer = trainer_lib.Trainer(
+        tiny_config("m2po,tiny,moe", **{"total_steps": 3, "sft.max_steps": 0,
+                    "rollout.max_head_offpolicyness": 0, "eval.every": 0}),
+        tmp_path,
+    )  # fmt: skip
+    c = trainer.model_config
+    assert (c.model_type, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (
+        "qwen3_moe",
+        8,
+        2,
+        8,
+    )
+    first = {}
+    step = trainer.train_step
+
+    def watched(state, *args):
+        if not first:
+            first.update(jax.device_get(state.params["layers_0"]["mlp"]))
+        return step(state, *args)
+
+    trainer.train_step = watched
+    trainer.run()
+    mlp = jax.device_get(trainer.state.params["layers_0"]["mlp"])
+    shapes = {name: x.shape for name, x in mlp.items()}
+    assert shapes == {
+        "router_kernel": (32, 8),
+        "gate_experts": (8, 32, 8),
+        "up_experts": (8, 32, 8),
+        "down_experts": (8, 8, 32),
+    }
+    records = read(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
+    assert all(r["mismatch/fresh/abs_mean"] < 1e-5 for r in records)
+    assert np.max(np.abs(mlp["down_experts"] - first["down_experts"])) > 0
+
+
 def test_bfloat16_rollout_weights_show_a_mismatch_far_above_float32_rounding(tmp_path):
     """The same run with the rollout engine's weights in bfloat16 (`rollout.weight_dtype`):
     every token is still fresh, and the engine/trainer gap is the cast's. Measured on this

@@ -220,8 +220,10 @@ def _prefill_rows(
 ):
     """Runs each lane's tokens through the model into its slot's own cache row, from the
     row's column `column_L` (a batch-1 forward per lane, vmapped: the rows write at
-    different columns). Returns the lanes' hidden states [L, T, E] and the updated cache
-    (lanes with slot `slot_L` out of range leave it as it was)."""
+    different columns; for a mixture of experts a `lax.map` over the lanes instead, since
+    its grouped matmul, `jax.lax.ragged_dot`, has no batching rule for per-lane groups).
+    Returns the lanes' hidden states [L, T, E] and the updated cache (lanes with slot
+    `slot_L` out of range leave it as it was)."""
 
     def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
         row = model_lib.KVCache(
@@ -247,7 +249,7 @@ def _prefill_rows(
         )
 
     rows = lambda x: x[s_L]
-    hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(
+    lanes = (
         tuple(map(rows, cache.k)),
         tuple(map(rows, cache.v)),
         rows(cache.valid_BxS),
@@ -256,6 +258,10 @@ def _prefill_rows(
         valid_LxT,
         column_L,
     )
+    if model_config.is_moe:
+        hidden_LxTxE, k_rows, v_rows, valid_rows = jax.lax.map(lambda lane: one(*lane), lanes)
+    else:
+        hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(*lanes)
     put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
     return hidden_LxTxE, model_lib.KVCache(
         k=tuple(map(put, cache.k, k_rows)),
