@@ -124,24 +124,7 @@ def moe_experts(
         return local_experts(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF,
                              down_XxFxE, 0, num_experts, kernel, interpret,
                              loras=loras, lora_scale=lora_scale)  # fmt: skip
-    manual = set(getattr(mesh, "manual_axes", ()))
-    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
-             if a not in manual}  # fmt: skip
-    n = x_NxE.shape[0]
-    rows, used = [], 1
-    for axis in BATCH_AXES:
-        size = shape.get(axis, 1)
-        if size > 1 and n % (used * size) == 0:
-            rows.append(axis)
-            used *= size
-    split = expert_axis if shape.get(expert_axis, 1) > 1 else ""
-    if split and num_experts % shape[split]:
-        raise ValueError(
-            f"num_experts ({num_experts}) must divide by the size of mesh axis {split!r} "
-            f"({shape[split]}) that expert_axis splits the experts over"
-        )
-    tensor = shape.get("tensor", 1)
-    hidden = "tensor" if tensor > 1 and gate_XxExF.shape[2] % tensor == 0 else None
+    shape, rows, split, hidden = _layout(mesh, x_NxE.shape[0], expert_axis, gate_XxExF.shape)
     rows_axes = tuple(rows) or None
     token_spec = P(rows_axes, None)
     expert = split or None
@@ -190,6 +173,31 @@ def moe_experts(
         check_vma=False,
     )(x_NxE, experts_NxK, weights_NxK, gate_XxExF, up_XxExF, down_XxFxE,
       tuple(lo or () for lo in loras))  # fmt: skip
+
+
+def _layout(mesh, n: int, expert_axis: str, gate_shape) -> tuple[dict, list, str, str | None]:
+    """How `moe_experts` splits its work over the mesh's automatic axes: (their sizes, the
+    batch axes the N tokens split over (those that divide N), the axis the experts split
+    over ("" = none), "tensor" when it splits the experts' width F, else None)."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+             if a not in manual}  # fmt: skip
+    rows, used = [], 1
+    for axis in BATCH_AXES:
+        size = shape.get(axis, 1)
+        if size > 1 and n % (used * size) == 0:
+            rows.append(axis)
+            used *= size
+    split = expert_axis if shape.get(expert_axis, 1) > 1 else ""
+    num_experts, _, width = gate_shape
+    if split and num_experts % shape[split]:
+        raise ValueError(
+            f"num_experts ({num_experts}) must divide by the size of mesh axis {split!r} "
+            f"({shape[split]}) that expert_axis splits the experts over"
+        )
+    tensor = shape.get("tensor", 1)
+    hidden = "tensor" if tensor > 1 and width % tensor == 0 else None
+    return shape, rows, split, hidden
 
 
 def local_experts(
