@@ -50,6 +50,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # run the layers of a training pass as one lax.scan: fast compiles and bounded memory for
     # deep models (each layer's weights gathered and gradients reduced in turn)
     c.model.scan_layers = False
+    # a mixture of experts (Qwen3-MoE): weight of the load-balancing loss added to the
+    # training loss (HF's name; Qwen3-MoE pretraining used 0.001, RL recipes turn it off)
+    c.model.router_aux_loss_coef = 0.0
     # LoRA: train low-rank adapters on the frozen model (rank 0 = off, full fine-tuning).
     # Each target projection (q, k, v, o, gate, up, down) gets A [in, rank] and B [rank, out]
     # in float32, its output scaled by alpha / rank; only the adapters get gradients and
@@ -266,6 +269,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.actor.adv_norm = False  # normalise advantages over all tokens of the batch
     c.actor.kl_ctl = 0.0  # KL penalty coefficient against the initial (reference) policy
     c.actor.kl_estimator = "k1"  # k1 | k2 | k3
+    # a mixture of experts: off | rollout (routing replay, R3: the engine records each
+    # token's experts per layer and the trainer's passes route through them)
+    c.actor.router_replay = "off"
     # logits / temperature when recomputing log-probs; unset = gconfig.temperature (AReaL's
     # key; the behaviour log-probs are recorded at the sampling temperature, so no other value)
     c.actor.temperature = placeholder(float)

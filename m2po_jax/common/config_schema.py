@@ -38,6 +38,7 @@ class ModelSection:
     remat_policy: str
     scan_layers: bool
     attention: str
+    router_aux_loss_coef: float
     lora: LoraSection
 
 
@@ -198,6 +199,7 @@ class ActorSection:
     adv_norm: bool
     kl_ctl: float
     kl_estimator: str
+    router_replay: str
     temperature: float  # derived: gconfig.temperature
     optimizer: OptimizerSection
 

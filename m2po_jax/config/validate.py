@@ -267,6 +267,7 @@ def validate(cfg: Config) -> Config:
     _check_range("actor.reward_norm.eps", rn.eps, 0.0, low_open=True)
     _check_range("actor.kl_ctl", a.kl_ctl, 0.0)
     _check_choice("actor.kl_estimator", a.kl_estimator, penalties.KL_ESTIMATORS)
+    _check_choice("actor.router_replay", a.router_replay, ROUTER_REPLAY_MODES)
     o = a.optimizer
     _check_range("actor.optimizer.lr", o.lr, 0.0, low_open=True)
     _check_range("actor.optimizer.weight_decay", o.weight_decay, 0.0)
@@ -382,6 +383,9 @@ def validate(cfg: Config) -> Config:
     _check_choice("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     _check_choice("model.remat_policy", m.remat_policy, tuple(model_config.REMAT_POLICIES))
     _check_choice("model.attention", m.attention, attention.IMPLEMENTATIONS)
+    _check_range("model.router_aux_loss_coef", m.router_aux_loss_coef, 0.0)
+    if not m.path:  # a new model's family is known now; a checkpoint's at load (`setup`)
+        check_router_replay(cfg, m.model_type, families.family(m.model_type).mlp == "moe")
     _check_lora(m.lora, model_config.LORA_TARGETS)
     _check_range("mesh.device_memory_gib", cfg.mesh.device_memory_gib, 0.0)
     for axis in ("data", "fsdp", "tensor"):
@@ -390,6 +394,18 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
     build_library_objects(cfg)
     return cfg
+
+
+ROUTER_REPLAY_MODES = ("off", "rollout")  # actor.router_replay
+
+
+def check_router_replay(cfg, model_type: str, is_moe: bool) -> None:
+    """Refuses routing replay on a dense model (no router to replay)."""
+    if cfg.actor.router_replay != "off" and not is_moe:
+        raise ConfigError(
+            f"actor.router_replay={cfg.actor.router_replay}: {model_type} is a dense model "
+            "(no router to replay); use off"
+        )
 
 
 ROLLOUT_MODES = ("sync", "async")

@@ -242,6 +242,9 @@ def _sampled(
         version_BxT=np.concatenate(
             [np.full((rows, width), version, np.int32), np.asarray(version_BxN, np.int32)], 1
         ),
+        routed_experts_BxTxLxK=None
+        if host.experts_BxTxLxK is None
+        else np.asarray(host.experts_BxTxLxK, np.int16),
     )
     return SampledRollout(batch, texts, examples, n_samples, generation)
 
@@ -291,6 +294,7 @@ def train_batch(host: RolloutBatch) -> TrainBatch:
         rewards_B=host.rewards_B,
         version_B=host.version_B,
         version_BxT=host.version_BxT,
+        routed_experts_BxTxLxK=host.routed_experts_BxTxLxK,
     )
 
 

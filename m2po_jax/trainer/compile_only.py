@@ -381,6 +381,9 @@ def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, A
         rewards_B=_rows(placement, jnp.float32, rows),
         version_B=_rows(placement, jnp.int32, rows),
         version_BxT=_rows(placement, jnp.int32, rows, seq_len),
+        routed_experts_BxTxLxK=setup_lib.replayed_experts(
+            cfg, model_config, functools.partial(_rows, placement), rows, seq_len
+        ),
     )
     ref = setup_lib.reference_params(cfg, model_config, state.params)  # as the trainer's
     step = setup_lib.build_train_step(cfg, model_config, tx, schedule, placement, state_shape)
@@ -431,6 +434,7 @@ def dry_run(cfg: Config, model_config: model_config_lib.ModelConfig, tgt: Target
     setup_lib.check_rows(cfg, placement, rollout_placement)
     sampler_placement = rollout_placement or placement
     decoding = sampling.from_gconfig(cfg.gconfig, stop_ids, pad_id)
+    decoding = dataclasses.replace(decoding, record_experts=cfg.actor.router_replay != "off")
 
     programs: list[Program] = []
 
