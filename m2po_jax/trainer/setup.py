@@ -477,6 +477,7 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
         kv_dtype_bytes=rollout.cache_dtype.itemsize,
         rollout_config=rollout,
+        router_replay=cfg.actor.router_replay != "off",
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):

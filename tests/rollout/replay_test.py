@@ -107,9 +107,7 @@ def test_continuous_engine_records_each_fed_token(params):
     out = engine.generate(params, TOKENS, VALID, jax.random.key(2), n_samples=N).out
     # A slot stops decoding its sequence at its end: the last token is never fed.
     assert_recorded(params, out, _fed_except_last(out))
-    streamed = list(
-        engine.stream(params, [(TOKENS, VALID, jax.random.key(2))] * 2, n_samples=N)
-    )
+    streamed = list(engine.stream(params, [(TOKENS, VALID, jax.random.key(2))] * 2, n_samples=N))
     for unit in streamed:
         np.testing.assert_array_equal(unit.out.experts_BxTxLxK, out.experts_BxTxLxK)
 
