@@ -4,6 +4,7 @@ and against `moe.load_balancing_loss` (checked against transformers in moe_test)
 `jax.grad`."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from m2po_jax import config as config_lib
-from m2po_jax.common.types import TrainBatch
+from m2po_jax.common.types import Minibatch, TrainBatch
 from m2po_jax.configs import arith
 from m2po_jax.learner import logprobs, optim
 from m2po_jax.learner import train_step as step_lib
@@ -71,17 +72,22 @@ def rollout(params, config, new=12):
     return sampling.generate(params, config, TOKENS, VALID, jax.random.key(4), settings, 2)
 
 
-def forward_experts(params, config, out, routed=None):
-    """The experts [B, T, L, K] a training forward over the rollout's rows runs."""
-    _, (_, experts) = model_lib.apply(
+@functools.partial(jax.jit, static_argnums=1)
+def _routing(params, config, tokens, valid, routed):
+    _, routing = model_lib.apply(
         params,
         config,
-        out.tokens_BxT,
-        valid_BxT=out.valid_BxT,
+        tokens,
+        valid_BxT=valid,
         routed_experts_BxTxLxK=routed,
         return_routing=True,
     )
-    return np.asarray(experts)
+    return routing
+
+
+def forward_experts(params, config, out, routed=None):
+    """The experts [B, T, L, K] a training forward over the rollout's rows runs."""
+    return np.asarray(_routing(params, config, out.tokens_BxT, out.valid_BxT, routed)[1])
 
 
 def with_prompt_routing(params, config, out):
@@ -93,11 +99,15 @@ def with_prompt_routing(params, config, out):
     return jnp.asarray(np.where(prompt[..., None, None], own, recorded))
 
 
-def logp(params, config, out, routed=None):
-    got, _ = logprobs.sequence_logp(
-        params, config, out.tokens_BxT, out.valid_BxT, routed_experts_BxTxLxK=routed
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _sequence_logp(params, config, tokens, valid, routed, router=False):
+    return logprobs.sequence_logp(
+        params, config, tokens, valid, routed_experts_BxTxLxK=routed, router=router
     )
-    return np.asarray(got)
+
+
+def logp(params, config, out, routed=None):
+    return np.asarray(_sequence_logp(params, config, out.tokens_BxT, out.valid_BxT, routed)[0])
 
 
 def test_a_replayed_forward_runs_the_recorded_experts_whatever_the_router():
@@ -118,23 +128,11 @@ def test_a_replayed_forward_runs_the_recorded_experts_whatever_the_router():
     np.testing.assert_array_equal(replayed[:, :width][prompt], fresh[:, :width][prompt])
     assert (fresh[at] != recorded[at]).mean() > 0.2  # the perturbation moved the routing
     # The agreement counts the replayed token-layer pairs whose own top-K set is recorded.
-    _, _, sums = logprobs.sequence_logp(
-        moved,
-        config,
-        out.tokens_BxT,
-        out.valid_BxT,
-        routed_experts_BxTxLxK=out.experts_BxTxLxK,
-        router=True,
+    _, _, sums = _sequence_logp(
+        moved, config, out.tokens_BxT, out.valid_BxT, out.experts_BxTxLxK, True
     )
     # The router's own choice inside the replayed forward (numpy's top 2 of its logits).
-    _, (logits_LxBxTxX, _) = model_lib.apply(
-        moved,
-        config,
-        out.tokens_BxT,
-        valid_BxT=out.valid_BxT,
-        routed_experts_BxTxLxK=out.experts_BxTxLxK,
-        return_routing=True,
-    )
+    logits_LxBxTxX, _ = _routing(moved, config, out.tokens_BxT, out.valid_BxT, out.experts_BxTxLxK)
     own = np.argsort(-np.moveaxis(np.asarray(logits_LxBxTxX), 0, 2), axis=-1)[..., :2]
     same = np.all(np.sort(own, -1) == np.sort(recorded, -1), -1)[at[..., 0]]
     assert float(sums.replayed) == at[..., 0].sum()
@@ -209,10 +207,23 @@ def test_the_load_balancing_loss_adds_its_weight_times_the_reference_and_its_gra
     coef = 0.05
     tx, _ = optim.make_optimizer(_actor().section.optimizer, 1)
 
+    mask = batch.loss_mask_BxT
+    mb = Minibatch(
+        advantages_BxT=jnp.where(mask, 1.0, 0.0),
+        behav_BxT=batch.behav_logp_BxT,
+        loss_mask_BxT=mask,
+        mask_BxT=mask,
+        prox_BxT=batch.behav_logp_BxT,
+        tokens_BxT=batch.tokens_BxT,
+        valid_BxT=batch.valid_BxT,
+        version_B=batch.version_B,
+        version_BxT=batch.version_BxT,
+        routed_experts_BxTxLxK=batch.routed_experts_BxTxLxK,
+    )
+
     def loss_fn(p, c):
         actor = dataclasses.replace(_actor(), router_aux_loss_coef=c)
         plan = step_lib.batch_plan(batch, config, actor, None, None, True)
-        prep = step_lib.prepare(p, batch, model_config=config, actor=actor, plan=plan)
         s = step_lib.UpdateSettings(
             model_config=config,
             actor=actor,
@@ -223,9 +234,7 @@ def test_the_load_balancing_loss_adds_its_weight_times_the_reference_and_its_gra
             loss=actor.loss,
             with_entropy=True,
         )
-        mb = jax.tree.map(lambda x: x[0], step_lib.minibatches(batch, prep, jax.random.key(0), s))
-        prep = jax.lax.stop_gradient(prep)
-        loss, _ = step_lib.minibatch_loss(p, mb, jnp.sum(mb.loss_mask_BxT), 1.0, s)
+        loss, _ = step_lib.minibatch_loss(p, mb, jnp.sum(mask), 1.0, s)
         return loss
 
     def reference(p):
