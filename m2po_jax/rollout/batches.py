@@ -24,8 +24,10 @@ from m2po_jax.rollout import sampling
 from m2po_jax.rollout.engines import RolloutEngine, StaticEngine
 
 # Host-side rollouts are `RolloutBatch` records of numpy arrays; checkpoints store their
-# fields by these names.
-ROLLOUT_KEYS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+# fields by these names (and "routed_experts_BxTxLxK" under routing replay only).
+ROLLOUT_KEYS = tuple(
+    f.name for f in dataclasses.fields(RolloutBatch) if f.name != "routed_experts_BxTxLxK"
+)
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int) -> tuple[np.ndarray, np.ndarray]:

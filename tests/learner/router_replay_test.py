@@ -176,6 +176,45 @@ def test_with_two_experts_per_token_replay_cuts_the_log_ratio():
     assert fresh > 3 * replayed
 
 
+def test_the_shared_prompt_pass_replays_and_sums_routing_as_whole_rows_do():
+    """`shared_prompt_logp` (each prompt once, completions against it; whole or in length
+    blocks) against `sequence_logp` over whole rows: the same log-probs on completion
+    tokens and the same routing sums (a prompt counts once per row sharing it)."""
+    config = moe_config(2)
+    params = moe_params(config, router_scale=3.0)
+    groups, n, width, new = 2, 4, 5, 8
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.integers(1, 60, (groups, width)), n, 0)
+    tokens = np.concatenate([prompts, rng.integers(1, 60, (groups * n, new))], 1)
+    valid = np.ones(tokens.shape, bool)
+    valid[:n, :2] = False  # the first group's prompt is left-padded
+    valid[:, width:] = np.arange(new)[None] < rng.integers(1, new + 1, groups * n)[:, None]
+    tokens, valid = jnp.asarray(np.where(valid, tokens, 0)), jnp.asarray(valid)
+    moved = perturbed(params, config, 0.5)
+    _, recorded = _routing(moved, config, tokens, valid, None)
+    recorded = jnp.where(valid[..., None, None], recorded, -1).at[:, :width].set(-1)
+    whole = _sequence_logp(params, config, tokens, valid, recorded, True)
+    completion = np.asarray(valid)[:, width:]
+    for blocks in (1, 8):
+        shared = logprobs.shared_prompt_logp(
+            params,
+            config,
+            tokens,
+            valid,
+            width,
+            n,
+            length_blocks=blocks,
+            routed_experts_BxTxLxK=recorded,
+            router=True,
+        )
+        got, want = np.asarray(shared[0])[:, width:], np.asarray(whole[0])[:, width:]
+        # float32 sums of <= 48 products, in other orders: measured <= 5e-7
+        np.testing.assert_allclose(got[completion], want[completion], atol=1e-5)
+        for name, a, b in zip(moe.RoutingSums._fields, shared[2], whole[2], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=name)
+        assert float(shared[2].replayed) == completion.sum() * config.num_layers
+
+
 def _actor(**changes):
     c = arith.get_config("m2po").to_dict()
     c["actor"].update({"ppo_n_minibatches": 1, **changes})
