@@ -196,17 +196,16 @@ def test_the_shared_prompt_pass_replays_and_sums_routing_as_whole_rows_do():
     whole = _sequence_logp(params, config, tokens, valid, recorded, True)
     completion = np.asarray(valid)[:, width:]
     for blocks in (1, 8):
-        shared = logprobs.shared_prompt_logp(
-            params,
-            config,
-            tokens,
-            valid,
-            width,
-            n,
-            length_blocks=blocks,
-            routed_experts_BxTxLxK=recorded,
-            router=True,
-        )
+        shared = jax.jit(
+            functools.partial(
+                logprobs.shared_prompt_logp,
+                config=config,
+                prompt_len=width,
+                group_size=n,
+                length_blocks=blocks,
+                router=True,
+            )
+        )(params, tokens_BxT=tokens, valid_BxT=valid, routed_experts_BxTxLxK=recorded)
         got, want = np.asarray(shared[0])[:, width:], np.asarray(whole[0])[:, width:]
         # float32 sums of <= 48 products, in other orders: measured <= 5e-7
         np.testing.assert_allclose(got[completion], want[completion], atol=1e-5)
@@ -290,7 +289,7 @@ def test_the_load_balancing_loss_adds_its_weight_times_the_reference_and_its_gra
 
     both = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, coef) - loss_fn(p, 0.0)))
     gap, grads = both(params)
-    want, want_grads = jax.value_and_grad(reference)(params)
+    want, want_grads = jax.jit(jax.value_and_grad(reference))(params)
     assert float(want) > 2.0  # not the uniform value K: the routing is uneven
     np.testing.assert_allclose(float(gap), coef * float(want), rtol=1e-4)
     flat, flat_want = jax.tree.leaves(grads), jax.tree.leaves(want_grads)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from m2po_jax.models import model as model_lib
 from m2po_jax.rollout import sampling
-from m2po_jax.rollout.sampling import fed_experts
 
 
 @flax.struct.dataclass
@@ -234,7 +233,9 @@ def _decode(
     if sampling_config.record_experts:  # the fed token's, at its column step - 1
         out, routing = out
         at = (job_S, state.step_S - 1)
-        experts = state.experts_JxNxLxK.at[at].set(fed_experts(routing, live_S), mode="drop")
+        experts = state.experts_JxNxLxK.at[at].set(
+            sampling.fed_experts(routing, live_S), mode="drop"
+        )
         state = state.replace(experts_JxNxLxK=experts)
     logits_Sx1xV, cache = out
     token_S, logp_S = sampling.sample_token(
