@@ -227,8 +227,9 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings, aux_
     aux, router_stats = 0.0, {}
     if s.model_config.is_moe:
         routing = out[2]
-        aux = actor.router_aux_loss_coef * moe.balancing_loss(routing) * aux_weight
         router_stats = {"moe/parts": routing}
+        if actor.router_aux_loss_coef:  # off (0): the loss is the policy loss, bit for bit
+            aux = actor.router_aux_loss_coef * moe.balancing_loss(routing) * aux_weight
     logp_now = jax.lax.stop_gradient(logp)
     prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, s.version)
     mask = mb.mask_BxT
