@@ -318,8 +318,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-balance-loss-one-layer-denominator",
         "m2po_jax/models/moe.py",
-        "tokens = logits.shape[0] * jnp.sum(weight_1xBxTx1)",
-        "tokens = jnp.sum(weight_1xBxTx1)",
+        "tokens = layers * sums.tokens",
+        "tokens = sums.tokens",
         (T("tests/models/moe_test.py", "load_balancing or renormalises"),),
         "the load-balancing loss divides by one layer's tokens, not every layer's: L^2 too big",
     ),
@@ -349,6 +349,32 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/models/moe_test.py", "merges_to_the_same_model or lora_export"),),
         "the merge adds every expert's A_e B_e to each expert kernel (an einsum that sums "
         "over the expert axis instead of pairing it)",
+    ),
+    Mutant(
+        "moe-replay-gates-not-renormalised",
+        "m2po_jax/models/moe.py",
+        "    if norm_topk_prob:\n        weights_NxK = weights_NxK / jnp.sum(",
+        "    if norm_topk_prob and recorded_NxK is None:\n"
+        "        weights_NxK = weights_NxK / jnp.sum(",
+        (T("tests/learner/router_replay_test.py", "gates or one_expert"),),
+        "replayed rows keep the raw softmax at their recorded experts (not renormalised "
+        "under norm_topk_prob): a replayed forward is another function than the rollout's",
+    ),
+    Mutant(
+        "moe-replay-sentinel-as-expert-0",
+        "m2po_jax/models/moe.py",
+        "experts_NxK = jnp.where(replayed_Nx1, recorded_NxK, experts_NxK)",
+        "experts_NxK = jnp.maximum(recorded_NxK, 0)",
+        (T("tests/learner/router_replay_test.py", "gates or recorded_experts"),),
+        "the -1 sentinel is read as expert 0: prompt and padding tokens all run expert 0",
+    ),
+    Mutant(
+        "engine-records-experts-at-the-drawn-column",
+        "m2po_jax/rollout/engines/slots.py",
+        "at = (job_S, state.step_S - 1)",
+        "at = (job_S, state.step_S)",
+        (T("tests/rollout/replay_test.py", "continuous"),),
+        "a decode step records the fed token's experts at the column of the token it draws",
     ),
     # ------------------------------------------------------------------ rollout engine
     Mutant(

@@ -124,6 +124,12 @@ class ModelSection:
     num_experts_per_tok: int = knob(0, "experts each token runs (the router's top k)", low=0)
     moe_intermediate_size: int = knob(0, "one expert's SwiGLU hidden width", low=0)
     norm_topk_prob: bool = knob(True, "the top-k routing weights renormalised to sum to 1")
+    router_aux_loss_coef: float = knob(
+        0.0,
+        "a mixture of experts: weight of the load-balancing loss added to the training "
+        "loss (HF's name; Qwen3-MoE pretraining used 0.001, RL recipes turn it off)",
+        low=0.0,
+    )
     lora: LoraSection = section(
         LoraSection,
         "LoRA: train low-rank adapters on the frozen model (rank 0 = off, full "
@@ -604,6 +610,12 @@ class ActorSection:
         low=0.0,
     )
     kl_estimator: str = knob("k1", "k1 | k2 | k3", choices=("k1", "k2", "k3"))
+    router_replay: str = knob(
+        "off",
+        "a mixture of experts: off | rollout (routing replay, R3: the engine records each "
+        "token's experts per layer and the trainer's passes route through them)",
+        choices=("off", "rollout"),
+    )
     temperature: float = knob(
         None,
         "logits / temperature when recomputing log-probs; unset = gconfig.temperature "

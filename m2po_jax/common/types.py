@@ -44,10 +44,16 @@ class RolloutBatch:
     # int32: the version that generated each completion token (a rollout engine that takes
     # weights in flight mixes them within a row); version_B elsewhere
     version_BxT: jax.Array
+    # int16 [B, T, L, K]: each generated token's experts per layer at rollout time, -1
+    # where not recorded (routing replay, `actor.router_replay`); None when off
+    routed_experts_BxTxLxK: jax.Array | None = None
 
     def arrays(self) -> dict:
-        """The fields by name (how checkpoints store a rollout)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields by name (how checkpoints store a rollout); optional ones only when
+        present."""
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        names = (f.name for f in dataclasses.fields(self))
+        return {name: x for name, x in zip(names, fields, strict=True) if x is not None}
 
     @classmethod
     def from_arrays(cls, arrays, where: str = "rollout batch") -> RolloutBatch:
@@ -60,10 +66,11 @@ class RolloutBatch:
             arrays["version_BxT"] = np.broadcast_to(
                 np.asarray(arrays["version_B"])[:, None], np.shape(arrays["tokens_BxT"])
             ).copy()
-        missing = [n for n in names if n not in arrays]
+        optional = {"routed_experts_BxTxLxK"}
+        missing = [n for n in names if n not in arrays and n not in optional]
         if missing:
             raise ValueError(f"{where}: lacks {missing} (a rollout batch has {names})")
-        return cls(**{n: arrays[n] for n in names})
+        return cls(**{n: arrays[n] for n in names if n in arrays})
 
 
 @flax.struct.dataclass
@@ -77,6 +84,7 @@ class TrainBatch:
     rewards_B: jax.Array  # float32 raw task rewards, one per row
     version_B: jax.Array
     version_BxT: jax.Array  # int32: the version that generated each token (`RolloutBatch`)
+    routed_experts_BxTxLxK: jax.Array | None = None  # int16: routing replay (`RolloutBatch`)
 
 
 @flax.struct.dataclass
@@ -95,3 +103,4 @@ class Minibatch:
     valid_BxT: jax.Array
     version_B: jax.Array  # int32 policy version that generated each row
     version_BxT: jax.Array  # int32 policy version that generated each token
+    routed_experts_BxTxLxK: jax.Array | None = None  # int16 recorded experts (replay)

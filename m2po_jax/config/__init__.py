@@ -32,6 +32,7 @@ from m2po_jax.config.overrides import apply_dotted, apply_overrides, load_overri
 from m2po_jax.config.validate import (
     DERIVED,
     build_library_objects,
+    check_router_replay,
     from_configdict,
     rollout_engine,
     rollout_weight_dtype,
@@ -64,6 +65,7 @@ __all__ = [
     "apply_dotted",
     "apply_overrides",
     "build_library_objects",
+    "check_router_replay",
     "from_configdict",
     "load_overrides",
     "rollout_engine",

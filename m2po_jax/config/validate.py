@@ -285,10 +285,22 @@ def _check_model(cfg: Config) -> None:
 
     _check_lora(cfg.model.lora, model_config.LORA_TARGETS)
     _check_experts(cfg.model, families.family(cfg.model.model_type).mlp == "moe")
+    if not cfg.model.path:  # a new model's family is known now; a checkpoint's at load (`setup`)
+        moe = families.family(cfg.model.model_type).mlp == "moe"
+        check_router_replay(cfg, cfg.model.model_type, moe)
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)
         if value == 0 or value < -1:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
+
+
+def check_router_replay(cfg, model_type: str, is_moe: bool) -> None:
+    """Refuses routing replay on a dense model (no router to replay)."""
+    if cfg.actor.router_replay != "off" and not is_moe:
+        raise ConfigError(
+            f"actor.router_replay={cfg.actor.router_replay}: {model_type} is a dense model "
+            "(no router to replay); use off"
+        )
 
 
 def _check_experts(m, moe: bool) -> None:

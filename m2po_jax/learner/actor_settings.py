@@ -27,6 +27,9 @@ class ActorSettings:
     temperature: float
     logp_chunk_size: int
     masked_grad_norm: bool = False  # also the masked tokens' gradient (a diagnostic)
+    # a mixture of experts: weight of `moe.load_balancing_loss` added to the loss
+    # (`model.router_aux_loss_coef`)
+    router_aux_loss_coef: float = 0.0
 
     @classmethod
     def build(cls, actor: ActorSection | ActorSettings) -> ActorSettings:

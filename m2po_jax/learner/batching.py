@@ -82,7 +82,7 @@ def longest_completion(valid_BxT, prompt_len: int) -> int:
 def trim_completions(
     arrays: dict, prompt_len: int, max_new_tokens: int, longest: int | None = None
 ) -> tuple[dict, int]:
-    """Cuts every [B, prompt_len + max_new_tokens] array of `arrays` to the bucket of the
+    """Cuts every [B, prompt_len + max_new_tokens, ...] array of `arrays` to the bucket of the
     longest completion (`completion_width`); other arrays pass through.
 
     `arrays["valid_BxT"]` marks real tokens; completion columns past the bucket must hold
@@ -102,7 +102,7 @@ def trim_completions(
     width = completion_width(longest, max_new_tokens)
     end = prompt_len + width
     trimmed = {
-        name: x[:, :end] if getattr(x, "ndim", 0) == 2 and x.shape[1] == total else x
+        name: x[:, :end] if getattr(x, "ndim", 0) >= 2 and x.shape[1] == total else x
         for name, x in arrays.items()
     }
     return trimmed, width

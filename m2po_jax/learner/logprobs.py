@@ -13,6 +13,12 @@ chunk's logits. Peak head memory is about `chunk x V` floats instead of `rows x 
 
 Alignment follows `model.token_logp`: column t holds log p(tokens[:, t] | tokens[:, :t]);
 column 0 is 0. Temperature divides the logits first, as the sampler does.
+
+A mixture of experts: `routed_experts_BxTxLxK` (routing replay, the rollout's recorded
+experts; -1 routes freshly) is replayed by every forward here; with `router=True` the
+functions also return the forward's `moe.RoutingSums` over the valid tokens (the
+load-balancing loss, expert load and replay agreement), summed over the parts a batch
+runs in (a shared prompt counts once per row that shares it, as a whole-row forward does).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 
 from m2po_jax.learner.batching import merge_rows, split_rows
 from m2po_jax.models import model as model_lib
-from m2po_jax.models import model_config
+from m2po_jax.models import model_config, moe
 
 DEFAULT_CHUNK = 1024  # tokens per output-head chunk
 
@@ -106,6 +112,17 @@ def head_logp_entropy(
     return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
 
 
+def _routing_sums(config, routing, valid_BxT, routed_experts_BxTxLxK) -> moe.RoutingSums:
+    """The `moe.RoutingSums` of a forward's routing (`model.apply(return_routing=True)`)."""
+    logits_LxBxTxX, _ = routing
+    return moe.routing_sums(
+        logits_LxBxTxX,
+        config.num_experts_per_tok,
+        valid_BxT,
+        recorded_BxTxLxK=routed_experts_BxTxLxK,
+    )
+
+
 def sequence_logp(
     params,
     config: model_config.ModelConfig,
@@ -114,11 +131,29 @@ def sequence_logp(
     temperature: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
-) -> tuple[jax.Array, jax.Array | None]:
-    """(logp_BxT, entropy_BxT or None) of `tokens_BxT` under `params`, like `token_logp`."""
-    hidden = model_lib.apply(params, config, tokens_BxT, valid_BxT=valid_BxT, hidden_only=True)
+    *,
+    routed_experts_BxTxLxK: jax.Array | None = None,
+    router: bool = False,
+):
+    """(logp_BxT, entropy_BxT or None) of `tokens_BxT` under `params`, like `token_logp`;
+    with `router`, (logp, entropy, `moe.RoutingSums`) (module doc)."""
+    hidden = model_lib.apply(
+        params,
+        config,
+        tokens_BxT,
+        valid_BxT=valid_BxT,
+        hidden_only=True,
+        routed_experts_BxTxLxK=routed_experts_BxTxLxK,
+        return_routing=router,
+    )
+    sums = None
+    if router:
+        hidden, routing = hidden
+        valid = jnp.ones(tokens_BxT.shape, bool) if valid_BxT is None else valid_BxT
+        sums = _routing_sums(config, routing, valid, routed_experts_BxTxLxK)
     head = model_lib.head_weight(params, config)
-    return head_logp_entropy(hidden, head, tokens_BxT, temperature, chunk, with_entropy)
+    out = head_logp_entropy(hidden, head, tokens_BxT, temperature, chunk, with_entropy)
+    return (*out, sums) if router else out
 
 
 # Long on purpose: most of it is the docstring (the layout the sampler must write and the
@@ -135,7 +170,10 @@ def shared_prompt_logp(
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
     length_blocks: int = 8,
-) -> tuple[jax.Array, jax.Array | None]:
+    *,
+    routed_experts_BxTxLxK: jax.Array | None = None,
+    router: bool = False,
+):
     """`sequence_logp` of completions whose `group_size` consecutive rows share a prompt.
 
     The first `prompt_len` columns of rows g * group_size ... (g + 1) * group_size - 1 must
@@ -166,6 +204,8 @@ def shared_prompt_logp(
       temperature, chunk, with_entropy: as in `sequence_logp`.
       length_blocks: blocks of rows by length (1: every row over all N columns); used
         when it divides B.
+      routed_experts_BxTxLxK, router: as in `sequence_logp` (the prompt columns are never
+        recorded: the prompt pass routes freshly).
     """
     b, t = tokens_BxT.shape
     if not 1 <= prompt_len < t or group_size < 1 or b % group_size:
@@ -176,9 +216,21 @@ def shared_prompt_logp(
     n = t - prompt_len
     prompt_GxP = tokens_BxT[::group_size, :prompt_len]
     prompt_valid_GxP = valid_BxT[::group_size, :prompt_len]
-    hidden_GxPxE, (k_LxGxKxPxD, v_LxGxKxPxD) = model_lib.apply(
-        params, config, prompt_GxP, None, prompt_valid_GxP, hidden_only=True, return_kv=True
+    prompt_out = model_lib.apply(
+        params,
+        config,
+        prompt_GxP,
+        None,
+        prompt_valid_GxP,
+        hidden_only=True,
+        return_kv=True,
+        return_routing=router,
     )
+    sums = None
+    if router:  # each prompt stands for its group's rows
+        prompt_out, routing = prompt_out
+        sums = _routing_sums(config, routing, prompt_valid_GxP, None).scaled(group_size)
+    hidden_GxPxE, (k_LxGxKxPxD, v_LxGxKxPxD) = prompt_out
     groups = prompt_GxP.shape[0]
     group_B = jnp.arange(b) // group_size
     completion_valid = valid_BxT[:, prompt_len:]
@@ -198,15 +250,25 @@ def shared_prompt_logp(
         prefix = model_lib.Prefix(k_LxGxKxPxD, v_LxGxKxPxD, prompt_valid_GxP, pick)
         rows = b if rows_R is None else rows_R.shape[0]
         take = (lambda x: x) if rows_R is None else (lambda x: x[rows_R])  # noqa: E731
+        routed_RxWxLxK = None
+        if routed_experts_BxTxLxK is not None:
+            routed_RxWxLxK = take(routed_experts_BxTxLxK)[:, prompt_len : prompt_len + width]
+        valid_RxW = take(completion_valid)[:, :width]
         hidden_RxWxE = model_lib.apply(
             params,
             config,
             take(tokens_BxT)[:, prompt_len : prompt_len + width],
             jnp.maximum(take(positions)[:, :width], 0),
-            take(completion_valid)[:, :width],
+            valid_RxW,
             hidden_only=True,
             prefix=prefix,
+            routed_experts_BxTxLxK=routed_RxWxLxK,
+            return_routing=router,
         )
+        part_sums = None
+        if router:
+            hidden_RxWxE, routing = hidden_RxWxE
+            part_sums = _routing_sums(config, routing, valid_RxW, routed_RxWxLxK)
         last_RxE = prefix.expand(hidden_GxPxE[:, -1], rows)
         hidden = jnp.concatenate([last_RxE[:, None], hidden_RxWxE], axis=1)
         out = head_logp_entropy(
@@ -218,10 +280,10 @@ def shared_prompt_logp(
             with_entropy,
         )
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, n - width)))  # noqa: E731
-        return pad(out[0]), pad(out[1])
+        return pad(out[0]), pad(out[1]), part_sums
 
     if blocks == 1:
-        logp, entropy = run(n, None, None)
+        logp, entropy, part_sums = run(n, None, None)
     else:
         length_B = jnp.sum(completion_valid, axis=-1)
         order = jnp.argsort(-length_B, stable=True)
@@ -234,11 +296,14 @@ def shared_prompt_logp(
             branch, rows_R = xs
             return None, jax.lax.switch(branch, branches, rows_R, group_B[rows_R])
 
-        _, (logp_KxR, entropy_KxR) = jax.lax.scan(one, None, (branch_K, rows_KxR))
+        _, (logp_KxR, entropy_KxR, sums_K) = jax.lax.scan(one, None, (branch_K, rows_KxR))
         inverse = jnp.argsort(order)
         unsort = lambda x: None if x is None else x.reshape(b, n + 1)[inverse]  # noqa: E731
         logp, entropy = unsort(logp_KxR), unsort(entropy_KxR)
+        part_sums = None if sums_K is None else jax.tree.map(lambda x: x.sum(0), sums_K)
     pad = lambda x: None if x is None else jnp.pad(x[:, 1:], ((0, 0), (prompt_len, 0)))  # noqa: E731
+    if router:
+        return pad(logp), pad(entropy), jax.tree.map(jnp.add, sums, part_sums)
     return pad(logp), pad(entropy)
 
 
@@ -269,11 +334,15 @@ def policy_logp(
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
     shared: SharedPrompt | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+    *,
+    routed_experts_BxTxLxK: jax.Array | None = None,
+    router: bool = False,
+):
     """`shared_prompt_logp` when the rows come in whole groups sharing a prompt (prompt
     columns of the result are 0), `sequence_logp` otherwise (`shared` None). Equal on the
-    completion columns either way.
+    completion columns either way. `routed_experts_BxTxLxK`, `router`: module doc.
     """
+    moe_args = dict(routed_experts_BxTxLxK=routed_experts_BxTxLxK, router=router)
     if shares_prompts(tokens_BxT.shape[0], shared):
         return shared_prompt_logp(
             params,
@@ -286,8 +355,11 @@ def policy_logp(
             chunk,
             with_entropy,
             shared.length_blocks,
+            **moe_args,
         )
-    return sequence_logp(params, config, tokens_BxT, valid_BxT, temperature, chunk, with_entropy)
+    return sequence_logp(
+        params, config, tokens_BxT, valid_BxT, temperature, chunk, with_entropy, **moe_args
+    )
 
 
 def micro_batched_logp(
@@ -300,24 +372,43 @@ def micro_batched_logp(
     n_micro: int = 1,
     layout=None,
     shared: SharedPrompt | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    *,
+    routed_experts_BxTxLxK: jax.Array | None = None,
+    router: bool = False,
+):
     """`policy_logp` without gradient, `n_micro` groups of rows at a time (`lax.map`).
 
     With `shared` (rows in groups sharing a prompt, as the sampler writes them) each part
     holds whole groups and runs every prompt once. `layout` (`placement.Layout`) keeps
-    each part's rows sharded like the batch's.
+    each part's rows sharded like the batch's. `routed_experts_BxTxLxK`, `router`: module
+    doc (the parts' `moe.RoutingSums` summed).
     """
     rows = tokens_BxT.shape[0]
     block = shared.group_size if shares_prompts(rows // n_micro, shared) else 1
     shared = shared if block > 1 else None
 
     def one(xs):
-        tokens, valid = xs
-        return policy_logp(params, config, tokens, valid, temperature, chunk, True, shared)
+        tokens, valid, routed = xs
+        return policy_logp(
+            params,
+            config,
+            tokens,
+            valid,
+            temperature,
+            chunk,
+            True,
+            shared,
+            routed_experts_BxTxLxK=routed,
+            router=router,
+        )
 
+    xs = (tokens_BxT, valid_BxT, routed_experts_BxTxLxK)
     if n_micro == 1:
-        return jax.lax.stop_gradient(one((tokens_BxT, valid_BxT)))
+        return jax.lax.stop_gradient(one(xs))
     constrain = layout.rows if layout is not None else (lambda x, row_axis=0: x)
     split = lambda x: constrain(split_rows(x, n_micro, block), 1)  # noqa: E731
-    parts = jax.lax.map(one, (split(tokens_BxT), split(valid_BxT)))
-    return jax.lax.stop_gradient(jax.tree.map(lambda x: merge_rows(x, block), parts))
+    parts = jax.lax.map(one, jax.tree.map(split, xs))
+    merged = jax.tree.map(lambda x: merge_rows(x, block), parts[:2])
+    if router:  # the parts' sums added up
+        merged = (*merged, jax.tree.map(lambda x: x.sum(0), parts[2]))
+    return jax.lax.stop_gradient(merged)

@@ -112,6 +112,7 @@ def memory_plan(
     kv_cache_bytes: int | None = None,
     kv_dtype_bytes: int | None = None,
     rollout_config: model_config_lib.ModelConfig | None = None,
+    router_replay: bool = False,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -149,6 +150,9 @@ def memory_plan(
       param_dtype) the rollouts' copy is always made, at its own bytes in the sampling
       layout; the line is the larger of it and the evaluation's (the trained params,
       resharded as above: evaluation runs the trained weights).
+    `router_replay` (a mixture of experts' routing replay): the recorded experts, L x K
+    int16 a token, of the train batch (counted in activations: the step holds the whole
+    batch's) and of the sampler's rows (in kv_cache, beside the cache).
     `total` adds everything; `train_step` leaves the sampler's KV cache and weights out,
     `sampling` is what a rollout holds (the train state, the sampler's weights and KV);
     `peak`, the larger of the two, is what the start-up check holds a device to (a trainer
@@ -222,6 +226,10 @@ def memory_plan(
     kv_cache = 2 * c.num_layers * kv_b * kv_cache_len * trunk.k * trunk.d * kvbytes
     if kv_cache_bytes is not None and kv_cache_batch:
         kv_cache = kv_cache_bytes
+    if router_replay:
+        token = c.num_layers * c.num_experts_per_tok * 2  # int16 experts a token
+        activations += _per_device(batch, sharding.batch_shards(mesh)) * seq_len * token
+        kv_cache += kv_b * kv_cache_len * token
     return MemoryPlan(
         params=params,
         optimizer=_OPT_MOMENTS[optimizer] * trained * tbytes,

@@ -24,7 +24,7 @@ from m2po_jax.learner import batching, logprobs, memory, step_math
 from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.learner.step_metrics import combine_stats, step_metrics
 from m2po_jax.learner.step_plan import StepPlan, plan_step
-from m2po_jax.models import lora
+from m2po_jax.models import lora, moe
 from m2po_jax.models import model_config as model_config_lib
 from m2po_jax.parallel import sharding
 
@@ -61,6 +61,8 @@ class Prepared:
     eps_clip: Any  # a float, or a traced scalar under the capped-mean rule
     eps_clip_higher: Any
     m2_parts: dict  # batch-level M2PO, diagnostics and mismatch parts ({}: taken later)
+    # a mixture of experts: the proximal pass's routing (`moe.RoutingSums`), None without it
+    prox_routing: Any = None
 
 
 def prepare(
@@ -84,14 +86,28 @@ def prepare(
     loss_mask = batch.loss_mask_BxT
     behav = batch.behav_logp_BxT.astype(jnp.float32)
 
-    def logp_pass(p):  # minibatches x micro-batches parts
+    def logp_pass(p, router=False):  # minibatches x micro-batches parts
         parts, chunk = plan.n_minibatches * plan.n_micro, actor.logp_chunk_size
         tokens, valid, temperature = batch.tokens_BxT, batch.valid_BxT, actor.temperature
         return logprobs.micro_batched_logp(
-            p, model_config, tokens, valid, temperature, chunk, parts, layout, shared
+            p,
+            model_config,
+            tokens,
+            valid,
+            temperature,
+            chunk,
+            parts,
+            layout,
+            shared,
+            routed_experts_BxTxLxK=batch.routed_experts_BxTxLxK,
+            router=router,
         )
 
-    prox, entropy = logp_pass(params) if plan.prox_source == "pass" else (None, None)
+    prox, entropy, prox_routing = None, None, None
+    if plan.prox_source == "pass" and model_config.is_moe:
+        prox, entropy, prox_routing = logp_pass(params, router=True)
+    elif plan.prox_source == "pass":
+        prox, entropy = logp_pass(params)
     if plan.prox_source == "behav":
         prox = behav
     ref_logp = None
@@ -120,6 +136,7 @@ def prepare(
         eps_clip=eps_clip,
         eps_clip_higher=eps_clip_higher,
         m2_parts=m2_parts,
+        prox_routing=prox_routing,
     )
 
 
@@ -173,6 +190,7 @@ def minibatches(batch: TrainBatch, prep: Prepared, rng, s: UpdateSettings) -> Mi
         valid_BxT=batch.valid_BxT,
         version_B=batch.version_B,
         version_BxT=batch.version_BxT,
+        routed_experts_BxTxLxK=batch.routed_experts_BxTxLxK,
     )
 
     return jax.tree.map(
@@ -180,15 +198,20 @@ def minibatches(batch: TrainBatch, prep: Prepared, rng, s: UpdateSettings) -> Mi
     )
 
 
-def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
+def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings, aux_weight=1.0):
     """The policy loss of one (micro-)batch times `weight`, and its statistics.
 
     The proximal log-probs are `mb.prox_BxT`, or this pass's log-probs with the gradient
     stopped (or AReaL's loglinear approximation from them); where the plan takes the
     mask here, it is this part's own M2PO mask and the loss its own denominator.
+
+    A mixture of experts replays `mb.routed_experts_BxTxLxK` (None: routes freshly) and
+    adds `router_aux_loss_coef` x `moe.load_balancing_loss` over this part's valid tokens
+    x `aux_weight` (the part's share of the minibatch's valid tokens); its routing sums
+    are the statistic "moe/parts" (`router_metrics`).
     """
     actor, plan = s.actor, s.plan
-    logp, entropy = logprobs.policy_logp(
+    out = logprobs.policy_logp(
         s.model_params(params),
         s.model_config,
         mb.tokens_BxT,
@@ -197,7 +220,16 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
         actor.logp_chunk_size,
         s.with_entropy,
         plan.loss_prompt,
+        routed_experts_BxTxLxK=mb.routed_experts_BxTxLxK,
+        router=s.model_config.is_moe,
     )
+    logp, entropy = out[:2]
+    aux, router_stats = 0.0, {}
+    if s.model_config.is_moe:
+        routing = out[2]
+        router_stats = {"moe/parts": routing}
+        if actor.router_aux_loss_coef:  # off (0): the loss is the policy loss, bit for bit
+            aux = actor.router_aux_loss_coef * moe.balancing_loss(routing) * aux_weight
     logp_now = jax.lax.stop_gradient(logp)
     prox, stats = step_math.loss_pass_prox(plan, mb, logp_now, entropy, s.version)
     mask = mb.mask_BxT
@@ -229,8 +261,9 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
         s.loss, logp_now, prox, mb.behav_BxT, mb.advantages_BxT, mb.loss_mask_BxT
     )
     stats.update(diagnostics.loss_parts(unmasked, mb.loss_mask_BxT, mask))
+    stats.update(router_stats)
     if not s.actor.masked_grad_norm:
-        return loss * weight, {**loss_stats, **stats}
+        return loss * weight + aux, {**loss_stats, **stats}
     # The masked tokens' loss over the same denominator: its gradient is what M2PO removed.
     if count is None:
         count = jnp.sum(mask if s.loss.denominator == "kept" else mb.loss_mask_BxT)
@@ -244,7 +277,7 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings):
         valid_mask_BxT=mb.loss_mask_BxT,
         count=count,
     )
-    return jnp.stack([loss, masked]) * weight, {**loss_stats, **stats}
+    return jnp.stack([loss, masked]) * weight + jnp.stack([aux, 0.0]), {**loss_stats, **stats}
 
 
 def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch, dict]:
@@ -263,6 +296,7 @@ def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch,
             plan.n_micro,
             s.layout,
             plan.loss_prompt,
+            routed_experts_BxTxLxK=mb.routed_experts_BxTxLxK,
         )
     mask, m2_parts = step_math.m2po_block(
         actor,
@@ -297,10 +331,13 @@ def accumulated_grads(params, mb: Minibatch, s: UpdateSettings):
         (loss, stats), grads = grad_fn(params, mb, count, 1.0, s)
         return grads, jax.tree.map(lambda x: x[None], (loss, stats, n_valid)), n_valid
 
+    n_real = jnp.sum(mb.valid_BxT)  # the load-balancing loss's tokens
+
     def accumulate(grads, part):
         part_valid = jnp.sum(part.loss_mask_BxT)
         weight = part_valid / jnp.maximum(n_valid, 1) if mask_in_loss else 1.0
-        (loss, stats), part_grads = grad_fn(params, part, count, weight, s)
+        aux_weight = jnp.sum(part.valid_BxT) / jnp.maximum(n_real, 1)
+        (loss, stats), part_grads = grad_fn(params, part, count, weight, s, aux_weight)
         grads = jax.tree.map(lambda g, p: g + p.astype(g.dtype), grads, part_grads)
         return grads, (loss, stats, part_valid)
 
@@ -324,9 +361,9 @@ def _grad_fn(s: UpdateSettings):
     if not s.actor.masked_grad_norm:
         return jax.value_and_grad(minibatch_loss, has_aux=True)
 
-    def pair_grads(params, mb, count, weight, s):
+    def pair_grads(params, mb, count, weight, s, aux_weight=1.0):
         pair, pullback, stats = jax.vjp(
-            lambda p: minibatch_loss(p, mb, count, weight, s), params, has_aux=True
+            lambda p: minibatch_loss(p, mb, count, weight, s, aux_weight), params, has_aux=True
         )
         (kept,) = pullback(jnp.array([1.0, 0.0], pair.dtype))
         (masked,) = pullback(jnp.array([0.0, 1.0], pair.dtype))
@@ -362,6 +399,7 @@ def minibatch_update(carry, mb: Minibatch, s: UpdateSettings):
     if s.plan.mask_at == "minibatch":
         mb, m2_parts = minibatch_mask(params, mb, s)
     grads, (part_loss, part_stats, part_valid), n_valid = accumulated_grads(params, mb, s)
+    routing = part_stats.pop("moe/parts", None)  # sums: they add up, not average
     loss = jnp.sum(part_loss)
     masked_stats = {}
     if s.actor.masked_grad_norm:
@@ -375,6 +413,8 @@ def minibatch_update(carry, mb: Minibatch, s: UpdateSettings):
     params, opt_state, grad_norm, finite = guarded_update(params, opt_state, grads, loss, s.tx)
     stats = {**combine_stats(part_stats, part_valid), **m2_parts, **masked_stats}
     stats.update({"loss": loss, "grad_norm": grad_norm, "finite": finite})
+    if routing is not None:
+        stats["moe/parts"] = jax.tree.map(lambda x: jnp.sum(x, axis=0), routing)
     return (params, opt_state), (stats, n_valid)
 
 
@@ -500,6 +540,7 @@ def train_step(
     )
     params = lora.merge(params, frozen)
     all_finite = jnp.all(mb_stats.pop("finite"))
+    routing = mb_stats.pop("moe/parts", None)
     version = state.step + 1
     skipped = jnp.where(all_finite, 0, state.nonfinite_steps + 1)
     new_state = TrainState(version, params, opt_state, nonfinite_steps=skipped)
@@ -507,7 +548,35 @@ def train_step(
         state, new_state.params, prep, mb_stats, mb_valid, all_finite, schedule, plan
     )
     metrics["train/nonfinite_steps"] = new_state.nonfinite_steps
+    if routing is not None:
+        routing = jax.tree.map(lambda x: jnp.sum(x, axis=0), routing)
+        replay = batch.routed_experts_BxTxLxK is not None
+        metrics.update(router_metrics(routing, prep.prox_routing, model_config, replay))
     return new_state, metrics
+
+
+def router_metrics(
+    routing: moe.RoutingSums,
+    prox_routing: moe.RoutingSums | None,
+    model_config: model_config_lib.ModelConfig,
+    replay: bool,
+) -> dict:
+    """A mixture of experts' step metrics from the training passes' routing (summed over
+    the step's minibatches): "moe/load_balancing_loss" (`moe.balancing_loss`),
+    "moe/expert_load_max" / "_min" (over layers and experts, `moe.expert_load`: 1 =
+    perfectly even), and under routing replay (`replay`) "moe/router_agreement": the share of replayed token-layer pairs whose own
+    top-K set is the recorded one (from the proximal pass where one ran, before any
+    update; else from the training passes)."""
+    load_LxX = moe.expert_load(routing, model_config.num_experts_per_tok)
+    metrics = {
+        "moe/load_balancing_loss": moe.balancing_loss(routing),
+        "moe/expert_load_max": jnp.max(load_LxX),
+        "moe/expert_load_min": jnp.min(load_LxX),
+    }
+    if replay:
+        agreement = routing if prox_routing is None else prox_routing
+        metrics["moe/router_agreement"] = agreement.agreed / jnp.maximum(agreement.replayed, 1)
+    return metrics
 
 
 def make_train_step(
@@ -521,15 +590,19 @@ def make_train_step(
     groups: PromptGroups | None = None,
     fuse_prox: bool = True,
     masked_grad_norm: bool = False,
+    router_aux_loss_coef: float = 0.0,
 ):
     """`train_step` with static settings bound, under one `jax.jit` (state donated). The
     actor section's settings are built here, once (`ActorSettings.build`).
     `masked_grad_norm`: also take the gradient of the tokens M2PO masked (one more
     pullback per micro-batch) and report `m2po/masked_grad_norm` and
-    `m2po/masked_grad_share` (its norm over the norm of the unmasked loss's gradient)."""
+    `m2po/masked_grad_share` (its norm over the norm of the unmasked loss's gradient).
+    `router_aux_loss_coef`: a mixture of experts' load-balancing loss weight."""
     settings = ActorSettings.build(actor)
     if masked_grad_norm:
         settings = dataclasses.replace(settings, masked_grad_norm=True)
+    if router_aux_loss_coef:
+        settings = dataclasses.replace(settings, router_aux_loss_coef=router_aux_loss_coef)
     step = functools.partial(
         train_step,
         model_config=model_config,

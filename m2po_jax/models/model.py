@@ -339,7 +339,9 @@ class MoE(nn.Module):
     float32 logits pick each token's `num_experts_per_tok` experts, and X SwiGLU experts
     stacked [X, E, F] / [X, F, E] (logical axis "expert" first), run dropless as grouped
     matmuls (`moe.moe_experts`). The router logits [B, T, X] are sown as "intermediates" /
-    "router_logits" for the load-balancing loss (`router_logits`).
+    "router_logits" for the load-balancing loss (`router_logits`), the experts each token
+    ran [B, T, K] as "routed_experts" (`routed_experts`: what a rollout records).
+    `routed_experts_BxTxK`: recorded experts to replay (-1: route freshly; `moe.route`).
 
     LoRA on gate, up or down (`lora_targets`) adapts every expert: `{name}_experts_lora_a`
     [X, in, r] and `{name}_experts_lora_b` [X, r, out] (float32, B zero at init), applied in
@@ -367,7 +369,7 @@ class MoE(nn.Module):
         return kernel.astype(dt), (a.astype(dt), b.astype(dt))
 
     @nn.compact
-    def __call__(self, x_BxTxE):
+    def __call__(self, x_BxTxE, routed_experts_BxTxK=None):
         c = self.config
         pdt = as_dtype(c.param_dtype)
         e, f, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
@@ -386,7 +388,14 @@ class MoE(nn.Module):
             precision=jax.lax.Precision.HIGHEST,
         )
         self.sow("intermediates", "router_logits", logits_NxX.reshape(b, t, n))
-        weights_NxK, experts_NxK = moe.route(logits_NxX, c.num_experts_per_tok, c.norm_topk_prob)
+        k = c.num_experts_per_tok
+        recorded_NxK = None
+        if routed_experts_BxTxK is not None:
+            recorded_NxK = routed_experts_BxTxK.reshape(b * t, k)
+        weights_NxK, experts_NxK = moe.route(
+            logits_NxX, k, c.norm_topk_prob, recorded_NxK=recorded_NxK
+        )
+        self.sow("intermediates", "routed_experts", experts_NxK.reshape(b, t, k))
         y_NxE = moe.moe_experts(
             x_NxE,
             experts_NxK,
@@ -414,7 +423,7 @@ class DecoderLayer(nn.Module):
     widths: tuple[int, ...] | None = None
 
     @nn.compact
-    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index):
+    def __call__(self, x_BxTxE, cos_sin, mask, cache_kv, cache_index, routed_experts_BxTxK=None):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="input_norm")(x_BxTxE)
@@ -424,6 +433,8 @@ class DecoderLayer(nn.Module):
         x_BxTxE = x_BxTxE + attn
         normed = RMSNorm(c.rms_norm_eps, "embed", pdt, dt, name="post_attn_norm")(x_BxTxE)
         mlp = _MLP_BLOCKS[families.family(c.model_type).mlp](c, name="mlp")
+        if routed_experts_BxTxK is not None:  # replayed routing (a mixture of experts only)
+            return x_BxTxE + mlp(normed, routed_experts_BxTxK), new_kv
         return x_BxTxE + mlp(normed), new_kv
 
 
@@ -437,6 +448,7 @@ def _scan_layers(
     prefix: Prefix | None = None,
     return_kv: bool = False,
     sown: bool = False,
+    routed_experts_BxTxLxK=None,
 ):
     """The decoder layers as one `lax.scan` over their stacked params.
 
@@ -446,7 +458,8 @@ def _scan_layers(
     gradients alive at once; the program also compiles one layer instead of all of them.
     With a `prefix` each iteration also takes that layer's prefix keys and values; with
     `return_kv` it returns this call's keys and values, stacked [L, B, K, T, D]; with
-    `sown` the layers' "intermediates" (a mixture of experts' router logits), stacked.
+    `sown` the layers' "intermediates" (a mixture of experts' router logits), stacked;
+    `routed_experts_BxTxLxK` (replay) gives each iteration its layer's recorded experts.
     """
     stacked = jax.tree.map(
         lambda *ws: jnp.stack(ws), *[params[f"layers_{i}"] for i in range(c.num_layers)]
@@ -454,12 +467,12 @@ def _scan_layers(
     layer = DecoderLayer(c, impl)
     rows, width = x_BxTxE.shape[:2]
 
-    def one(layer_params, x, prefix_kv):
+    def one(layer_params, x, prefix_kv, routed_BxTxK):
         cache_kv, index = None, 0
         if prefix is not None:
             cache_kv, index = prefix.layer_cache(*prefix_kv, rows, width), prefix.k.shape[3]
         variables = {"params": layer_params}
-        args = (x, cos_sin, mask, cache_kv, index)
+        args = (x, cos_sin, mask, cache_kv, index, routed_BxTxK)
         intermediates = None
         if sown:
             (y, kv), state = layer.apply(variables, *args, mutable=["intermediates"])
@@ -474,11 +487,14 @@ def _scan_layers(
         one = jax.checkpoint(one, policy=REMAT_POLICIES[c.remat_policy])
 
     def body(x, xs):
-        layer_params, prefix_kv = xs
-        return one(layer_params, x, prefix_kv)
+        layer_params, prefix_kv, routed_BxTxK = xs
+        return one(layer_params, x, prefix_kv, routed_BxTxK)
 
     prefix_kv = None if prefix is None else (prefix.k, prefix.v)
-    return jax.lax.scan(body, x_BxTxE, (stacked, prefix_kv))
+    routed_LxBxTxK = None
+    if routed_experts_BxTxLxK is not None:
+        routed_LxBxTxK = jnp.moveaxis(routed_experts_BxTxLxK, 2, 0)
+    return jax.lax.scan(body, x_BxTxE, (stacked, prefix_kv, routed_LxBxTxK))
 
 
 class CausalLM(nn.Module):
@@ -493,6 +509,9 @@ class CausalLM(nn.Module):
     With a cache, `columns` (`Columns`) bounds the columns attention reads: the caller
     guarantees that no query needs a column past `columns.needed`. The cache keeps its
     width; with the "xla" implementation each layer reads only the bucketed width.
+
+    `routed_experts_BxTxLxK` (a mixture of experts): each token's recorded experts per layer
+    to replay (routing replay; -1 where a token routes freshly; `moe.route`).
     """
 
     config: ModelConfig
@@ -516,6 +535,7 @@ class CausalLM(nn.Module):
         return_kv: bool = False,
         columns: Columns | None = None,
         paged: tuple[paged_lib.PagedPool, paged_lib.PagedView] | None = None,
+        routed_experts_BxTxLxK: jax.Array | None = None,
     ):
         c = self.config
         dt, pdt = as_dtype(c.dtype), as_dtype(c.param_dtype)
@@ -586,7 +606,16 @@ class CausalLM(nn.Module):
         if c.scan_layers and cache is None and paged is None and not self.is_initializing():
             sown = self.is_mutable_collection("intermediates")
             x, (kv, intermediates) = _scan_layers(
-                c, impl, self.variables["params"], x, cos_sin, mask, prefix, return_kv, sown
+                c,
+                impl,
+                self.variables["params"],
+                x,
+                cos_sin,
+                mask,
+                prefix,
+                return_kv,
+                sown,
+                routed_experts_BxTxLxK,
             )
             if return_kv:
                 new_k, new_v = kv
@@ -601,7 +630,10 @@ class CausalLM(nn.Module):
                 if prefix is not None:
                     cache_kv = prefix.layer_cache(prefix.k[i], prefix.v[i], b, t)
                 layer = layer_cls(c, impl, widths, name=f"layers_{i}")
-                x, kv = layer(x, cos_sin, mask, cache_kv, cache_index)
+                routed_BxTxK = None
+                if routed_experts_BxTxLxK is not None:
+                    routed_BxTxK = routed_experts_BxTxLxK[:, :, i]
+                x, kv = layer(x, cos_sin, mask, cache_kv, cache_index, routed_BxTxK)
                 if prefix is not None:
                     kv = tuple(z[:, :, cache_index:] for z in kv)
                 if paged is not None:  # the layer's new pages (keys and values in one)
@@ -739,6 +771,9 @@ def apply(
     return_kv: bool = False,
     columns: Columns | None = None,
     paged: tuple[paged_lib.PagedPool, paged_lib.PagedView] | None = None,
+    *,
+    routed_experts_BxTxLxK: jax.Array | None = None,
+    return_routing: bool = False,
 ):
     """`CausalLM(config).apply` on bare params.
 
@@ -746,10 +781,16 @@ def apply(
     cache then). `paged`: (pool, view) of a paged cache (`paged.py`): returns the new
     pool where a cache call returns the new cache. `return_kv` (with `hidden_only`, no cache): also this call's keys and
     values, ([L, B, K, T, D], [L, B, K, T, D]), i.e. (hidden, (k, v)).
+
+    A mixture of experts: `routed_experts_BxTxLxK` replays recorded experts (`CausalLM`);
+    `return_routing` returns (what it returns otherwise, (router logits [L, B, T, X],
+    experts each token ran [B, T, L, K] int32)) (`router_logits`, `routed_experts`).
     """
     if return_kv and (not hidden_only or cache is not None):
         raise ValueError("apply: return_kv needs hidden_only=True and no cache")
-    return CausalLM(config).apply(
+    if (routed_experts_BxTxLxK is not None or return_routing) and not config.is_moe:
+        raise ValueError(f"apply: {config.model_type} has no router (routing replay or record)")
+    out = CausalLM(config).apply(
         {"params": params},
         tokens_BxT,
         positions_BxT,
@@ -762,7 +803,14 @@ def apply(
         return_kv=return_kv,
         columns=columns,
         paged=paged,
+        routed_experts_BxTxLxK=routed_experts_BxTxLxK,
+        mutable=["intermediates"] if return_routing else False,
     )
+    if not return_routing:
+        return out
+    out, state = out
+    sown = state["intermediates"]
+    return out, (router_logits(sown, config), routed_experts(sown, config))
 
 
 def router_logits(intermediates, config: ModelConfig) -> jax.Array:
@@ -777,6 +825,19 @@ def router_logits(intermediates, config: ModelConfig) -> jax.Array:
         intermediates[f"layers_{i}"]["mlp"]["router_logits"][0] for i in range(config.num_layers)
     ]
     return jnp.stack(layers)
+
+
+def routed_experts(intermediates, config: ModelConfig) -> jax.Array:
+    """The experts each token ran in every layer, [B, T, L, K] int32 (what a rollout
+    records for routing replay), from the "intermediates" as `router_logits` reads them."""
+    if not config.is_moe:
+        raise ValueError(f"routed_experts: {config.model_type} has no router (num_experts 0)")
+    if "scanned_layers" in intermediates:
+        return jnp.moveaxis(intermediates["scanned_layers"][0]["mlp"]["routed_experts"][0], 0, 2)
+    layers = [
+        intermediates[f"layers_{i}"]["mlp"]["routed_experts"][0] for i in range(config.num_layers)
+    ]
+    return jnp.stack(layers, axis=2)
 
 
 def head_weight(params, config: ModelConfig) -> jax.Array:

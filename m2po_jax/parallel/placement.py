@@ -108,8 +108,9 @@ class Placement:
         """Batch-dim shardings for every array of `batch` (arrays or shape structs)."""
         return jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, np.ndim(x)), batch)
 
-    def train_batch_shardings(self) -> TrainBatch:
-        """`TrainBatch` of shardings: [B, T] fields and [B] fields split over the batch axes."""
+    def train_batch_shardings(self, replay: bool = False) -> TrainBatch:
+        """`TrainBatch` of shardings: [B, T] fields and [B] fields split over the batch axes
+        (`replay`: and the recorded experts [B, T, L, K])."""
         rows_by_tokens = sharding.batch_sharding(self.mesh, 2)
         rows = sharding.batch_sharding(self.mesh, 1)
         return TrainBatch(
@@ -120,14 +121,16 @@ class Placement:
             rewards_B=rows,
             version_B=rows,
             version_BxT=rows_by_tokens,
+            routed_experts_BxTxLxK=sharding.batch_sharding(self.mesh, 4) if replay else None,
         )
 
-    def train_step_shardings(self, state_shape, with_ref: bool) -> dict:
-        """`jax.jit` keyword arguments that lay out `train_step(state, batch, rng, ref_params)`."""
+    def train_step_shardings(self, state_shape, with_ref: bool, replay: bool = False) -> dict:
+        """`jax.jit` keyword arguments that lay out `train_step(state, batch, rng, ref_params)`
+        (`replay`: the batch carries recorded experts)."""
         state = self.state_shardings(state_shape)
         ref = self.train_params if with_ref else None
         return dict(
-            in_shardings=(state, self.train_batch_shardings(), self.replicated, ref),
+            in_shardings=(state, self.train_batch_shardings(replay), self.replicated, ref),
             out_shardings=(state, self.replicated),
         )
 

@@ -24,8 +24,10 @@ from m2po_jax.rollout import sampling
 from m2po_jax.rollout.engines import RolloutEngine, StaticEngine
 
 # Host-side rollouts are `RolloutBatch` records of numpy arrays; checkpoints store their
-# fields by these names.
-ROLLOUT_KEYS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+# fields by these names (and "routed_experts_BxTxLxK" under routing replay only).
+ROLLOUT_KEYS = tuple(
+    f.name for f in dataclasses.fields(RolloutBatch) if f.name != "routed_experts_BxTxLxK"
+)
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,6 +244,9 @@ def _sampled(
         version_BxT=np.concatenate(
             [np.full((rows, width), version, np.int32), np.asarray(version_BxN, np.int32)], 1
         ),
+        routed_experts_BxTxLxK=None
+        if host.experts_BxTxLxK is None
+        else np.asarray(host.experts_BxTxLxK, np.int16),
     )
     return SampledRollout(batch, texts, examples, n_samples, generation)
 
@@ -291,6 +296,7 @@ def train_batch(host: RolloutBatch) -> TrainBatch:
         rewards_B=host.rewards_B,
         version_B=host.version_B,
         version_BxT=host.version_BxT,
+        routed_experts_BxTxLxK=host.routed_experts_BxTxLxK,
     )
 
 

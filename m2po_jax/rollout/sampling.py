@@ -15,6 +15,11 @@ token). With top-k and top-p off, this is exactly the distribution the token was
 from, and `model.token_logp(apply(params, config, tokens_BxT, valid_BxT=valid_BxT),
 tokens_BxT, temperature)` reproduces it. Greedy decoding records the same
 `logits / temperature` log-prob (use `temperature=1.0` for the plain model distribution).
+
+Routing replay (`SamplingConfig.record_experts`, a mixture of experts): each generated
+token's experts in every layer, from the decode step that fed it into the model, as
+`experts_BxTxLxK` (int16, -1 at prompt columns, padding and the last token, which no step
+feeds); the trainer's passes replay them (`model.apply(routed_experts_BxTxLxK=...)`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class SampleOutput:
     completion_len_B: jax.Array  # int32: generated tokens, stop token included
     stopped_B: jax.Array  # bool: the row ended with a stop token
     num_steps: jax.Array  # int32 scalar: token positions decoded (< max_new_tokens on early exit)
+    # int16 [B, T, L, K]: each generated token's experts per layer from the pass that fed
+    # it (-1 elsewhere); None unless `SamplingConfig.record_experts`
+    experts_BxTxLxK: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,8 @@ class SamplingConfig:
       greedy: take the argmax (top-k and top-p are ignored).
       stop_token_ids: a row ends after emitting any of these (the stop token is kept).
       pad_id: token written after a row has ended.
+      record_experts: a mixture of experts: record each generated token's experts per
+        layer (`SampleOutput.experts_BxTxLxK`, for routing replay).
     """
 
     max_new_tokens: int
@@ -71,6 +81,7 @@ class SamplingConfig:
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     pad_id: int = 0
+    record_experts: bool = False
 
     def __post_init__(self):
         # Lists would make the config unhashable (and so unusable as a static jit argument).
@@ -225,6 +236,22 @@ def decode_buckets(prompt_width: int, total: int) -> tuple[int, ...]:
     return (*widths, total)
 
 
+EXPERTS_DTYPE = jnp.int16  # recorded experts (routing replay); -1 = not recorded
+
+
+def no_experts(model_config: model_config_lib.ModelConfig, *dims: int) -> jax.Array:
+    """An experts record [*dims, L, K] with nothing recorded (-1 everywhere)."""
+    shape = (*dims, model_config.num_layers, model_config.num_experts_per_tok)
+    return jnp.full(shape, -1, EXPERTS_DTYPE)
+
+
+def fed_experts(routing, live_B: jax.Array) -> jax.Array:
+    """The experts [B, L, K] (`EXPERTS_DTYPE`) a one-column step's fed tokens ran, from
+    `model.apply(..., return_routing=True)`'s routing; -1 on rows not `live_B`."""
+    experts_BxLxK = routing[1][:, 0].astype(EXPERTS_DTYPE)
+    return jnp.where(live_B[:, None, None], experts_BxLxK, -1)
+
+
 @flax.struct.dataclass
 class _DecodeState:
     step: jax.Array  # int32 scalar: index of the completion column decoded next
@@ -235,6 +262,7 @@ class _DecodeState:
     last_valid_B: jax.Array
     stopped_B: jax.Array
     cache: model_lib.KVCache
+    experts_BxNxLxK: jax.Array | None = None  # with `record_experts`
 
 
 def _write_column(buffer_BxN: jax.Array, column: jax.Array, values_B: jax.Array) -> jax.Array:
@@ -297,6 +325,9 @@ def _generate(
         last_valid_B=jnp.ones(batch, bool),
         stopped_B=is_stop(token_B, sampling.stop_token_ids),
         cache=cache,
+        experts_BxNxLxK=no_experts(model_config, batch, max_new)
+        if sampling.record_experts
+        else None,
     )
 
     def cond(state: _DecodeState) -> jax.Array:
@@ -308,7 +339,7 @@ def _generate(
         i = state.step
         # Feed the previous token; finished rows feed pad, marked invalid in the cache.
         # Its query, at column width + i - 1, reads columns 0 .. width + i - 1.
-        logits_Bx1xV, cache = model_lib.apply(
+        out = model_lib.apply(
             params,
             model_config,
             state.last_token_B[:, None],
@@ -318,7 +349,14 @@ def _generate(
             width + i - 1,
             last_only=True,
             columns=model_lib.Columns(needed=width + i, widths=widths),
+            return_routing=sampling.record_experts,
         )
+        experts = state.experts_BxNxLxK
+        if sampling.record_experts:  # the routing of the token this step fed (column i - 1)
+            out, routing = out
+            fed_BxLxK = fed_experts(routing, state.last_valid_B)
+            experts = jax.lax.dynamic_update_slice_in_dim(experts, fed_BxLxK[:, None], i - 1, 1)
+        logits_Bx1xV, cache = out
         token_B, logp_B = sample_token(logits_Bx1xV[:, 0], jax.random.fold_in(rng, i), sampling)
         active_B = ~state.stopped_B
         token_B = jnp.where(active_B, token_B, sampling.pad_id)
@@ -332,6 +370,7 @@ def _generate(
             last_valid_B=active_B,
             stopped_B=state.stopped_B | (active_B & is_stop(token_B, sampling.stop_token_ids)),
             cache=cache,
+            experts_BxNxLxK=experts,
         )
 
     state = jax.lax.while_loop(cond, body, state)
@@ -347,6 +386,9 @@ def _generate(
         completion_len_B=jnp.sum(state.valid_BxN, axis=-1, dtype=jnp.int32),
         stopped_B=state.stopped_B,
         num_steps=state.step,
+        experts_BxTxLxK=None
+        if state.experts_BxNxLxK is None
+        else jnp.concatenate([no_experts(model_config, batch, width), state.experts_BxNxLxK], 1),
     )
 
 
@@ -426,6 +468,11 @@ def check_inputs(model_config, sampling, prompt_tokens_BxP, prompt_valid_BxP, n_
         )
     if jnp.result_type(prompt_valid_BxP) != jnp.bool_:
         raise TypeError(f"prompt_valid_BxP: expected bool, got {jnp.result_type(prompt_valid_BxP)}")
+    if sampling.record_experts and not model_config.is_moe:
+        raise ValueError(
+            f"sampling: record_experts needs a mixture of experts; {model_config.model_type} "
+            "is dense"
+        )
     for token_id in (*sampling.stop_token_ids, sampling.pad_id):
         if not 0 <= token_id < model_config.vocab_size:
             raise ValueError(

@@ -382,6 +382,9 @@ def train_step_program(cfg: Config, model_config, placement) -> tuple[Program, A
         rewards_B=_rows(placement, jnp.float32, rows),
         version_B=_rows(placement, jnp.int32, rows),
         version_BxT=_rows(placement, jnp.int32, rows, seq_len),
+        routed_experts_BxTxLxK=setup_lib.replayed_experts(
+            cfg, model_config, functools.partial(_rows, placement), rows, seq_len
+        ),
     )
     ref = setup_lib.reference_params(cfg, model_config, state.params)  # as the trainer's
     step = setup_lib.build_train_step(cfg, model_config, tx, schedule, placement, state_shape)
@@ -570,6 +573,7 @@ def _sampling_programs(cfg, model_config, rollout_config, placements, sample_par
     params, the decode program)."""
     placement, sampler_placement = placements
     decoding = sampling.from_gconfig(cfg.gconfig, *stop_pad)
+    decoding = dataclasses.replace(decoding, record_experts=cfg.actor.router_replay != "off")
     prompt_len = cfg.task.max_prompt_len
     rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
     seq_len = prompt_len + cfg.gconfig.max_new_tokens

@@ -23,6 +23,7 @@ def eval_decoding(cfg, sampling_config):
     """`decoding` of a config and the run's sampling settings (the dry run compiles the
     evaluation with these, as the run evaluates)."""
     e = cfg.eval
+    sampling_config = dataclasses.replace(sampling_config, record_experts=False)  # no replay
     if e.temperature == 0:
         return dataclasses.replace(sampling_config, greedy=True)
     return dataclasses.replace(sampling_config, greedy=False, temperature=float(e.temperature))

@@ -330,6 +330,7 @@ def build_model(cfg: Config, vocab_size: int):
             expert_axis=cfg.mesh.expert_axis,
             **lora_fields(m),
         )
+        config_lib.check_router_replay(cfg, model_config.model_type, model_config.is_moe)
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     fields = [f.name for f in dataclasses.fields(model_config_lib.ModelConfig)]
     with _named_as_in_the_config({name: f"model.{name}" for name in fields}):
@@ -481,6 +482,7 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
         kv_dtype_bytes=rollout.cache_dtype.itemsize,
         rollout_config=rollout,
+        router_replay=cfg.actor.router_replay != "off",
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):
@@ -570,12 +572,22 @@ def build_train_step(
         schedule,
         # Under LoRA the reference policy is the model with its adapters off: no copy.
         jit_kwargs=placement.train_step_shardings(
-            state, with_ref=needs_reference(cfg, model_config)
+            state, with_ref=needs_reference(cfg, model_config), replay=a.router_replay != "off"
         ),
         layout=placement.layout,
         groups=prompt_groups(cfg) if share_prompts else None,
         masked_grad_norm=cfg.logging.masked_grad_norm,
+        router_aux_loss_coef=cfg.model.router_aux_loss_coef,
     )
+
+
+def replayed_experts(cfg: Config, model_config, shape, rows: int, seq_len: int):
+    """The train batch's recorded experts under routing replay, `shape(int16, rows,
+    seq_len, L, K)`; None when `actor.router_replay` is "off"."""
+    if cfg.actor.router_replay == "off":
+        return None
+    layers, k = model_config.num_layers, model_config.num_experts_per_tok
+    return shape(jnp.int16, rows, seq_len, layers, k)
 
 
 def prompt_groups(cfg: Config) -> PromptGroups:
@@ -599,10 +611,12 @@ def step_plan(cfg: Config, placement: placement_lib.Placement, seq_len: int | No
 
 
 def sampling_config(cfg: Config, tokenizer) -> sampling.SamplingConfig:
-    """The rollouts' sampling settings; every stop id the tokenizer names ends a completion."""
+    """The rollouts' sampling settings; every stop id the tokenizer names ends a completion.
+    Under routing replay (`actor.router_replay`) the engine records each token's experts."""
     g = cfg.gconfig
     stop_ids = tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
-    return sampling.from_gconfig(g, stop_ids, tokenizer.pad_id)
+    decoding = sampling.from_gconfig(g, stop_ids, tokenizer.pad_id)
+    return dataclasses.replace(decoding, record_experts=cfg.actor.router_replay != "off")
 
 
 def initial_params(run: RunSetup, rng: jax.Array):
@@ -661,6 +675,7 @@ def compiled_step_memory(
         rewards_B=shape(jnp.float32, rows),
         version_B=shape(jnp.int32, rows),
         version_BxT=shape(jnp.int32, rows, seq_len),
+        routed_experts_BxTxLxK=replayed_experts(cfg, model_config, shape, rows, seq_len),
     )
     rng = jax.eval_shape(lambda: jax.random.key(0))
     ref = reference_params(cfg, model_config, params)

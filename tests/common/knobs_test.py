@@ -162,5 +162,6 @@ def test_declared_choices_are_the_librarys():
         "agent.on_tool_error",
         "eval.reward",
         "checkpoint.hf_dtype",
+        "actor.router_replay",
     }
     assert declared["checkpoint.hf_dtype"] == config_schema.PARAM_DTYPES

@@ -267,3 +267,19 @@ def test_a_resume_in_chunks_holds_one_chunks_activations(monkeypatch):
         held[size] = (resume.held_bytes, plan)
     assert held[1024][0] > 150e6  # one pass: the whole width's scores
     assert held[256][0] < 0.35 * held[1024][0] and held[256][1] < 0.35 * held[1024][1]
+
+
+def test_routing_replay_counts_the_recorded_experts_of_the_batch_and_the_sampler():
+    """L x K int16 a token: the train batch's rows (activations) and the sampler's (KV)."""
+    c = model_config_lib.ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+        num_kv_heads=2, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )  # fmt: skip
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    sizes = dict(batch=8, seq_len=20, micro_batch=4, kv_cache_batch=8, kv_cache_len=20)
+    off = memory.memory_plan(c, mesh, **sizes)
+    on = memory.memory_plan(c, mesh, **sizes, router_replay=True)
+    assert on.activations - off.activations == 8 * 20 * 3 * 2 * 2
+    assert on.kv_cache - off.kv_cache == 8 * 20 * 3 * 2 * 2
+    assert (on.params, on.logits) == (off.params, off.logits)

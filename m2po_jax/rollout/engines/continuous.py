@@ -311,12 +311,19 @@ class ContinuousEngine(RolloutEngine):
                         state.version_JxN,
                         state.stopped_J,
                         state.decode_steps_1,
+                        state.experts_JxNxLxK,
                     )
                 )
                 by_unit = [np.asarray(f).reshape(shards, count, per, -1) for f in fields[:5]]
                 steps = np.asarray(fields[5], np.float64)
+                experts = None if fields[6] is None else np.asarray(fields[6])
+                if experts is not None:
+                    experts = experts.reshape(shards, count, per, *experts.shape[1:])
                 for u in range(emitted, ready):
                     rows = [f[:, u].reshape(shards * per, -1) for f in by_unit]
+                    unit_experts = None
+                    if experts is not None:
+                        unit_experts = experts[:, u].reshape(shards * per, *experts.shape[3:])
                     yield _unit_generation(
                         tokens_U[u],
                         valid_U[u],
@@ -325,6 +332,7 @@ class ContinuousEngine(RolloutEngine):
                         slot_steps=int(np.sum(steps - steps_before)) * slots,
                         decode_steps=int(np.max(steps - steps_before)),
                         updates=updates,
+                        experts_JxNxLxK=unit_experts,
                     )
                     steps_before, updates = steps, 0
                 emitted = ready
@@ -473,9 +481,19 @@ def _generation(programs, state, tokens_QxP, valid_QxP, slots: int, updates: int
     )
 
 
-def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, slot_steps, decode_steps, updates):
+def _unit_generation(
+    tokens_QxP,
+    valid_QxP,
+    rows,
+    n_samples,
+    *,
+    slot_steps,
+    decode_steps,
+    updates,
+    experts_JxNxLxK=None,
+):
     """A streamed unit's `Generation` from its host rows (tokens, log-probs, valid,
-    versions [R, N], stopped [R, 1])."""
+    versions [R, N], stopped [R, 1]; recorded experts [R, N, L, K] or None)."""
     tokens_JxN, logp_JxN, valid_JxN, version_JxN, stopped_J = rows
     valid_JxN = valid_JxN.astype(bool)
     tokens_BxP = np.repeat(np.asarray(tokens_QxP, np.int32), n_samples, axis=0)
@@ -491,6 +509,15 @@ def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, slot_steps, deco
         completion_len_B=completion_len_B,
         stopped_B=stopped_J.reshape(-1).astype(bool),
         num_steps=np.int32(completion_len_B.max()),
+        experts_BxTxLxK=None
+        if experts_JxNxLxK is None
+        else np.concatenate(
+            [
+                np.full(valid_BxP.shape + experts_JxNxLxK.shape[2:], -1, experts_JxNxLxK.dtype),
+                experts_JxNxLxK,
+            ],
+            axis=1,
+        ),
     )
     return Generation(
         out=out,

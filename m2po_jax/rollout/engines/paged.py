@@ -119,6 +119,9 @@ class _State:
     live_steps_1: jax.Array
     preemptions_1: jax.Array
     peak_1: jax.Array  # int32 [1]: the most pages in use at once
+    # int16: each sampled token's experts from the pass that fed it (a decode step, an
+    # append, or a resume's recompute); with `record_experts`, else None
+    experts_JxNxLxK: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -893,6 +896,9 @@ def _empty(pool, table_QxM, len_Q, version, size, model_config, sampling_config)
         live_steps_1=jnp.zeros(1, jnp.int32),
         preemptions_1=jnp.zeros(1, jnp.int32),
         peak_1=jnp.zeros(1, jnp.int32),
+        experts_JxNxLxK=sampling.no_experts(model_config, jobs, new)
+        if sampling_config.record_experts
+        else None,
     )
 
 
@@ -992,8 +998,14 @@ def _decode(
     slots = jnp.arange(state.job_S.shape[0])
     own_table = state.own_table_SxM.at[slots, col_S].set(page_S, mode="drop")
     state = _copy_tails(state.replace(own_table_SxM=own_table), need_S & first_S, inst_S, page_S)
-    logits, pool = _model_pass(params, state, live_S, own_len_S, model_config=model_config, n=n)
+    logits, pool, experts_SxLxK = _model_pass(
+        params, state, live_S, own_len_S, model_config=model_config, n=n,
+        record=sampling_config.record_experts,
+    )  # fmt: skip
     job_S = jnp.where(live_S, state.job_S, jobs)
+    if experts_SxLxK is not None:  # the fed (pending) token's, at its column step - 1
+        experts = state.experts_JxNxLxK.at[job_S, state.step_S - 1].set(experts_SxLxK, mode="drop")
+        state = state.replace(experts_JxNxLxK=experts)
     token_S, logp_S = sampling.sample_token(
         logits, _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
     )
@@ -1020,19 +1032,25 @@ def _decode(
     )
 
 
-def _model_pass(params, state: _State, live_S, own_len_S, *, model_config, n):
+def _model_pass(params, state: _State, live_S, own_len_S, *, model_config, n, record=False):
     """The model's pass of a decode step: each live slot's pending token at own position
     `own_len_S` (its pages already taken), written into its pages and attended. Returns
-    (next-token logits [S, V], the new pool)."""
+    (next-token logits [S, V], the new pool, with `record` the pending tokens' experts
+    [S, L, K] (-1 on slots not live), else None)."""
     prompts = state.prompt_len_I.shape[0]
     inst_S = jnp.where(live_S, jnp.minimum(state.job_S // n, prompts - 1), prompts)
     view = _view(state, state.own_table_SxM, own_len_S, inst_S, grouped=True, n=n)
     positions = state.prompt_len_I[jnp.minimum(inst_S, prompts - 1)] + state.step_S - 1
-    logits, pool = model_lib.apply(
+    out = model_lib.apply(
         params, model_config, state.last_token_S[:, None], positions[:, None],
-        live_S[:, None], last_only=True, paged=(state.pool, view),
+        live_S[:, None], last_only=True, paged=(state.pool, view), return_routing=record,
     )  # fmt: skip
-    return logits[:, 0], pool
+    experts_SxLxK = None
+    if record:
+        out, routing = out
+        experts_SxLxK = sampling.fed_experts(routing, live_S)
+    logits, pool = out
+    return logits[:, 0], pool, experts_SxLxK
 
 
 def _model_step(params, state: _State, *, model_config, n):
@@ -1041,7 +1059,7 @@ def _model_step(params, state: _State, *, model_config, n):
     with the step's keys and values written)."""
     prompts = state.prompt_len_I.shape[0]
     own_len_S = _tails(state, jnp.minimum(state.job_S // n, prompts - 1)) + state.step_S - 1
-    logits, pool = _model_pass(
+    logits, pool, _ = _model_pass(
         params, state, state.live_S, own_len_S, model_config=model_config, n=n
     )
     return logits, state.replace(pool=pool)
@@ -1141,6 +1159,7 @@ def _resume(params, state: _State, job_L, version, *, model_config, sampling_con
     pending, as a decode step left it."""
     del version
     slots, jobs = state.job_S.shape[0], state.done_J.shape[0]
+    new = state.tokens_JxN.shape[1]
     n_pages = state.free_N.shape[0]
     pg = state.pool.page_size
     lanes = job_L.shape[0]
@@ -1163,25 +1182,37 @@ def _resume(params, state: _State, job_L, version, *, model_config, sampling_con
     prompt_L = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)]
     chunk = min(width, paged.RESUME_CHUNK)  # both powers of two: chunks tile the width
 
+    record = sampling_config.record_experts
+
     def recompute(carry):  # chunk c: columns c * chunk .. into the pages after its own
-        c, pool = carry
+        c, pool, experts_JxNxLxK = carry
         start = c * chunk
         cols = start + jnp.arange(chunk)
         tokens = jax.lax.dynamic_slice_in_dim(tokens_LxW, start, chunk, axis=1)
         valid = (cols[None] < own_L[:, None]) & use_L[:, None]
         view = _view(state.replace(pool=pool), table_LxM, tail_L + start, inst_L,
                      grouped=False, n=n)  # fmt: skip
-        _, pool = model_lib.apply(
+        out = model_lib.apply(
             params, model_config, tokens, prompt_L[:, None] + cols, valid, hidden_only=True,
-            paged=(pool, view),
+            paged=(pool, view), return_routing=record,
         )  # fmt: skip
-        return c + 1, pool
+        if record:  # the recomputed sampled tokens' experts replace the decode steps'
+            out, (_, experts_LxCxLxK) = out
+            sampled = valid & state.sampled_JxN[j_L[:, None], jnp.minimum(cols, new - 1)[None]]
+            rows = jnp.where(sampled, j_L[:, None], jobs)
+            experts_JxNxLxK = experts_JxNxLxK.at[rows, cols[None]].set(
+                experts_LxCxLxK.astype(sampling.EXPERTS_DTYPE), mode="drop"
+            )
+        _, pool = out
+        return c + 1, pool, experts_JxNxLxK
 
+    carry = (0, state.pool, state.experts_JxNxLxK)
     if chunk == width:  # one pass (no loop: XLA holds less around it)
-        _, pool = recompute((0, state.pool))
+        _, pool, experts = recompute(carry)
     else:
         chunks = -(-jnp.max(own_L) // chunk)
-        _, pool = jax.lax.while_loop(lambda cp: cp[0] < chunks, recompute, (0, state.pool))
+        _, pool, experts = jax.lax.while_loop(lambda cp: cp[0] < chunks, recompute, carry)
+    state = state.replace(experts_JxNxLxK=experts)
     slot_go = jnp.where(use_L, slot_L, slots)
     job_go = jnp.where(use_L, job_L, jobs)
     age_L = state.admitted_1[0] + jnp.arange(lanes, dtype=jnp.int32)
@@ -1245,10 +1276,18 @@ def _append(
                  grouped=False, n=n)  # fmt: skip
     start_L = state.prompt_len_I[jnp.minimum(inst_L, prompts - 1)] + step_L - 1
     positions_LxT = start_L[:, None] + t_T
-    hidden_LxTxE, pool = model_lib.apply(
+    out = model_lib.apply(
         params, model_config, tokens_LxT, positions_LxT, valid_LxT, hidden_only=True,
-        paged=(state.pool, view),
+        paged=(state.pool, view), return_routing=sampling_config.record_experts,
     )  # fmt: skip
+    if sampling_config.record_experts:  # the pending token's (column step - 1); appended: -1
+        out, (_, experts_LxTxLxK) = out
+        at = (jnp.where(go_L, job_L, jobs), step_L - 1)
+        fed_LxLxK = experts_LxTxLxK[:, 0].astype(sampling.EXPERTS_DTYPE)
+        state = state.replace(
+            experts_JxNxLxK=state.experts_JxNxLxK.at[at].set(fed_LxLxK, mode="drop")
+        )
+    hidden_LxTxE, pool = out
     logits_LxV = model_lib.dense(
         hidden_LxTxE[jnp.arange(lanes), len_L], model_lib.head_weight(params, model_config)
     )

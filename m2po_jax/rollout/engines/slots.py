@@ -9,7 +9,8 @@ its stop state. Sequence j of unit u draws its token t with
 and writes it into row j of the output (`_write_tokens`); `_finish` lays the rows out as
 `sampling.SampleOutput`. With `turns` (multi-turn episodes) a sequence's stop ends its turn:
 the slot is held for the host (`turns.py`). Greedy decoding gives the static sampler's
-completions.
+completions. With `record_experts` (routing replay) a decode step records the experts of
+the token it fed at that token's column (`sampling.fed_experts`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class _Slots:
     done_J: jax.Array
     decode_steps_1: jax.Array  # int32 [1]: loop counters (one per device when sharded)
     live_steps_1: jax.Array
+    experts_JxNxLxK: jax.Array | None = None  # int16: with `record_experts`, -1 = none
 
 
 def _prefill(params, tokens_QxP, valid_QxP, version, *, model_config, sampling_config):
@@ -124,6 +126,9 @@ def _empty_slots(prefixes, slots: int, unit_J, seq_id_J, model_config, sampling_
         done_J=jnp.zeros(jobs, bool),
         decode_steps_1=jnp.zeros(1, jnp.int32),
         live_steps_1=jnp.zeros(1, jnp.int32),
+        experts_JxNxLxK=sampling.no_experts(model_config, jobs, new)
+        if sampling_config.record_experts
+        else None,
     )
 
 
@@ -212,7 +217,7 @@ def _decode(
     # Attention reads the columns up to the furthest live slot's, bucketed: a long-tailed
     # batch's slots mostly hold short sequences, far from the cache's last column.
     needed = jnp.max(jnp.where(live_S, column_S + 1, 1))
-    logits_Sx1xV, cache = model_lib.apply(
+    out = model_lib.apply(
         params,
         model_config,
         state.last_token_S[:, None],
@@ -222,8 +227,17 @@ def _decode(
         column_S,
         last_only=True,
         columns=model_lib.Columns(needed, sampling.decode_buckets(width, total)),
+        return_routing=sampling_config.record_experts,
     )
     job_S = jnp.where(live_S, state.job_S, state.done_J.shape[0])
+    if sampling_config.record_experts:  # the fed token's, at its column step - 1
+        out, routing = out
+        at = (job_S, state.step_S - 1)
+        experts = state.experts_JxNxLxK.at[at].set(
+            sampling.fed_experts(routing, live_S), mode="drop"
+        )
+        state = state.replace(experts_JxNxLxK=experts)
+    logits_Sx1xV, cache = out
     token_S, logp_S = sampling.sample_token(
         logits_Sx1xV[:, 0], _sequence_keys(keys_U, state, job_S, state.step_S), sampling_config
     )
@@ -312,5 +326,16 @@ def _finish(state: _Slots, tokens_QxP, valid_QxP, *, n_samples: int):
         completion_len_B=completion_len_B,
         stopped_B=state.stopped_J,
         num_steps=jnp.max(completion_len_B),
+        experts_BxTxLxK=None
+        if state.experts_JxNxLxK is None
+        else jnp.concatenate(
+            [
+                jnp.full(
+                    (rows, width) + state.experts_JxNxLxK.shape[2:], -1, sampling.EXPERTS_DTYPE
+                ),
+                state.experts_JxNxLxK,
+            ],
+            axis=1,
+        ),
     )
     return out, state.version_JxN, (state.decode_steps_1, state.live_steps_1)

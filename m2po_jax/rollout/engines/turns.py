@@ -167,7 +167,7 @@ def _append(
     tokens_LxT = jnp.concatenate([state.last_token_S[s_L][:, None], delta_LxM], axis=1)
     t_T = jnp.arange(m + 1, dtype=jnp.int32)
     positions_LxT = (state.prompt_len_S[s_L] + step_L - 1)[:, None] + t_T[None]
-    hidden_LxTxE, cache = _prefill_rows(
+    hidden_LxTxE, cache, experts_LxTxLxK = _prefill_rows(
         params,
         state.cache,
         slot_L,
@@ -177,7 +177,14 @@ def _append(
         t_T[None] <= len_L[:, None],
         width + step_L - 1,
         model_config,
+        record=sampling_config.record_experts,
     )
+    if sampling_config.record_experts:  # the pending token's (column step - 1); appended: -1
+        at = (job_L, step_L - 1)
+        fed_LxLxK = experts_LxTxLxK[:, 0].astype(sampling.EXPERTS_DTYPE)
+        state = state.replace(
+            experts_JxNxLxK=state.experts_JxNxLxK.at[at].set(fed_LxLxK, mode="drop")
+        )
     last_LxE = hidden_LxTxE[jnp.arange(lanes), len_L]
     logits_LxV = model_lib.dense(last_LxE, model_lib.head_weight(params, model_config))
     step_L = step_L + len_L  # the drawn token's index
@@ -216,14 +223,24 @@ def _write_appended(state: _Slots, job_L, step_L, use_L, delta_LxM, len_L) -> _S
 
 
 def _prefill_rows(
-    params, cache, slot_L, s_L, tokens_LxT, positions_LxT, valid_LxT, column_L, model_config
+    params,
+    cache,
+    slot_L,
+    s_L,
+    tokens_LxT,
+    positions_LxT,
+    valid_LxT,
+    column_L,
+    model_config,
+    record: bool = False,
 ):
     """Runs each lane's tokens through the model into its slot's own cache row, from the
     row's column `column_L` (a batch-1 forward per lane, vmapped: the rows write at
     different columns; for a mixture of experts a `lax.map` over the lanes instead, since
     its grouped matmul, `jax.lax.ragged_dot`, has no batching rule for per-lane groups).
-    Returns the lanes' hidden states [L, T, E] and the updated cache (lanes with slot
-    `slot_L` out of range leave it as it was)."""
+    Returns the lanes' hidden states [L, T, E], the updated cache (lanes with slot
+    `slot_L` out of range leave it as it was) and, with `record`, the experts the tokens
+    ran [L, T, layers, K] (else None)."""
 
     def one(k_rows, v_rows, valid_row, tokens_T, positions_T, valid_T, column):
         row = model_lib.KVCache(
@@ -231,7 +248,7 @@ def _prefill_rows(
             v=tuple(v[None] for v in v_rows),
             valid_BxS=valid_row[None],
         )
-        hidden_1xTxE, row = model_lib.apply(
+        out = model_lib.apply(
             params,
             model_config,
             tokens_T[None],
@@ -240,12 +257,19 @@ def _prefill_rows(
             row,
             column,
             hidden_only=True,
+            return_routing=record,
         )
+        experts_TxLxK = None
+        if record:
+            out, (_, experts_1xTxLxK) = out
+            experts_TxLxK = experts_1xTxLxK[0]
+        hidden_1xTxE, row = out
         return (
             hidden_1xTxE[0],
             tuple(k[0] for k in row.k),
             tuple(v[0] for v in row.v),
             row.valid_BxS[0],
+            experts_TxLxK,
         )
 
     rows = lambda x: x[s_L]
@@ -259,15 +283,17 @@ def _prefill_rows(
         column_L,
     )
     if model_config.is_moe:
-        hidden_LxTxE, k_rows, v_rows, valid_rows = jax.lax.map(lambda lane: one(*lane), lanes)
+        out = jax.lax.map(lambda lane: one(*lane), lanes)
     else:
-        hidden_LxTxE, k_rows, v_rows, valid_rows = jax.vmap(one)(*lanes)
+        out = jax.vmap(one)(*lanes)
+    hidden_LxTxE, k_rows, v_rows, valid_rows, experts_LxTxLxK = out
     put = lambda cache_SxKxWxD, rows_L: cache_SxKxWxD.at[slot_L].set(rows_L, mode="drop")
-    return hidden_LxTxE, model_lib.KVCache(
+    new_cache = model_lib.KVCache(
         k=tuple(map(put, cache.k, k_rows)),
         v=tuple(map(put, cache.v, v_rows)),
         valid_BxS=put(cache.valid_BxS, valid_rows),
     )
+    return hidden_LxTxE, new_cache, experts_LxTxLxK
 
 
 def _release(state: _Slots, slot_L, stopped_L):
