@@ -193,6 +193,10 @@ def test_moe_plan_counts_gathered_experts_without_a_split():
     whole = memory.memory_plan(base, mesh, **kwargs)
     dense_mesh = memory.memory_plan(base, mesh_of("data8"), **kwargs)
     assert whole.activations - dense_mesh.activations == 2 * 8 * 3 * 256 * 128 * 2
+    # Split over fsdp (or data): no gathered weights, the same activations either way.
+    split = memory.memory_plan(base.replace(expert_axis="fsdp"), mesh, **kwargs)
+    over_data = memory.memory_plan(base.replace(expert_axis="data"), mesh_of("data8"), **kwargs)
+    assert split.activations == over_data.activations
     unscanned = memory.memory_plan(base.replace(scan_layers=False), mesh, **kwargs)
     assert unscanned.stacked_layers == 0 and whole.stacked_layers > 0
 
