@@ -299,6 +299,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "each device's local experts taken to start at its axis index, not index x X / s",
     ),
     Mutant(
+        "memory-stacked-gradients-once",
+        "m2po_jax/learner/memory.py",
+        "stacked_layers = copies * layer_bytes + 2 * layer_trained * tbytes",
+        "stacked_layers = copies * layer_bytes + layer_trained * tbytes",
+        (T("tests/learner/memory_test.py", "moe_plan_grows"),),
+        "the plan counts the backward scan's stacked gradient once, not as its two carries",
+    ),
+    Mutant(
+        "memory-gathered-experts-on-split",
+        "m2po_jax/learner/memory.py",
+        'if c.is_moe and not c.expert_axis and mesh.shape.get("fsdp", 1) > 1:',
+        'if c.is_moe and mesh.shape.get("fsdp", 1) > 1:',
+        (T("tests/learner/memory_test.py", "moe_plan"),),
+        "the plan adds gathered expert weights also where the experts are split (not gathered)",
+    ),
+    Mutant(
         "memory-expert-split-rows-not-counted",
         "m2po_jax/learner/memory.py",
         "gathered = mesh.shape.get(c.expert_axis, 1) if c.is_moe and c.expert_axis else 1",

@@ -38,7 +38,8 @@ _SAVED_PER_TOKEN = {
     "save_attention_out": lambda e, h, k, d, f: h * d,
 }
 _FIELDS = (
-    "params", "optimizer", "gradients", "activations", "logits", "kv_cache", "sampling_weights",
+    "params", "optimizer", "gradients", "stacked_layers", "activations", "logits", "kv_cache",
+    "sampling_weights",
 )  # fmt: skip
 
 
@@ -53,6 +54,7 @@ class MemoryPlan:
     logits: int  # the output head's chunk buffers
     kv_cache: int
     sampling_weights: int = 0  # the sampler's copy of the params (sampling layout)
+    stacked_layers: int = 0  # scanned layers: their params and gradients stacked [L, ...]
     mesh_shape: tuple[tuple[str, int], ...] = ()
     micro_batch: int = 0  # rows per micro-batch (global)
 
@@ -113,6 +115,7 @@ def memory_plan(
     kv_dtype_bytes: int | None = None,
     rollout_config: model_config_lib.ModelConfig | None = None,
     router_replay: bool = False,
+    proximal_pass: bool = False,
 ) -> MemoryPlan:
     """Estimate peak bytes per device for one train step (plus a sampling KV cache).
 
@@ -122,6 +125,16 @@ def memory_plan(
       gradients of the float32 adapters only;
     - optimizer: moments (2 for AdamW) sharded like the params, in param dtype (the
       adapters' only under LoRA);
+    - stacked_layers (`scan_layers`): the scan over the layers runs on their params
+      stacked [L, ...] (`model._scan_layers`' `jnp.stack`), a copy of every layer's
+      params, and its backward pass writes the layers' gradients into a stacked buffer
+      (dynamic-update-slice) that XLA holds twice (the loop's carry in and out) before
+      the accumulator adds them: 1 + 2 layer-sized copies, plus the stack of the
+      proximal pass (`proximal_pass`: the step plan's `prox_source == "pass"`), which
+      the compiler does not share with the loss pass's. What the TPU compiler's buffers
+      show for Qwen3-30B-A3B at 4 layers: 4 copies of each expert kernel [L, X, E, F]
+      (`CausalLM/stack`, `jvp(CausalLM)/stack`, 2 x `transpose(jvp(CausalLM))`'s
+      dynamic-update-slice), 7.1 x a layer's params of temporaries per layer in all;
     - activations of one micro-batch (rows split over data x fsdp, heads and MLP over
       tensor when divisible) kept for the backward pass per layer: 4 residual-width
       tensors [b,T,E], q/k/v before and after RoPE and the attention output
@@ -129,7 +142,8 @@ def memory_plan(
       experts' width, plus [b,T,K,E]x2 of the routed rows and [b,T,X]x2 of the router's
       logits and probabilities; with the experts split over an axis of s devices,
       `expert_axis`, s x those routed rows and the s x [b,T,E] gathered tokens and their
-      float32 sum), and for the attention
+      float32 sum; without it, on fsdp, one layer's experts gathered and their gradient
+      before the reduce-scatter, 2 x [X, E, F] in param dtype), and for the attention
       implementations that materialise them ("xla", "dot_product") the probabilities
       [b,H,T,T]; with remat each layer's input and what `remat_policy` saves, plus one
       layer recomputed and its gradients;
@@ -186,6 +200,7 @@ def memory_plan(
     # own itemsize: 1 byte a weight (int8), 1 byte per 2 weights (nf4).
     items = {"base": 0, "adapters": 0}
     quantised = 0  # bytes
+    layer_items = {"base": 0, "adapters": 0}  # the decoder layers' share (not embeddings)
     for (path, shape), sh in zip(
         jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(shardings), strict=True
     ):
@@ -194,10 +209,19 @@ def memory_plan(
         if quant.is_quantized_leaf(keys, shape.dtype):
             quantised += n * shape.dtype.itemsize
         else:
-            items["adapters" if lora.is_adapter(keys) else "base"] += n
+            kind = "adapters" if lora.is_adapter(keys) else "base"
+            items[kind] += n
+            if str(keys[0]).startswith("layers_"):
+                layer_items[kind] += n
     params = items["base"] * pbytes + items["adapters"] * 4 + quantised
     trained, tbytes = (items["adapters"], 4) if c.lora_rank else (items["base"], pbytes)
     gradients = trained * tbytes + (trained * 4 if micro_batch < batch else 0)
+    stacked_layers = 0
+    if c.scan_layers:
+        layer_bytes = layer_items["base"] * pbytes + layer_items["adapters"] * 4
+        layer_trained = layer_items["adapters"] if c.lora_rank else layer_items["base"]
+        copies = 2 if proximal_pass else 1
+        stacked_layers = copies * layer_bytes + 2 * layer_trained * tbytes
     sampling_weights = 0
     if kv_cache_batch:
         sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
@@ -215,6 +239,11 @@ def memory_plan(
     trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")
     b = _per_device(micro_batch, sharding.batch_shards(mesh))
     activations = _activation_bytes(trunk, mesh, micro_batch, seq_len, shared_prompt, logp_chunk)
+    if c.is_moe and not c.expert_axis and mesh.shape.get("fsdp", 1) > 1:
+        # One layer's experts gathered whole (F split over tensor) and their gradient
+        # before its reduce-scatter: 1.1 GiB each for Qwen3-30B-A3B.
+        experts = 3 * c.num_experts * c.hidden_size * trunk.split(c.moe_intermediate_size)
+        activations += 2 * experts * pbytes
     # One chunk of about `logp_chunk` tokens of the micro-batch, on this device's rows (the
     # shared-prompt pass runs the head on completion columns only).
     scored = seq_len - 1 if shared_prompt is None else seq_len - shared_prompt.prompt_len
@@ -234,6 +263,7 @@ def memory_plan(
         params=params,
         optimizer=_OPT_MOMENTS[optimizer] * trained * tbytes,
         gradients=gradients,
+        stacked_layers=stacked_layers,
         activations=activations,
         logits=logits,
         kv_cache=kv_cache,

@@ -472,6 +472,7 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
     `rollout.weight_dtype`), the evaluation the trained config."""
     rollout, trained = rollout_model_config(cfg, model_config), model_config
     rows, rows_mb, n_micro, seq_len = _train_shapes(cfg)
+    plan = step_plan(cfg, placement)
     kwargs = dict(
         batch=rows_mb,
         seq_len=seq_len,
@@ -479,10 +480,11 @@ def _memory_plan(cfg: Config, model_config, placement, pages: int, eval_pages: i
         kv_cache_batch=rows,
         kv_cache_len=seq_len,
         logp_chunk=cfg.actor.logp_chunk_size,
-        shared_prompt=step_plan(cfg, placement).loss_prompt,  # the path the step runs
+        shared_prompt=plan.loss_prompt,  # the path the step runs
         kv_dtype_bytes=rollout.cache_dtype.itemsize,
         rollout_config=rollout,
         router_replay=cfg.actor.router_replay != "off",
+        proximal_pass=plan.prox_source == "pass",
     )
     engine = config_lib.rollout_engine(cfg)
     if engine in ("continuous", "paged"):

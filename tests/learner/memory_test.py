@@ -59,7 +59,8 @@ def test_memory_plan_scales_with_fsdp():
     assert tp.sampling_weights < data8.params and tp.sampling_weights > data8.params // 2
     no_sampler = memory.memory_plan(CFG, mesh_of("fsdp8"), **{**kwargs, "kv_cache_batch": 0})
     assert no_sampler.sampling_weights == 0 and no_sampler.kv_cache == 0
-    fields = "params optimizer gradients activations logits kv_cache sampling_weights".split()
+    fields = "params optimizer gradients stacked_layers activations logits kv_cache".split()
+    fields += ["sampling_weights"]
     assert fsdp8.total == sum(getattr(fsdp8, f) for f in fields)
     assert fsdp8.train_step == fsdp8.total - fsdp8.kv_cache - fsdp8.sampling_weights
     table = fsdp8.format()
@@ -147,6 +148,57 @@ def test_memory_plan_is_within_25_percent_of_xla(
     )
     assert 0.75 <= plan.train_step / xla.held_bytes <= 1.25, (plan.format(), xla.held_bytes)
     assert xla.compile_s > 0 and xla.lower_s > 0
+
+
+MOE = dict(
+    model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=4,
+    num_kv_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+    norm_topk_prob=True, dtype="bfloat16", param_dtype="bfloat16", remat=True, scan_layers=True,
+)  # fmt: skip
+
+
+def _moe_step(layers, expert_axis):
+    """(plan, XLA's held bytes) of the trainer's step for a tiny MoE on fsdp=8, 4 micro-batches."""
+    config = model_config_lib.ModelConfig(**MOE, num_layers=layers, expert_axis=expert_axis)
+    cfg = _run_config(32, 64, 16, 8, 4)
+    placement = placement_lib.Placement.from_shape({"data": 1, "fsdp": 8, "tensor": 1}, config)
+    xla = setup_lib.compiled_step_memory(cfg, config, placement, share_prompts=False)
+    plan, kwargs = setup_lib.memory_plan(cfg, config, placement)
+    return plan, xla.held_bytes, kwargs
+
+
+@pytest.mark.parametrize("expert_axis", ["", "fsdp"])
+def test_moe_plan_grows_per_layer_as_xla_does(expert_axis):
+    """What each scanned layer adds (train state, gradients and their accumulator, the
+    scan's stacked params and gradients) against XLA's figure for 4 layers less 2. XLA:CPU
+    grows ~5.3 x a layer's params (246,400 bytes a device here) where the TPU compiler
+    grows 7.1 x (Qwen3-30B-A3B, docs/scale.md) and the plan 7: between 0.85 and 1.3 of the
+    CPU's. Without the stacked copies the plan grew 3 x: 0.6 of the CPU's."""
+    plan2, held2, kwargs = _moe_step(2, expert_axis)
+    plan4, held4, _ = _moe_step(4, expert_axis)
+    layer = (plan4.params - plan2.params) // 2
+    assert layer == 246_400  # bf16 [8, 256, 128] x 3 + attention + norms, / 8 devices
+    assert kwargs["proximal_pass"]  # 4 minibatches: a separate proximal pass
+    assert plan4.stacked_layers == 4 * 4 * layer  # (2 stacks of params + 2 of gradients) x L
+    grown = (plan4.train_step - plan2.train_step) / (held4 - held2)
+    assert 0.85 <= grown <= 1.3, (grown, plan4.format())
+
+
+def test_moe_plan_counts_gathered_experts_without_a_split():
+    """No expert split on fsdp: one layer's experts gathered and their gradient, 2 x X x 3 x
+    E x F in param dtype, on top of what the split plan holds for its activations' share."""
+    mesh = mesh_of("fsdp8")
+    base = model_config_lib.ModelConfig(**MOE, num_layers=2)
+    kwargs = dict(batch=8, seq_len=64, micro_batch=8)
+    whole = memory.memory_plan(base, mesh, **kwargs)
+    dense_mesh = memory.memory_plan(base, mesh_of("data8"), **kwargs)
+    assert whole.activations - dense_mesh.activations == 2 * 8 * 3 * 256 * 128 * 2
+    # Split over fsdp (or data): no gathered weights, the same activations either way.
+    split = memory.memory_plan(base.replace(expert_axis="fsdp"), mesh, **kwargs)
+    over_data = memory.memory_plan(base.replace(expert_axis="data"), mesh_of("data8"), **kwargs)
+    assert split.activations == over_data.activations
+    unscanned = memory.memory_plan(base.replace(scan_layers=False), mesh, **kwargs)
+    assert unscanned.stacked_layers == 0 and whole.stacked_layers > 0
 
 
 def test_a_run_that_does_not_fit_is_told_which_setting_fits():
