@@ -27,6 +27,9 @@ the eps-clip, no M2PO), and the four M2PO rules, each at tau `--tau`: `m2po` (AR
 `paper` (the paper's Algorithm 1), `authors` (the authors' code: a capped-mean clip range on
 the harmful tokens), `paper_final` (the final paper's, `m2po_jax/algorithm/variants.py`), and `m2po_tis`
 (AReaL's M2PO with verl's token-level truncated importance weight, threshold `TIS_THRESHOLD`).
+On a mixture of experts (`arith:m2po,moe`) `grpo_r3`, `stale_grpo_r3` and `m2po_r3` are
+`grpo`, `stale_grpo` and `m2po` with routing replay (`actor.router_replay=rollout`); the
+study then adds a table of the router's agreement and load beside m2 before the mask.
 The default is the protocol's four (no `paper`, `authors`). The verdicts under the table
 follow `docs/stale_study_protocol.md`.
 
@@ -76,6 +79,8 @@ SUMMARY_MEANS = (
     "mismatch/stale/m2",
     "mismatch/fresh/m2po_drop_alone",
     "mismatch/m2_fresh_share",
+    "moe/router_agreement",
+    "moe/expert_load_max",
 )
 TIS_THRESHOLD = 2.0  # m2po_tis: verl's default rollout_is_threshold
 COLLAPSE = 0.5  # a cell collapsed: its final accuracy below this share of its first
@@ -114,6 +119,16 @@ def _m2po_tis(c, tau):
     c.actor.rollout_correction.is_threshold = TIS_THRESHOLD
 
 
+def _replayed(method):
+    """`method` with routing replay (a mixture of experts: `actor.router_replay`)."""
+
+    def replayed(c, tau):
+        method(c, tau)
+        c.actor.router_replay = "rollout"
+
+    return replayed
+
+
 METHODS = {
     "grpo": _grpo,
     "stale_grpo": _stale_grpo,
@@ -122,10 +137,15 @@ METHODS = {
     "authors": _variant("authors"),
     "paper_final": _variant("paper_final"),
     "m2po_tis": _m2po_tis,
+    "grpo_r3": _replayed(_grpo),
+    "stale_grpo_r3": _replayed(_stale_grpo),
+    "m2po_r3": _replayed(_m2po),
 }
 ON_POLICY = "grpo"
 STALE = "stale_grpo"  # GRPO's decoupled loss on stale rollouts: staleness > 0 only
-RULES = ("m2po", "paper", "authors", "paper_final", "m2po_tis")  # the M2PO methods
+ON_POLICY_METHODS = (ON_POLICY, "grpo_r3")  # staleness 0 only
+STALE_METHODS = (STALE, "stale_grpo_r3")  # staleness > 0 only
+RULES = ("m2po", "paper", "authors", "paper_final", "m2po_tis", "m2po_r3")  # the M2PO methods
 PROTOCOL_METHODS = ("grpo", "stale_grpo", "m2po", "paper_final")  # docs/stale_study_protocol.md
 TRAINED = "float32"  # the precision that leaves the rollout weights as trained
 PRECISIONS = {  # name: (rollout.weight_dtype, rollout.kv_dtype)
@@ -167,9 +187,9 @@ def grid(staleness, methods, lrs, seeds, precisions=(TRAINED,)) -> list[Cell]:
     mismatch = any(p != TRAINED for p in precisions)
 
     def runs(m, k):
-        if m == ON_POLICY:
+        if m in ON_POLICY_METHODS:
             return k == 0
-        return k > 0 or (mismatch and m != STALE)
+        return k > 0 or (mismatch and m not in STALE_METHODS)
 
     cells = [
         Cell(k, m, lr, seed, p)
@@ -740,6 +760,8 @@ def report(
     table = "\n".join(lines)
     if any(c.precision != TRAINED for c in cells):
         table += "\n\n" + mismatch_table(found, collapses(out, cells, failed))
+    if any(s.get("moe/expert_load_max") is not None for runs in found.values() for s in runs):
+        table += "\n\n" + router_table(found)
     notes = verdicts(trained(found))
     notes += [f"failed: {n}: {_one_line(e)}" for n, e in (failed or {}).items()]
     notes += _mixed_environments(out, found)
@@ -792,6 +814,40 @@ def mismatch_table(found: dict, collapsed: dict) -> str:
             f"{_fmt(avg('mismatch/fresh/abs_mean'))} | {_fmt(avg('mismatch/fresh/m2'))} | "
             f"{_fmt(avg('mismatch/stale/m2'))} | {_fmt(avg('mismatch/m2_fresh_share'))} | "
             f"{_fmt(avg('mismatch/fresh/m2po_drop_alone'), 4)} |"
+        )
+    return "\n".join(lines)
+
+
+ROUTER_LEGEND = (
+    "Mixture of experts (methods `*_r3`: routing replay, `actor.router_replay=rollout`; run "
+    "means over steps, then over seeds). fresh m2 / stale m2: the mean (behav - prox)^2 "
+    "before any mask over staleness-0 / older tokens; m2 p99: the batch's 99th percentile "
+    "token m2; masked: M2PO's masked fraction; agreement: the share of replayed token-layer "
+    "pairs whose own top-k experts under the trainer's weights are the recorded ones (replay "
+    "only); load max: the busiest expert's token share over the even share K / X."
+)
+
+
+def router_table(found: dict) -> str:
+    """The routing-replay study's table: per staleness, method, lr and precision, the final
+    accuracy, m2 before the mask, and the router's agreement and load."""
+    lines = [
+        ROUTER_LEGEND,
+        "",
+        "| k | method | precision | lr | seeds | final (range) | fresh m2 | stale m2 | m2 p99 | "
+        "masked | agreement | load max |",
+        "|" + "---|" * 12,
+    ]
+    for key, runs in sorted(found.items(), key=_in_order):
+        k, method, lr, precision = key
+        avg = functools.partial(_avg, runs)
+        mean, low, high = _spread([s["final"] for s in runs])
+        lines.append(
+            f"| {k} | {method} | {precision} | {lr:g} | {len(runs)} | "
+            f"{mean:.3f} ({low:.3f}-{high:.3f}) | {_fmt(avg('mismatch/fresh/m2'))} | "
+            f"{_fmt(avg('mismatch/stale/m2'))} | {_fmt(avg('m2po/m2_p99'))} | "
+            f"{_fmt(avg('m2po/masked_fraction'), 4)} | {_fmt(avg('moe/router_agreement'), 4)} | "
+            f"{_fmt(avg('moe/expert_load_max'))} |"
         )
     return "\n".join(lines)
 
