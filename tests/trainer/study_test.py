@@ -389,3 +389,30 @@ def test_a_cells_mismatch_means_take_only_the_steps_with_such_tokens(tmp_path):
     assert got["mismatch/stale/m2"] == pytest.approx(0.03)
     assert got["m2po/masked_fraction"] == pytest.approx(0.1)
     assert got["collapsed"] and (got["final"], got["best"]) == (0.1, 0.4)  # 0.1 < 0.5 x 0.4
+
+
+def test_the_replay_methods_run_where_their_plain_methods_run_with_replay_on():
+    """grpo_r3 at staleness 0 only, stale_grpo_r3 above it only, m2po_r3 as m2po; each is
+    its plain method's config plus actor.router_replay=rollout, and the router table
+    reads their agreement and load."""
+    methods = ["grpo", "grpo_r3", "stale_grpo", "stale_grpo_r3", "m2po", "m2po_r3"]
+    cells = study.grid([0, 4], methods, [3e-4], [0], ["bfloat16"])
+    assert {(c.staleness, c.method) for c in cells} == {
+        (0, "grpo"), (0, "grpo_r3"), (0, "m2po"), (0, "m2po_r3"),
+        (4, "stale_grpo"), (4, "stale_grpo_r3"), (4, "m2po"), (4, "m2po_r3"),
+    }  # fmt: skip
+    base = arith.get_config("m2po,moe").to_dict()
+    for plain in ("grpo", "stale_grpo", "m2po"):
+        k = 0 if plain == "grpo" else 4
+        a = study.cell_config(base, study.Cell(k, plain, 3e-4, 0), tau=0.04, steps=5)
+        b = study.cell_config(base, study.Cell(k, f"{plain}_r3", 3e-4, 0), tau=0.04, steps=5)
+        assert a.actor.router_replay == "off" and b.actor.router_replay == "rollout"
+        b.actor.router_replay = "off"
+        assert a.to_dict() == b.to_dict()
+    study.check_cells(base, cells, tau=0.04, steps=5)
+    runs = [{"final": 0.5, "moe/router_agreement": 0.97, "moe/expert_load_max": 1.8}]
+    table = study.router_table({(0, "grpo_r3", 3e-4, "bfloat16"): runs})
+    assert table.splitlines()[-1] == (
+        "| 0 | grpo_r3 | bfloat16 | 0.0003 | 1 | 0.500 (0.500-0.500) | - | - | - | - "
+        "| 0.9700 | 1.800 |"
+    )
