@@ -107,7 +107,15 @@ class ModelConfig:
     moe_kernel: str = "auto"
 
     def __post_init__(self):
-        moe = families.family(self.model_type).mlp == "moe"
+        self._check_shape()
+        self._check_rope()
+        self._check_layout()
+        self._check_lora()
+        self._check_storage()
+        self._check_experts(families.family(self.model_type).mlp == "moe")
+
+    def _check_shape(self) -> None:
+        """Sizes: positive, heads a multiple of the KV heads, an even head width."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -123,6 +131,10 @@ class ModelConfig:
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
                 f"({self.num_heads}) unless head_dim is given"
             )
+
+    def _check_rope(self) -> None:
+        """rope_scaling as a hashable tuple (the config is a static jit argument), of a
+        supported type with its keys."""
         if isinstance(self.rope_scaling, dict):
             # A dict would make the config unhashable (it is a static jit argument).
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
@@ -143,6 +155,9 @@ class ModelConfig:
             missing = [k for k in needed if k not in scaling]
             if rope_type == "llama3" and missing:
                 raise ValueError(f"rope_scaling: llama3 scaling needs {missing}; got {scaling}")
+
+    def _check_layout(self) -> None:
+        """Dtypes, the remat policy and the attention implementation by name."""
         as_dtype(self.dtype)
         as_dtype(self.param_dtype)
         if self.remat_policy not in REMAT_POLICIES:
@@ -155,6 +170,9 @@ class ModelConfig:
                 f"attention: unknown implementation {self.attention!r}; "
                 f"expected one of {', '.join(attention.IMPLEMENTATIONS)}"
             )
+
+    def _check_lora(self) -> None:
+        """lora_targets as a tuple of known names, rank, alpha and the base's storage."""
         if isinstance(self.lora_targets, list | str):
             targets = self.lora_targets
             targets = targets.split(",") if isinstance(targets, str) else targets
@@ -178,6 +196,9 @@ class ModelConfig:
             raise ValueError(
                 f"lora_base: a quantised base ({self.lora_base!r}) needs lora_rank > 0"
             )
+
+    def _check_storage(self) -> None:
+        """The KV cache's dtype and the quantised projection kernels."""
         if self.kv_dtype and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype: expected '' (the compute dtype) or one of {', '.join(KV_DTYPES)}, "
@@ -196,7 +217,6 @@ class ModelConfig:
             raise ValueError(
                 f"attention_block_size: must be positive, got {self.attention_block_size}"
             )
-        self._check_experts(moe)
 
     def _check_experts(self, moe: bool) -> None:
         """The mixture-of-experts fields: set for a "moe" family, zero for a dense one."""
