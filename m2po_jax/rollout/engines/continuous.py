@@ -303,39 +303,12 @@ class ContinuousEngine(RolloutEngine):
             while ready < count and done[:, ready].all():
                 ready += 1
             if ready > emitted:
-                fields = _host(
-                    (
-                        state.tokens_JxN,
-                        state.logp_JxN,
-                        state.valid_JxN,
-                        state.version_JxN,
-                        state.stopped_J,
-                        state.decode_steps_1,
-                        state.experts_JxNxLxK,
-                    )
-                )
-                by_unit = [np.asarray(f).reshape(shards, count, per, -1) for f in fields[:5]]
-                steps = np.asarray(fields[5], np.float64)
-                experts = None if fields[6] is None else np.asarray(fields[6])
-                if experts is not None:
-                    experts = experts.reshape(shards, count, per, *experts.shape[1:])
-                for u in range(emitted, ready):
-                    rows = [f[:, u].reshape(shards * per, -1) for f in by_unit]
-                    unit_experts = None
-                    if experts is not None:
-                        unit_experts = experts[:, u].reshape(shards * per, *experts.shape[3:])
-                    yield _unit_generation(
-                        tokens_U[u],
-                        valid_U[u],
-                        rows,
-                        n_samples,
-                        slot_steps=int(np.sum(steps - steps_before)) * slots,
-                        decode_steps=int(np.max(steps - steps_before)),
-                        updates=updates,
-                        experts_JxNxLxK=unit_experts,
-                    )
-                    steps_before, updates = steps, 0
-                emitted = ready
+                finished, steps_before = _finished_units(
+                    state, (tokens_U, valid_U), (emitted, ready), (shards, count, per),
+                    n_samples, slots, steps_before, updates,
+                )  # fmt: skip
+                yield from finished
+                emitted, updates = ready, 0
             elif bool(_host(programs["finished"](state))):
                 raise RuntimeError("rollout engine: every sequence ended but a unit is not done")
             newer = None if weights is None or emitted == count else weights()
@@ -479,6 +452,51 @@ def _generation(programs, state, tokens_QxP, valid_QxP, slots: int, updates: int
         live_steps=int(np.sum(live_steps)),
         weight_updates=updates,
     )
+
+
+def _finished_units(state, prompts, span, layout, n_samples, slots, steps_before, updates):
+    """The `Generation` of each unit in `span` (first, end): units whose sequences have
+    all ended in `state`, read from the slots' shard-major layout (`layout`: shards, units,
+    a unit's sequences on one shard). The first carries the decode steps since
+    `steps_before` and the weight `updates`; returns (generations, the steps now)."""
+    tokens_U, valid_U = prompts
+    shards, count, per = layout
+    fields = _host(
+        (
+            state.tokens_JxN,
+            state.logp_JxN,
+            state.valid_JxN,
+            state.version_JxN,
+            state.stopped_J,
+            state.decode_steps_1,
+            state.experts_JxNxLxK,
+        )
+    )
+    by_unit = [np.asarray(f).reshape(shards, count, per, -1) for f in fields[:5]]
+    steps = np.asarray(fields[5], np.float64)
+    experts = None if fields[6] is None else np.asarray(fields[6])
+    if experts is not None:
+        experts = experts.reshape(shards, count, per, *experts.shape[1:])
+    out = []
+    for u in range(*span):
+        rows = [f[:, u].reshape(shards * per, -1) for f in by_unit]
+        unit_experts = None
+        if experts is not None:
+            unit_experts = experts[:, u].reshape(shards * per, *experts.shape[3:])
+        out.append(
+            _unit_generation(
+                tokens_U[u],
+                valid_U[u],
+                rows,
+                n_samples,
+                slot_steps=int(np.sum(steps - steps_before)) * slots,
+                decode_steps=int(np.max(steps - steps_before)),
+                updates=updates,
+                experts_JxNxLxK=unit_experts,
+            )
+        )
+        steps_before, updates = steps, 0
+    return out, steps_before
 
 
 def _unit_generation(
