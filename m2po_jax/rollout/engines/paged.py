@@ -495,7 +495,7 @@ class PagedEngine(RolloutEngine):
         prompts, width = np.shape(prompt_tokens_BxP)
         programs, size = self._compiled(prompts, width, n_samples, turns=True)
         self._check_pool(prompt_valid_BxP, size)
-        jobs, extra, slots = size["jobs"], int(max_append), size["slots"]
+        jobs, extra = size["jobs"], int(max_append)
         keys_U = typed_key(rng)[None]
         ids = jnp.arange(jobs, dtype=jnp.int32)
         state = programs["prefill"](params, prompt_tokens_BxP, prompt_valid_BxP, jnp.int32(version))
@@ -541,29 +541,14 @@ class PagedEngine(RolloutEngine):
                     pending.discard(turn.row)
                     if delta is not None:  # the next turn starts after the appended tokens
                         turn_start[turn.row] = turn.start + len(turn.tokens) + len(delta)
-            elif job_L.size:
-                tokens = int(valid_JxN[job_L].sum(1).max()) - 1
-                lanes = turns_lib._lanes(list(job_L), jobs)
-                resume = programs["resume"](_width(tokens), lanes.size)
-                state = resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+            elif job_L.size:  # parked sequences recomputed back into slots
+                state = _resume_parked(programs, params, state, version, job_L, valid_JxN, jobs)
             newer = None if weights is None else weights()
             if newer is not None and int(newer[1]) != int(version):
                 params, version = newer
                 updates += 1
-        out, version_BxN, counters = programs["finish"](state, prompt_tokens_BxP, prompt_valid_BxP)
-        version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
-        return PagedGeneration(
-            out=out,
-            version_BxN=np.asarray(version_BxN, np.int32),
-            decode_steps=int(decode[0]),
-            slot_steps=int(decode[0]) * slots,
-            live_steps=int(live_steps[0]),
-            weight_updates=updates,
-            decode_steps_while_waiting=waited,
-            preemptions=int(preempted[0]),
-            pages=size["pages"],
-            peak_pages=int(peak[0]),
-        )
+        prompts_BxP = (prompt_tokens_BxP, prompt_valid_BxP)
+        return _episodes_generation(programs, state, prompts_BxP, size, updates, waited)
 
     def _answer(self, programs, params, version, state, keys_U, job_S, held_S, ready, extra):
         """Ends the episodes answered None and appends the others' tokens (`ready`: (turn,
@@ -707,6 +692,33 @@ def _unit_generation(tokens_QxP, valid_QxP, rows, n_samples, *, spent, slots, up
         preemptions=int(np.sum(preempted_D)),
         pages=pages,
         peak_pages=peak,
+    )
+
+
+def _resume_parked(programs, params, state, version, job_L, valid_JxN, jobs: int):
+    """Recomputes the parked sequences `job_L` (their cached tokens, one paged prefill)
+    back into free slots and pages."""
+    tokens = int(valid_JxN[job_L].sum(1).max()) - 1
+    lanes = turns_lib._lanes(list(job_L), jobs)
+    resume = programs["resume"](_width(tokens), lanes.size)
+    return resume(params, state, jnp.asarray(lanes), jnp.int32(version))
+
+
+def _episodes_generation(programs, state, prompts_BxP, size, updates: int, waited: int):
+    """`episodes`' result from its final state: the rows, versions and counters."""
+    out, version_BxN, counters = programs["finish"](state, *prompts_BxP)
+    version_BxN, (decode, live_steps, preempted, peak) = jax.device_get((version_BxN, counters))
+    return PagedGeneration(
+        out=out,
+        version_BxN=np.asarray(version_BxN, np.int32),
+        decode_steps=int(decode[0]),
+        slot_steps=int(decode[0]) * size["slots"],
+        live_steps=int(live_steps[0]),
+        weight_updates=updates,
+        decode_steps_while_waiting=waited,
+        preemptions=int(preempted[0]),
+        pages=size["pages"],
+        peak_pages=int(peak[0]),
     )
 
 
