@@ -179,15 +179,7 @@ def memory_plan(
     the prompts' keys and values (and their gradients) and the blocks' head buffers.
     """
     c = model_config
-    if batch < 1 or seq_len < 1:
-        raise ValueError(f"batch ({batch}) and seq_len ({seq_len}) must be positive")
-    micro_batch = batch if micro_batch is None else micro_batch
-    if micro_batch < 1 or batch % micro_batch:
-        raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
-    if optimizer not in _OPT_MOMENTS:
-        raise ValueError(
-            f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}"
-        )
+    micro_batch = _checked_sizes(batch, seq_len, micro_batch, optimizer)
     remat = c.remat if remat is None else remat
     pbytes = param_dtype_bytes or model_config_lib.as_dtype(c.param_dtype).itemsize
     cbytes = compute_dtype_bytes or model_config_lib.as_dtype(c.dtype).itemsize
@@ -195,24 +187,7 @@ def memory_plan(
 
     shardings = sharding.param_shardings(c, mesh, rules)
     shapes = sharding.param_shapes(c)
-    # Under LoRA (adapters in float32) only the adapters have gradients and moments. A
-    # quantised base (`lora_base`, `quant.py`) holds its codes and float32 scales at their
-    # own itemsize: 1 byte a weight (int8), 1 byte per 2 weights (nf4).
-    items = {"base": 0, "adapters": 0}
-    quantised = 0  # bytes
-    layer_items = {"base": 0, "adapters": 0}  # the decoder layers' share (not embeddings)
-    for (path, shape), sh in zip(
-        jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(shardings), strict=True
-    ):
-        keys = tuple(getattr(k, "key", k) for k in path)
-        n = math.prod(sh.shard_shape(shape.shape))
-        if quant.is_quantized_leaf(keys, shape.dtype):
-            quantised += n * shape.dtype.itemsize
-        else:
-            kind = "adapters" if lora.is_adapter(keys) else "base"
-            items[kind] += n
-            if str(keys[0]).startswith("layers_"):
-                layer_items[kind] += n
+    items, layer_items, quantised = _param_items(shardings, shapes)
     params = items["base"] * pbytes + items["adapters"] * 4 + quantised
     trained, tbytes = (items["adapters"], 4) if c.lora_rank else (items["base"], pbytes)
     gradients = trained * tbytes + (trained * 4 if micro_batch < batch else 0)
@@ -224,17 +199,7 @@ def memory_plan(
         stacked_layers = copies * layer_bytes + 2 * layer_trained * tbytes
     sampling_weights = 0
     if kv_cache_batch:
-        sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
-        leaves = (jax.tree.leaves(sample), jax.tree.leaves(shardings), jax.tree.leaves(shapes))
-        pairs = zip(*leaves, strict=True)
-        if not all(a.is_equivalent_to(b, len(x.shape)) for a, b, x in pairs):
-            sampling_weights = _sampling_bytes(c, mesh, pbytes)
-        rc = c if rollout_config is None else rollout_config
-        if (rc.weight_quant, rc.param_dtype) != (c.weight_quant, c.param_dtype):
-            rbytes = model_config_lib.as_dtype(rc.param_dtype).itemsize
-            if rc.param_dtype == c.param_dtype:
-                rbytes = pbytes
-            sampling_weights = max(sampling_weights, _sampling_bytes(rc, mesh, rbytes))
+        sampling_weights = _sampling_weights(c, mesh, shardings, shapes, pbytes, rollout_config)
 
     trunk = _Trunk.of(c, mesh, cbytes, c.remat_policy if remat else "everything_saveable")
     b = _per_device(micro_batch, sharding.batch_shards(mesh))
@@ -271,6 +236,63 @@ def memory_plan(
         mesh_shape=tuple(mesh.shape.items()),
         micro_batch=micro_batch,
     )
+
+
+def _checked_sizes(batch: int, seq_len: int, micro_batch: int | None, optimizer: str) -> int:
+    """`memory_plan`'s sizes checked in one line each; returns the micro-batch."""
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch ({batch}) and seq_len ({seq_len}) must be positive")
+    micro_batch = batch if micro_batch is None else micro_batch
+    if micro_batch < 1 or batch % micro_batch:
+        raise ValueError(f"micro_batch: {micro_batch} must be positive and divide batch {batch}")
+    if optimizer not in _OPT_MOMENTS:
+        raise ValueError(
+            f"optimizer: {optimizer!r} unknown; expected one of {sorted(_OPT_MOMENTS)}"
+        )
+    return micro_batch
+
+
+def _param_items(shardings, shapes) -> tuple[dict, dict, int]:
+    """Params on one device: (items of the base and of the adapters, the decoder layers'
+    share of them (not the embeddings), bytes of quantised leaves). Under LoRA (adapters
+    in float32) only the adapters have gradients and moments; a quantised base
+    (`lora_base`, `quant.py`) holds its codes and float32 scales at their own itemsize: 1
+    byte a weight (int8), 1 byte per 2 weights (nf4)."""
+    items = {"base": 0, "adapters": 0}
+    layer_items = {"base": 0, "adapters": 0}
+    quantised = 0
+    for (path, shape), sh in zip(
+        jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(shardings), strict=True
+    ):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        n = math.prod(sh.shard_shape(shape.shape))
+        if quant.is_quantized_leaf(keys, shape.dtype):
+            quantised += n * shape.dtype.itemsize
+        else:
+            kind = "adapters" if lora.is_adapter(keys) else "base"
+            items[kind] += n
+            if str(keys[0]).startswith("layers_"):
+                layer_items[kind] += n
+    return items, layer_items, quantised
+
+
+def _sampling_weights(c, mesh, shardings, shapes, pbytes: int, rollout_config) -> int:
+    """The sampler's copy of the weights (`memory_plan`'s sampling_weights): the trained
+    params resharded when the sampling layout differs, or the rollouts' own copy when
+    `rollout_config` stores them otherwise, the larger of the two."""
+    out = 0
+    sample = sharding.param_shardings(c, mesh, sharding.SAMPLE_RULES)
+    leaves = (jax.tree.leaves(sample), jax.tree.leaves(shardings), jax.tree.leaves(shapes))
+    pairs = zip(*leaves, strict=True)
+    if not all(a.is_equivalent_to(b, len(x.shape)) for a, b, x in pairs):
+        out = _sampling_bytes(c, mesh, pbytes)
+    rc = c if rollout_config is None else rollout_config
+    if (rc.weight_quant, rc.param_dtype) != (c.weight_quant, c.param_dtype):
+        rbytes = model_config_lib.as_dtype(rc.param_dtype).itemsize
+        if rc.param_dtype == c.param_dtype:
+            rbytes = pbytes
+        out = max(out, _sampling_bytes(rc, mesh, rbytes))
+    return out
 
 
 def _sampling_bytes(c: model_config_lib.ModelConfig, mesh: Mesh, pbytes: int) -> int:
