@@ -62,13 +62,15 @@ def _qwen3_4b_base(c):
 
 
 def _qwen3_30b_a3b_base(c):
-    """TPU v5p-8 (8 chips x 95 GB): fsdp=8, the 128 experts on every chip (their weights
-    gathered a layer at a time, as a dense MLP's; megablox still runs them), bfloat16
-    params, 128 rows of 512 + 2,048 tokens in 4 minibatches. Not `mesh.expert_axis=fsdp`:
-    at 2,560 tokens a chip the split routes 8 x the tokens' N x K rows on every chip and
-    cost more (4 layers compiled for v5p:2x2x2: 10.45 against 9.26 GiB, 204 against 94 GB
-    accessed; docs/scale.md) than gathering 1.2 GB of expert weights a layer."""
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 1
+    """TPU v5p-8 (8 chips x 95 GB): fsdp=2 x tensor=4, the 128 experts on every chip
+    (their weights gathered a layer at a time, as a dense MLP's; megablox still runs them),
+    bfloat16 params, 128 rows of 512 + 2,048 tokens in 4 minibatches. Not fsdp=8: the
+    sampling layout splits the weights over tensor only, so at tensor=1 every chip holds
+    all 61 GB of them and the TPU compiler refuses the reshard (120.9 GB of temporaries).
+    Not `mesh.expert_axis=fsdp`: at 2,560 tokens a chip the split routes s x the tokens'
+    N x K rows on every chip and cost more (4 layers compiled for v5p:2x2x2: 10.45 against
+    9.26 GiB, 204 against 94 GB accessed; docs/scale.md) than gathering the experts."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 2, 4
     c.mesh.expert_axis = ""
     c.model.param_dtype = "bfloat16"
     c.rollout.batch_size = 16

@@ -149,6 +149,23 @@ def splash_attention(
     return out[:, :, :, :t].reshape(b, h, t, d).transpose(0, 2, 1, 3)
 
 
+def auto_axes(mesh, rows: int) -> tuple[dict, list]:
+    """A mesh's automatic axes (inside a `shard_map` manual over some axes, e.g. the paged
+    engine's batch shards, the arrays are those axes' shards already: split over the
+    others only) by size, and the batch axes (`BATCH_AXES`, in order) whose product
+    divides `rows`: what a kernel run under `jax.shard_map` splits its rows over."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+             if a not in manual}  # fmt: skip
+    split, used = [], 1
+    for axis in BATCH_AXES:
+        size = shape.get(axis, 1)
+        if size > 1 and rows % (used * size) == 0:
+            split.append(axis)
+            used *= size
+    return shape, split
+
+
 def splash_attention_sharded(
     q_BxTxHxD: jax.Array,
     k_BxKxSxD: jax.Array,
@@ -173,17 +190,7 @@ def splash_attention_sharded(
         return splash_attention(q_BxTxHxD, k_BxKxSxD, v_BxKxSxD, segment_BxT, block_size)
     b, _, h, _ = q_BxTxHxD.shape
     k = k_BxKxSxD.shape[1]
-    # Inside a `shard_map` manual over some axes (the paged engine's batch shards) the
-    # arrays are those axes' shards already: split over the others only.
-    manual = set(getattr(mesh, "manual_axes", ()))
-    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
-             if a not in manual}  # fmt: skip
-    rows, used = [], 1
-    for axis in BATCH_AXES:
-        size = shape.get(axis, 1)
-        if axis in shape and size > 1 and b % (used * size) == 0:
-            rows.append(axis)
-            used *= size
+    shape, rows = auto_axes(mesh, b)
     rows_axes = tuple(rows) or None
     tensor = shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and h % tensor == 0 else None

@@ -196,15 +196,7 @@ def _layout(mesh, n: int, expert_axis: str, gate_shape) -> tuple[dict, list, str
     """How `moe_experts` splits its work over the mesh's automatic axes: (their sizes, the
     batch axes the N tokens split over (those that divide N), the axis the experts split
     over ("" = none), "tensor" when it splits the experts' width F, else None)."""
-    manual = set(getattr(mesh, "manual_axes", ()))
-    shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
-             if a not in manual}  # fmt: skip
-    rows, used = [], 1
-    for axis in BATCH_AXES:
-        size = shape.get(axis, 1)
-        if size > 1 and n % (used * size) == 0:
-            rows.append(axis)
-            used *= size
+    shape, rows = attention_kernels.auto_axes(mesh, n)
     split = expert_axis if shape.get(expert_axis, 1) > 1 else ""
     num_experts, _, width = gate_shape
     if split and num_experts % shape[split]:
