@@ -70,7 +70,7 @@ def _qwen3_30b_a3b_base(c):
     Not `mesh.expert_axis=fsdp`: at 2,560 tokens a chip the split routes s x the tokens'
     N x K rows on every chip and cost more (4 layers compiled for v5p:2x2x2: 10.45 against
     9.26 GiB, 204 against 94 GB accessed; docs/scale.md) than gathering the experts."""
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 2, 4
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
     c.mesh.expert_axis = ""
     c.model.param_dtype = "bfloat16"
     c.rollout.batch_size = 16

@@ -65,8 +65,10 @@ def test_the_paper_and_authors_methods_are_the_shipped_presets_rules():
         cell = study.Cell(256, method, 1e-4, 0)
         got = study.cell_config(other_base, cell, tau=0.5, steps=10).actor
         assert got.m2_threshold == 0.5 and {k: got[k] for k in values} == values, method
-    cells = study.grid([0, 256], list(study.METHODS), [1e-4], [0])
-    assert [c.method for c in cells] == list(study.METHODS)
+    # Every method but routing replay's (a mixture of experts only: its own test below).
+    dense = [m for m in study.METHODS if not m.endswith("_r3")]
+    cells = study.grid([0, 256], dense, [1e-4], [0])
+    assert [c.method for c in cells] == dense
     study.check_cells(base, cells, tau=0.04, steps=10)  # every method's config is valid
 
 
