@@ -224,7 +224,7 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings, aux_
         router=s.model_config.is_moe,
     )
     logp, entropy = out[:2]
-    aux, router_stats = 0.0, {}
+    aux, router_stats = None, {}  # None: no load-balancing term (the program as without one)
     if s.model_config.is_moe:
         routing = out[2]
         router_stats = {"moe/parts": routing}
@@ -263,7 +263,8 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings, aux_
     stats.update(diagnostics.loss_parts(unmasked, mb.loss_mask_BxT, mask))
     stats.update(router_stats)
     if not s.actor.masked_grad_norm:
-        return loss * weight + aux, {**loss_stats, **stats}
+        total = loss * weight
+        return (total if aux is None else total + aux), {**loss_stats, **stats}
     # The masked tokens' loss over the same denominator: its gradient is what M2PO removed.
     if count is None:
         count = jnp.sum(mask if s.loss.denominator == "kept" else mb.loss_mask_BxT)
@@ -277,7 +278,10 @@ def minibatch_loss(params, mb: Minibatch, count, weight, s: UpdateSettings, aux_
         valid_mask_BxT=mb.loss_mask_BxT,
         count=count,
     )
-    return jnp.stack([loss, masked]) * weight + jnp.stack([aux, 0.0]), {**loss_stats, **stats}
+    pair = jnp.stack([loss, masked]) * weight
+    if aux is not None:
+        pair = pair + jnp.stack([aux, 0.0])
+    return pair, {**loss_stats, **stats}
 
 
 def minibatch_mask(params, mb: Minibatch, s: UpdateSettings) -> tuple[Minibatch, dict]:
