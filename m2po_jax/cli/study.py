@@ -795,27 +795,43 @@ MISMATCH_LEGEND = (
 )
 
 
-def mismatch_table(found: dict, collapsed: dict) -> str:
-    """The precision study's table: per staleness, method, lr and rollout precision, the
-    final accuracy, the collapses and the mismatch metrics."""
+def _by_precision(legend: str, columns: list[str], found: dict, cells) -> str:
+    """A table of `found`'s groups in `_in_order` under `legend`: k, method, precision, lr
+    and seeds, then `columns`, whose values `cells(key, runs, avg)` gives (`avg(metric)`:
+    the mean over the group's runs)."""
     lines = [
-        MISMATCH_LEGEND,
+        legend,
         "",
-        "| k | method | precision | lr | seeds | final | collapsed | fresh \\|d\\| | fresh m2 | "
-        "stale m2 | fresh share | drop alone |",
-        "|" + "---|" * 12,
+        "| k | method | precision | lr | seeds | " + " | ".join(columns) + " |",
+        "|" + "---|" * (5 + len(columns)),
     ]
     for key, runs in sorted(found.items(), key=_in_order):
         k, method, lr, precision = key
-        avg = functools.partial(_avg, runs)
+        values = cells(key, runs, functools.partial(_avg, runs))
         lines.append(
-            f"| {k} | {method} | {precision} | {lr:g} | {len(runs)} | "
-            f"{_spread([s['final'] for s in runs])[0]:.3f} | {collapsed.get(key, 0)} | "
-            f"{_fmt(avg('mismatch/fresh/abs_mean'))} | {_fmt(avg('mismatch/fresh/m2'))} | "
-            f"{_fmt(avg('mismatch/stale/m2'))} | {_fmt(avg('mismatch/m2_fresh_share'))} | "
-            f"{_fmt(avg('mismatch/fresh/m2po_drop_alone'), 4)} |"
+            f"| {k} | {method} | {precision} | {lr:g} | {len(runs)} | " + " | ".join(values) + " |"
         )
     return "\n".join(lines)
+
+
+def mismatch_table(found: dict, collapsed: dict) -> str:
+    """The precision study's table: per staleness, method, lr and rollout precision, the
+    final accuracy, the collapses and the mismatch metrics."""
+    columns = ["final", "collapsed", "fresh \\|d\\|", "fresh m2", "stale m2", "fresh share"]
+    return _by_precision(
+        MISMATCH_LEGEND,
+        columns + ["drop alone"],
+        found,
+        lambda key, runs, avg: [
+            f"{_spread([s['final'] for s in runs])[0]:.3f}",
+            f"{collapsed.get(key, 0)}",
+            _fmt(avg("mismatch/fresh/abs_mean")),
+            _fmt(avg("mismatch/fresh/m2")),
+            _fmt(avg("mismatch/stale/m2")),
+            _fmt(avg("mismatch/m2_fresh_share")),
+            _fmt(avg("mismatch/fresh/m2po_drop_alone"), 4),
+        ],
+    )
 
 
 ROUTER_LEGEND = (
@@ -831,25 +847,21 @@ ROUTER_LEGEND = (
 def router_table(found: dict) -> str:
     """The routing-replay study's table: per staleness, method, lr and precision, the final
     accuracy, m2 before the mask, and the router's agreement and load."""
-    lines = [
-        ROUTER_LEGEND,
-        "",
-        "| k | method | precision | lr | seeds | final (range) | fresh m2 | stale m2 | m2 p99 | "
-        "masked | agreement | load max |",
-        "|" + "---|" * 12,
-    ]
-    for key, runs in sorted(found.items(), key=_in_order):
-        k, method, lr, precision = key
-        avg = functools.partial(_avg, runs)
+
+    def cells(key, runs, avg):
         mean, low, high = _spread([s["final"] for s in runs])
-        lines.append(
-            f"| {k} | {method} | {precision} | {lr:g} | {len(runs)} | "
-            f"{mean:.3f} ({low:.3f}-{high:.3f}) | {_fmt(avg('mismatch/fresh/m2'))} | "
-            f"{_fmt(avg('mismatch/stale/m2'))} | {_fmt(avg('m2po/m2_p99'))} | "
-            f"{_fmt(avg('m2po/masked_fraction'), 4)} | {_fmt(avg('moe/router_agreement'), 4)} | "
-            f"{_fmt(avg('moe/expert_load_max'))} |"
-        )
-    return "\n".join(lines)
+        return [
+            f"{mean:.3f} ({low:.3f}-{high:.3f})",
+            _fmt(avg("mismatch/fresh/m2")),
+            _fmt(avg("mismatch/stale/m2")),
+            _fmt(avg("m2po/m2_p99")),
+            _fmt(avg("m2po/masked_fraction"), 4),
+            _fmt(avg("moe/router_agreement"), 4),
+            _fmt(avg("moe/expert_load_max")),
+        ]
+
+    columns = ["final (range)", "fresh m2", "stale m2", "m2 p99", "masked", "agreement"]
+    return _by_precision(ROUTER_LEGEND, columns + ["load max"], found, cells)
 
 
 def _mixed_environments(out: Path, found: dict) -> list[str]:

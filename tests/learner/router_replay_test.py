@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_moe
 
 from m2po_jax import config as config_lib
 from m2po_jax.common.types import Minibatch, TrainBatch
@@ -19,42 +20,11 @@ from m2po_jax.learner import train_step as step_lib
 from m2po_jax.learner.actor_settings import ActorSettings
 from m2po_jax.models import model as model_lib
 from m2po_jax.models import moe
-from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.rollout import sampling
 
 PAD = 63
 PROMPTS = [[5, 9, 11, 2], [7, 3], [21, 22, 23], [30]]
 TOKENS, VALID = sampling.pad_prompts(PROMPTS, PAD)
-
-
-def moe_config(top_k: int, **changes) -> ModelConfig:
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        model_type="qwen3_moe",
-        qk_norm=True,
-        num_experts=6,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-    )
-    return ModelConfig(**{**fields, **changes})
-
-
-def moe_params(config, seed=0, router_scale=30.0, expert_scale=4.0):
-    """Random params with routers scaled up (well-separated routing probabilities) and
-    experts too (their outputs, hence the routing, move the logits)."""
-    params = model_lib.init_params(config, jax.random.key(seed))
-    for i in range(config.num_layers):
-        mlp = params[f"layers_{i}"]["mlp"]
-        mlp["router_kernel"] *= router_scale
-        for name in ("gate_experts", "up_experts", "down_experts"):
-            mlp[name] *= expert_scale
-    return params
 
 
 def perturbed(params, config, scale: float, seed=1):
@@ -111,8 +81,8 @@ def logp(params, config, out, routed=None):
 
 
 def test_a_replayed_forward_runs_the_recorded_experts_whatever_the_router():
-    config = moe_config(2)
-    params = moe_params(config)
+    config = tiny_moe.config(2)
+    params = tiny_moe.params(config, expert_scale=4.0)
     out = rollout(params, config)
     recorded = np.asarray(out.experts_BxTxLxK)
     at = recorded >= 0
@@ -143,8 +113,8 @@ def test_with_one_expert_per_token_replay_gives_the_behaviour_log_probs_after_a_
     """K = 1 with renormalised gates: the one expert's gate is 1 whatever the router, so a
     replayed forward is the behaviour policy's exactly; without replay the moved router
     sends tokens elsewhere and the ratio is far from 1."""
-    config = moe_config(1)
-    params = moe_params(config)
+    config = tiny_moe.config(1)
+    params = tiny_moe.params(config, expert_scale=4.0)
     out = rollout(params, config)
     mask = np.asarray(out.completion_mask_BxT)
     behav = np.asarray(out.behav_logp_BxT)
@@ -165,8 +135,8 @@ def test_with_two_experts_per_token_replay_cuts_the_log_ratio():
     experts x6) with a 0.3-std router move, the engines' record only (prompts routed
     freshly): mean |log ratio| 0.0131 with replay against 0.0491 without (3.7x; 2.5x at a
     0.1-std move, 2.8x at 1 std)."""
-    config = moe_config(2)
-    params = moe_params(config, router_scale=3.0, expert_scale=6.0)
+    config = tiny_moe.config(2)
+    params = tiny_moe.params(config, router_scale=3.0, expert_scale=6.0)
     out = rollout(params, config)
     mask = np.asarray(out.completion_mask_BxT)
     behav = np.asarray(out.behav_logp_BxT)
@@ -180,8 +150,8 @@ def test_the_shared_prompt_pass_replays_and_sums_routing_as_whole_rows_do():
     """`shared_prompt_logp` (each prompt once, completions against it; whole or in length
     blocks) against `sequence_logp` over whole rows: the same log-probs on completion
     tokens and the same routing sums (a prompt counts once per row sharing it)."""
-    config = moe_config(2)
-    params = moe_params(config, router_scale=3.0)
+    config = tiny_moe.config(2)
+    params = tiny_moe.params(config, router_scale=3.0, expert_scale=4.0)
     groups, n, width, new = 2, 4, 5, 8
     rng = np.random.default_rng(0)
     prompts = np.repeat(rng.integers(1, 60, (groups, width)), n, 0)
@@ -239,8 +209,8 @@ def test_the_load_balancing_loss_adds_its_weight_times_the_reference_and_its_gra
     """The loss pass's loss with coefficient c minus with 0 is c x
     `moe.load_balancing_loss` of a separate forward's router logits over the valid tokens,
     and so are the gradients (`jax.grad` of that reference)."""
-    config = moe_config(2)
-    params = moe_params(config, router_scale=3.0)
+    config = tiny_moe.config(2)
+    params = tiny_moe.params(config, router_scale=3.0, expert_scale=4.0)
     batch = _train_batch(params, config, rollout(params, config, new=6))
     coef = 0.05
     tx, _ = optim.make_optimizer(_actor().section.optimizer, 1)

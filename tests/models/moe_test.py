@@ -519,14 +519,25 @@ def _dense_experts(x, experts, weights, gate, up, down):
     return y
 
 
-def _skewed_routing(n: int, k: int, num_experts: int, seed: int):
-    """Tokens, routes and weights where experts 3, 4, 6, 7 get no token and the others
-    uneven counts (expert 0 most)."""
+SKEWED = dict(n=8, k=2, x_=8, e=16, f=8)  # tokens, top-k, experts, width, expert width
+
+
+def _skewed_problem(seed: int, routing_seed: int):
+    """An expert layer's inputs at `SKEWED`'s sizes: tokens x [n, e], expert kernels (gate,
+    up [x_, e, f], down [x_, f, e]), routes where experts 3, 4, 6, 7 get no token and the
+    others uneven counts (expert 0 most) with their weights, and a probe [n, e] to reduce y
+    with."""
+    n, k, x_, e, f = SKEWED.values()
     rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
+    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
+    routes = np.random.default_rng(routing_seed)
     used = np.array([0, 0, 0, 1, 2, 5])
-    experts = np.stack([rng.permutation(used)[:k] for _ in range(n)]).astype(np.int32)
-    weights = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
-    return experts, weights
+    experts = np.stack([routes.permutation(used)[:k] for _ in range(n)]).astype(np.int32)
+    weights = routes.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    probe = rng.normal(size=(n, e)).astype(np.float32)
+    return x, gate, up, down, experts, weights, probe
 
 
 @pytest.mark.parametrize("expert_axis", ["fsdp", "data"])
@@ -535,14 +546,8 @@ def test_expert_parallel_forward_and_gradients_match_one_device(expert_axis):
     it, reduce-scattered back), with routing skewed (4 experts get no token, expert 0 most):
     y equals a float64 numpy reference, and y and the gradients of every input equal one
     device's `moe_experts` (float32 sums of <= 16 products: 1e-5)."""
-    n, k, x_, e, f = 8, 2, 8, 16, 8
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, e)).astype(np.float32)
-    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
-    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
-    experts, weights = _skewed_routing(n, k, x_, 1)
-    assert np.bincount(experts.ravel(), minlength=x_)[[3, 4, 6, 7]].sum() == 0
-    probe = rng.normal(size=(n, e)).astype(np.float32)
+    x, gate, up, down, experts, weights, probe = _skewed_problem(0, 1)
+    assert np.bincount(experts.ravel(), minlength=8)[[3, 4, 6, 7]].sum() == 0
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
 
     def loss(x, weights, gate, up, down, axis):
@@ -621,13 +626,8 @@ def test_megablox_matches_ragged_dot(shards):
     routing: all 8 experts on one device, and the sum of 4 devices' `local_experts` over
     their 2 experts each (what each device of an expert axis of 4 runs; Pallas'
     interpreter does not run inside a CPU `shard_map`)."""
-    n, k, x_, e, f = 8, 2, 8, 16, 8
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(n, e)).astype(np.float32)
-    gate, up = (rng.normal(size=(x_, e, f)).astype(np.float32) * 0.5 for _ in range(2))
-    down = rng.normal(size=(x_, f, e)).astype(np.float32) * 0.5
-    experts, weights = _skewed_routing(n, k, x_, 3)
-    probe = rng.normal(size=(n, e)).astype(np.float32)
+    x, gate, up, down, experts, weights, probe = _skewed_problem(2, 3)
+    x_ = SKEWED["x_"]
     per = x_ // shards
 
     def loss(x, weights, gate, up, down, kernel):

@@ -295,15 +295,12 @@ def test_the_paged_engines_decode_runs_the_triton_kernel_on_gpus():
     assert resume.kernels == 0  # multi-token calls: the XLA path
 
 
-@needs_libtpu
-def test_a_mixture_of_experts_forward_and_backward_compile_on_a_multi_chip_tpu(v5e_2x2):
-    """Qwen3-MoE's grouped matmuls (`moe.moe_experts`, `jax.lax.ragged_dot`) compile for 4
-    chips sharded fsdp x tensor, forward and backward, as the TPU's grouped-matmul call
-    (`ragged-dot-none` custom calls: 3 per layer forward, and the backward's gradients
-    too), not a dense masked product."""
+def _tiny_moe_for_tpu(mesh, **changes):
+    """A 2-layer bfloat16 Qwen3-MoE (8 experts, top 2) with `changes`, its params as
+    abstract arrays sharded by the training rules on `mesh`, a batch of 4 x 32 token ids
+    split over fsdp, and a loss whose value and gradient the tests compile."""
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from m2po_jax.models import model_config as model_config_lib
@@ -311,9 +308,8 @@ def test_a_mixture_of_experts_forward_and_backward_compile_on_a_multi_chip_tpu(v
     config = model_config_lib.ModelConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
         num_kv_heads=2, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=64, dtype="bfloat16",
+        dtype="bfloat16", **changes,
     )  # fmt: skip
-    mesh = Mesh(np.array(v5e_2x2.devices).reshape(2, 2), ("fsdp", "tensor"))
     shardings = sharding.param_shardings(config, mesh, sharding.TRAIN_RULES)
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -326,6 +322,20 @@ def test_a_mixture_of_experts_forward_and_backward_compile_on_a_multi_chip_tpu(v
         logits = model_lib.apply(p, config, t)
         return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
 
+    return config, params, tokens, loss
+
+
+@needs_libtpu
+def test_a_mixture_of_experts_forward_and_backward_compile_on_a_multi_chip_tpu(v5e_2x2):
+    """Qwen3-MoE's grouped matmuls (`moe.moe_experts`, `jax.lax.ragged_dot`) compile for 4
+    chips sharded fsdp x tensor, forward and backward, as the TPU's grouped-matmul call
+    (`ragged-dot-none` custom calls: 3 per layer forward, and the backward's gradients
+    too), not a dense masked product."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(v5e_2x2.devices).reshape(2, 2), ("fsdp", "tensor"))
+    config, params, tokens, loss = _tiny_moe_for_tpu(mesh, moe_intermediate_size=64)
     text = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
     calls = re.findall(r"%ragged-dot-none(?:\.\d+)? = \S+ custom-call\(", text)
     assert len(calls) >= 2 * 3 * config.num_layers, len(calls)  # forward and backward
@@ -338,31 +348,14 @@ def test_expert_parallel_megablox_compiles_on_a_multi_chip_tpu(v5e_2x2):
     3 per layer forward, and the backward's `gmm` (input gradients) and `tgmm` (expert
     kernels' gradients) 3 each; tokens meet the experts by an all-gather and a
     reduce-scatter, and no ragged-dot call is left."""
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from m2po_jax.models import model_config as model_config_lib
-
-    config = model_config_lib.ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-        num_kv_heads=2, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=256, dtype="bfloat16", expert_axis="fsdp",
-    )  # fmt: skip
     mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2}, list(v5e_2x2.devices))
-    shardings = sharding.param_shardings(config, mesh, sharding.TRAIN_RULES)
-    assert shardings["layers_0"]["mlp"]["gate_experts"].spec == P("fsdp", None, "tensor")
-    params = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(lambda: model_lib.init_params(config, jax.random.key(0))),
-        shardings,
+    config, params, tokens, loss = _tiny_moe_for_tpu(
+        mesh, moe_intermediate_size=256, expert_axis="fsdp"
     )
-    tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
-
-    def loss(p, t):
-        logits = model_lib.apply(p, config, t)
-        return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
-
+    spec = params["layers_0"]["mlp"]["gate_experts"].sharding.spec
+    assert spec == P("fsdp", None, "tensor")
     step = jax.jit(sharding.on_mesh(jax.value_and_grad(loss), mesh))
     text = step.lower(params, tokens).compile().as_text()
     calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]

@@ -7,26 +7,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+import tiny_moe
 
 from m2po_jax.models import model as model_lib
-from m2po_jax.models.model_config import ModelConfig
 from m2po_jax.rollout import engines as engine_lib
 from m2po_jax.rollout import sampling
 
-CONFIG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    model_type="qwen3_moe",
-    qk_norm=True,
-    num_experts=6,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    norm_topk_prob=True,
-)
+CONFIG = tiny_moe.config(top_k=2)
 PAD = 63
 N = 2
 _rng = np.random.default_rng(0)
@@ -38,19 +25,9 @@ SETTINGS = sampling.SamplingConfig(
 )
 
 
-def moe_params(config=CONFIG, seed=0, router_scale=30.0):
-    """Random params whose routers are scaled up: well-separated routing probabilities, so
-    cached and uncached forwards cannot pick different experts on a float near-tie."""
-    params = model_lib.init_params(config, jax.random.key(seed))
-    for i in range(config.num_layers):
-        mlp = params[f"layers_{i}"]["mlp"]
-        mlp["router_kernel"] = mlp["router_kernel"] * router_scale
-    return params
-
-
 @pytest.fixture(scope="module")
 def params():
-    return moe_params()
+    return tiny_moe.params(CONFIG)
 
 
 @jax.jit
