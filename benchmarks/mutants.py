@@ -1074,7 +1074,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tools-abandoned-thread-not-replaced",
         "m2po_jax/common/workers.py",
-        "            self._spawn()\n        return True",
+        "            if job.queue is self._queue:  # not after a shutdown of the job's threads\n"
+        "                self._spawn(self._queue)\n        return True",
         "        return True",
         (
             T("tests/tasks/environments_test.py", "poison"),
@@ -1082,6 +1083,30 @@ MUTANTS: tuple[Mutant, ...] = (
             T("tests/tasks/problems_test.py", "times_out"),
         ),
         "a timed-out call keeps its pool thread: a hung tool starves every later call",
+    ),
+    Mutant(
+        "pool-shutdown-leaves-its-threads",
+        "m2po_jax/common/workers.py",
+        "                for _ in range(self.workers):\n                    self._queue.put(None)\n",
+        "",
+        (T("tests/common/workers_test.py", "holds_threads"),),
+        "shutdown forgets its threads without ending them: each run leaves its pool's idle",
+    ),
+    Mutant(
+        "agent-close-leaves-the-tool-pool",
+        "m2po_jax/rollout/episodes.py",
+        "        for pool in self.pools:\n            pool.shutdown()\n",
+        "",
+        (T("tests/config/config_test.py", "agent_is_built"),),
+        "closing the agent leaves the shared tool pool's threads running",
+    ),
+    Mutant(
+        "trainer-never-closes-the-agent",
+        "m2po_jax/trainer/loop.py",
+        "                    stack.callback(self.setup.agent.close)\n",
+        "                    pass\n",
+        (T("tests/trainer/agent_run_test.py", "on_policy"),),
+        "a run leaves its agent's environment threads and event loop behind",
     ),
     Mutant(
         "episodes-exception-text-is-the-text",

@@ -32,6 +32,7 @@ class Job:
         self.started, self.done = threading.Event(), threading.Event()
         self.started_at: float | None = None
         self.thread: threading.Thread | None = None
+        self.queue: queue.SimpleQueue | None = None  # of the threads it was queued for
         self.abandoned = False
         self._value = self._error = None
 
@@ -53,33 +54,33 @@ class WorkerPool:
     (`abandon`) keeps its thread, which leaves the pool, and a fresh thread takes its place,
     so later calls still run (ToolEnv's tools, the episode driver's environment steps).
     `abandoned` counts the threads left to their calls; `stuck` those still running. Daemon
-    threads: a call that never returns does not keep the interpreter from exiting."""
+    threads: a call that never returns does not keep the interpreter from exiting. The
+    threads start with the first call and end at `shutdown`; a pool shut down serves
+    again (fresh threads) when called again, so an owner that ends its runs with
+    `shutdown` leaves no idle thread between them."""
 
     def __init__(self, workers: int, name: str = "m2po-tool"):
         if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
             raise ValueError(f"WorkerPool.workers: expected an int >= 1, got {workers!r}")
         self.workers, self.name = int(workers), name
         self.abandoned = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue | None = None  # the running threads' (None: none)
         self._lock = threading.Lock()
         self._serial = itertools.count()
         self._left: list[threading.Thread] = []
-        self._closed = False
-        for _ in range(self.workers):
-            self._spawn()
 
     @property
     def stuck(self) -> int:
         """Abandoned threads still running their call."""
         return sum(t.is_alive() for t in self._left)
 
-    def _spawn(self):
+    def _spawn(self, jobs: queue.SimpleQueue):
         name = f"{self.name}_{next(self._serial)}"
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        threading.Thread(target=self._serve, args=(jobs,), name=name, daemon=True).start()
 
-    def _serve(self):
+    def _serve(self, jobs: queue.SimpleQueue):
         while True:
-            job = self._queue.get()
+            job = jobs.get()
             if job is None:
                 return
             with self._lock:
@@ -91,10 +92,16 @@ class WorkerPool:
                     return
 
     def submit(self, fn: Callable, *args) -> Job:
-        if self._closed:
-            raise RuntimeError(f"WorkerPool {self.name!r}: closed")
+        """Queues `fn(*args)`; the first call after creation or `shutdown` starts the
+        threads."""
         job = Job(fn, args)
-        self._queue.put(job)
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                for _ in range(self.workers):
+                    self._spawn(self._queue)
+            job.queue = self._queue
+            self._queue.put(job)
         return job
 
     def wait(self, job: Job, timeout_s: float | None, deadline: float | None = None):
@@ -120,15 +127,18 @@ class WorkerPool:
             job.abandoned = True
             self.abandoned += 1
             self._left = [t for t in self._left if t.is_alive()] + [job.thread]
-            self._spawn()
+            if job.queue is self._queue:  # not after a shutdown of the job's threads
+                self._spawn(self._queue)
         return True
 
     def shutdown(self) -> None:
-        """Idle threads end after the calls queued before this; no new calls."""
+        """The threads end after the calls queued before this (an abandoned call's thread
+        when its call returns); a later `submit` starts fresh ones."""
         with self._lock:
-            self._closed = True
-            for _ in range(self.workers):
-                self._queue.put(None)
+            if self._queue is not None:
+                for _ in range(self.workers):
+                    self._queue.put(None)
+                self._queue = None
 
 
 def call_all(

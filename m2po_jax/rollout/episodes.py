@@ -215,6 +215,8 @@ class Agent:
         left, counted), "filter" (its problem's episodes are not run: prompt_too_long,
         out of the loss) or "error" (ValueError before generation), as
         `task.long_prompts`.
+      pools: `WorkerPool`s the environments use (ToolEnv's shared tool pool), shut down
+        with the agent's own by `close()`.
 
     Async environment methods run on the agent's own event loop (`EnvLoop`); `close()`
     ends its threads.
@@ -233,6 +235,7 @@ class Agent:
         mask_failed: bool = True,
         mask_truncated: bool = False,
         long_prompts: str = "left",
+        pools: Sequence[env_lib.WorkerPool] = (),
     ):
         for name, value in (("max_turns", max_turns), ("max_append", max_append)):
             if int(value) < 1:
@@ -256,8 +259,16 @@ class Agent:
         self.mask_failed, self.mask_truncated = bool(mask_failed), bool(mask_truncated)
         self.long_prompts = long_prompts
         self.pool = env_lib.WorkerPool(max(int(workers), 1), "m2po-env")
-        self.loop = env_lib.EnvLoop()
+        self.pools = tuple(pools)
+        self._loop: env_lib.EnvLoop | None = None
         self._warned_long = False
+
+    @property
+    def loop(self) -> env_lib.EnvLoop:
+        """The event loop of the environments' async methods (started on first use)."""
+        if self._loop is None:
+            self._loop = env_lib.EnvLoop()
+        return self._loop
 
     def masked(self, status: str) -> bool:
         """Whether an episode that ended with `status` is out of the loss."""
@@ -266,9 +277,14 @@ class Agent:
         return (self.mask_failed and status in FAILED) or (self.mask_truncated and status in _CUT)
 
     def close(self) -> None:
-        """Ends the agent's threads and event loop."""
+        """Ends the agent's threads, its event loop and those of `pools` (the tool pool its
+        environments share); the next episode starts them again."""
         self.pool.shutdown()
-        self.loop.close()
+        for pool in self.pools:
+            pool.shutdown()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
 
 class _StepTimeout(Exception):

@@ -352,6 +352,8 @@ class Trainer:
                 stack.enter_context(self.stop.signals(self._where_saved))
                 if self.setup.rewards is not None:  # its worker processes end with the run
                     stack.callback(self.setup.rewards.close)
+                if self.setup.agent is not None:  # and the agent's threads, after the worker's
+                    stack.callback(self.setup.agent.close)
                 distributed.set_lost_peer_note(self._where_saved)
                 interrupted = not resumed and self._begin()
                 end = cfg.total_steps if stop_after is None else start + stop_after

@@ -129,8 +129,10 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
                 "agent.parser='auto': the chat template shows no known tool-call format; set "
                 f"agent.parser to one of {sorted(tool_calls.PARSERS)}"
             )
+    pools = ()
     if ag.env == "tools":
         pool = environments.WorkerPool(2 * ag.workers, "m2po-tool")
+        pools = (pool,)
 
         def factory():
             return environments.ToolEnv(
@@ -154,6 +156,7 @@ def build_agent(cfg: Config, task: Task, prompts) -> episodes_lib.Agent | None:
         mask_failed=ag.mask_failed_episodes,
         mask_truncated=ag.mask_truncated_episodes,
         long_prompts=cfg.task.long_prompts,
+        pools=pools,
     )
 
 

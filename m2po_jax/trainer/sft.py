@@ -192,9 +192,9 @@ def supervised_warmup(
         batch = run.placement.to_global(sft_batch(run, i * s.batch_size, s.batch_size))
         if len(in_flight) == 2:
             # At most two steps in flight (the device never waits for the host). Unbounded,
-            # the host queued up to `eval_every` steps; on a host with few cores and many
-            # (fake CPU) devices one step's collectives then waited past XLA:CPU's 40 s
-            # rendezvous timeout behind the queued ones and the process aborted.
+            # the host queued up to `eval_every` steps; with many multi-device programs in
+            # flight XLA:CPU (fake CPU devices) now and then deadlocks in an all-reduce (7
+            # of 8 participants arrive) and aborts the process at the rendezvous timeout.
             in_flight.popleft().block_until_ready()
         params, opt_state, loss = sft_step(params, opt_state, *batch)
         in_flight.append(loss)

@@ -192,6 +192,21 @@ def blocks(level):
     return [part for mb in minibatches for part in np.asarray(batching.split_rows(mb, N_MICRO))]
 
 
+def _one_program(settings, with_logp):
+    """`step_math.m2po_block` on `layout()`'s 8 devices as one jitted program, waited for
+    by the caller: XLA:CPU deadlocks in an all-reduce, now and then, when many eager
+    8-device programs are in flight at once (7 of 8 participants arrive; the process
+    aborts at the rendezvous' terminate timeout), which eager ops on sharded arrays do."""
+
+    def block(behav, prox, logp, adv, loss_mask):
+        logp = logp if with_logp else None
+        return step_math.m2po_block(
+            settings, behav, prox, loss_mask, adv, logp=logp, layout=layout()
+        )
+
+    return jax.jit(block)
+
+
 @pytest.mark.parametrize("index", range(len(COMBOS)), ids=lambda i: "-".join(COMBOS[i]))
 def test_every_combination_is_refused_or_matches_the_reference(index):
     scope, stop_rule, candidates, second_moment = combo = COMBOS[index]
@@ -221,12 +236,10 @@ def test_every_combination_is_refused_or_matches_the_reference(index):
     )
     got_parts, ref = [], {"mask": [], "part": [], "m2": [], "valid": []}
     settings = ActorSettings.build(actor)
+    block = _one_program(settings, with_logp=level != "batch")  # prepare has no current logp
     for rows in blocks(level):
         arrays = tuple(x[rows] for x in (behav, prox, logp, adv, loss_mask))
-        block_logp = None if level == "batch" else arrays[2]  # prepare has no current logp
-        mask, parts = step_math.m2po_block(
-            settings, *arrays[:2], arrays[4], arrays[3], logp=block_logp, layout=layout()
-        )
+        mask, parts = jax.device_get(block(*arrays))
         sm, cand, rule = ref_options
         want, part, m2 = ref_block(arrays, tau, scope, rule, cand, sm)
         np.testing.assert_array_equal(np.asarray(mask), want, err_msg=f"{combo} rows {rows}")
@@ -254,7 +267,9 @@ def test_m2po_off_reports_the_unmasked_second_moment_on_every_scope(scope):
     assert step_plan.m2po_level(actor) == "batch"
     behav, prox, logp, adv, loss_mask = data()
     settings = ActorSettings.build(actor)
-    mask, parts = step_math.m2po_block(settings, behav, prox, loss_mask, adv, layout=layout())
+    mask, parts = jax.device_get(
+        _one_program(settings, with_logp=False)(behav, prox, logp, adv, loss_mask)
+    )
     np.testing.assert_array_equal(mask, loss_mask)
     want, part, m2 = ref_block(data(), None, scope, "lt", "all", "behav_prox")
     stats = masking_stats_lib.finalize_stats(parts)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from m2po_jax.common.workers import call_all
+from m2po_jax.common.workers import WorkerPool, call_all
 
 
 def test_each_call_has_its_whole_timeout_from_its_own_start():
@@ -58,3 +58,35 @@ def test_an_exception_of_a_call_is_raised_to_the_caller():
 
     with pytest.raises(KeyError, match="boom"):
         call_all(fn, [1, 2, 3], workers=2, timeout_s=1.0)
+
+
+def _threads(prefix):
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def _ended(prefix, within=2.0):
+    end = time.monotonic() + within
+    while _threads(prefix) and time.monotonic() < end:
+        time.sleep(0.01)
+    return not _threads(prefix)
+
+
+def test_a_pool_holds_threads_only_between_its_first_call_and_its_shutdown_then_serves_again():
+    """No thread before the first call; `shutdown` ends them all (the owner's runs leave
+    none behind); a call after it starts fresh ones; a call abandoned before a shutdown
+    gets no replacement after it (the pool would otherwise keep one thread too many)."""
+    pool = WorkerPool(3, "m2po-test-life")
+    assert _threads("m2po-test-life") == []
+    assert pool.wait(pool.submit(lambda: 7), 1.0) == 7
+    assert len(_threads("m2po-test-life")) == 3
+    pool.shutdown()
+    assert _ended("m2po-test-life")
+    assert pool.wait(pool.submit(lambda: 8), 1.0) == 8  # served again, by fresh threads
+    assert len(_threads("m2po-test-life")) == 3
+    release = threading.Event()
+    hung = pool.submit(release.wait, 5.0)
+    hung.started.wait(1.0)
+    pool.shutdown()
+    assert pool.abandon(hung) and pool.stuck == 1
+    release.set()
+    assert _ended("m2po-test-life")  # the idle ones at the shutdown, the hung one after it

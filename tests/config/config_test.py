@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import ml_collections
@@ -735,8 +736,15 @@ def test_the_agent_is_built_with_its_settings_from_the_config():
         assert env.pool is agent.env_factory().pool  # one pool shared by the episodes
         assert (agent.step_timeout_s, agent.long_prompts) == (7.0, "filter")
         assert (agent.mask_failed, agent.mask_truncated) == (False, True)
+        # The shared tool pool's threads end with the agent (a run closes it at its end).
+        assert env.pool.wait(env.pool.submit(lambda: "ran"), 5.0) == "ran"
+        threads = [t for t in threading.enumerate() if t.name.startswith(env.pool.name + "_")]
+        assert len(threads) == env.pool.workers
     finally:
         agent.close()
+    for thread in threads:
+        thread.join(5.0)
+        assert not thread.is_alive(), thread.name
     defaults = build()
     assert defaults.agent.mask_failed_episodes and not defaults.agent.mask_truncated_episodes
     assert defaults.agent.step_timeout_s > defaults.agent.tool_timeout_s

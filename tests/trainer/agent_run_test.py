@@ -3,6 +3,9 @@ trainer's log-probs are the engine's on every assistant token, async runs take w
 between turns and resume without losing or repeating an episode, and the demonstration
 learns to call its calculator."""
 
+import threading
+import time
+
 import numpy as np
 
 from m2po_jax import config as config_lib
@@ -29,6 +32,20 @@ class Echo(environments.Environment):
 ECHO = {"agent.env": "agent_run_test:Echo", "agent.max_turns": 3, "gconfig.max_new_tokens": 40}
 
 
+def run_leaves_no_threads(trainer, **kwargs):
+    """`trainer.run(**kwargs)`, then the agent's environment and tool threads and its event
+    loop that the run started have ended (a notebook's runs would otherwise pile them up)."""
+    before = set(threading.enumerate())
+    result = trainer.run(**kwargs)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("m2po-")]
+        if not left:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"threads the run left running: {sorted(left)}")
+
+
 def calculator_config(presets="calculator,tiny", **changes):
     c = arith.get_config(presets)
     c.logging.tensorboard = False
@@ -46,7 +63,7 @@ def test_on_policy_the_trainer_recomputes_the_engine_s_log_probs_on_assistant_to
         "grpo,calculator,tiny",
         **{"total_steps": 3, "rollout.batch_size": 8, "eval.every": 0, **ECHO},
     )
-    trainer_lib.Trainer(cfg, tmp_path).run()
+    run_leaves_no_threads(trainer_lib.Trainer(cfg, tmp_path))
     records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
@@ -76,8 +93,9 @@ def test_async_episodes_take_weights_between_turns_and_resume_without_a_lost_epi
             **ECHO,
         }
     )
-    assert trainer_lib.Trainer(cfg, tmp_path).run(stop_after=3).final_step == 3
-    assert trainer_lib.Trainer(cfg, tmp_path).run().final_step == 6
+    stopped = run_leaves_no_threads(trainer_lib.Trainer(cfg, tmp_path), stop_after=3)
+    assert stopped.final_step == 3
+    assert run_leaves_no_threads(trainer_lib.Trainer(cfg, tmp_path)).final_step == 6
     records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(6))
     for r in records:
@@ -117,7 +135,7 @@ def test_the_calculator_demonstration_learns_to_call_its_tool(tmp_path):
             "mesh.data": 1,
         },
     )
-    trainer_lib.Trainer(cfg, tmp_path).run()
+    run_leaves_no_threads(trainer_lib.Trainer(cfg, tmp_path))  # the tool pool's too
     records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")
     evals = [
         (r["step"], r["eval/accuracy"], r["eval/tool_calls_mean"])
