@@ -77,7 +77,7 @@ def test_on_policy_the_trainer_recomputes_the_engine_s_log_probs_on_assistant_to
 def test_async_episodes_take_weights_between_turns_and_resume_without_a_lost_episode(
     tmp_path,
 ):
-    """Async with in-flight updates (4 rollout + 4 train devices): stopped after 3 steps
+    """Async with in-flight updates (1 rollout + 1 train device): stopped after 3 steps
     with batches buffered and resumed to 6; every step trains the next batch's episodes
     once, no assistant token is staler than k."""
     k, prompts = 2, 8
@@ -90,6 +90,8 @@ def test_async_episodes_take_weights_between_turns_and_resume_without_a_lost_epi
             "rollout.chunk_steps": 2,
             "rollout.max_head_offpolicyness": k,
             "eval.every": 0,
+            "mesh.rollout_devices": 1,
+            "mesh.data": 1,
             **ECHO,
         }
     )
