@@ -24,7 +24,11 @@ RUNS = {
     "qwen3-8b": ("v5e:4x4", [], "the preset's own hardware, a v5e-16"),
     "math:qwen3-4b-base": ("v5e:4x4", [], "the paper's setup on its hardware, a v5e-16"),
     "math:qwen3-1.7b-base": ("v5e:2x4", [], "the paper's setup on its hardware, a v5e-8"),
-    "math:qwen3-30b-a3b-base": ("v5p:2x2x2", [], "Qwen3-30B-A3B, fsdp=4 x tensor=2, every expert on every chip, a v5p-8"),
+    "math:qwen3-30b-a3b-base": (
+        "v5p:2x2x2",
+        [],
+        "Qwen3-30B-A3B, fsdp=4 x tensor=2, every expert on every chip, a v5p-8",
+    ),
     "qwen2.5-7b": (
         "v5p:2x2x2",
         ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"],
