@@ -21,8 +21,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # M2PO_TEST_XLA_FLAGS to them.
 # XLA:CPU ends the process when a collective's participants have not all arrived within
 # 40 s; the 8 fake devices' threads of a sharded test on a 2-core host loaded by the other
-# xdist worker (and anything else the machine runs) can take longer than that, so the tests
-# give them 300 s (a whole-suite run once aborted in a shard_map test this way).
+# xdist worker (and anything else the machine runs) may take longer than that, so the tests
+# give them 300 s. The whole-suite aborts seen in shard tests were not slowness but a
+# deadlock (7 of 8 participants waiting for good, with many eager 8-device programs in
+# flight: docs/contributing.md, "The suite's time"); such a worker aborts after the 300 s.
 os.environ["M2PO_TEST_XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
     "--xla_cpu_collective_call_terminate_timeout_seconds=300"
