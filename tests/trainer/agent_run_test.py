@@ -61,7 +61,7 @@ def test_on_policy_the_trainer_recomputes_the_engine_s_log_probs_on_assistant_to
     disagreed with a forward over the row, would not be)."""
     cfg = calculator_config(
         "grpo,calculator,tiny",
-        **{"total_steps": 3, "rollout.batch_size": 8, "eval.every": 0, **ECHO},
+        **{"total_steps": 3, "rollout.batch_size": 8, "eval.every": 0, "mesh.data": 1, **ECHO},
     )
     run_leaves_no_threads(trainer_lib.Trainer(cfg, tmp_path))
     records = metrics_lib.read_metrics(tmp_path / "metrics.jsonl")

@@ -115,7 +115,10 @@ def test_a_worker_exception_stops_the_run_with_its_traceback_and_a_checkpoint(
         "rollout.inflight_updates": True,
         "rollout.chunk_steps": 1,
     }
-    cfg = async_config(**{"total_steps": 4, "rollout.max_head_offpolicyness": 0, **engine})
+    one_each = {"mesh.rollout_devices": 1, "mesh.data": 1}  # the split is not what is tested
+    cfg = async_config(
+        **{"total_steps": 4, "rollout.max_head_offpolicyness": 0, **engine, **one_each}
+    )
     trainer = trainer_lib.Trainer(cfg, tmp_path)
     with pytest.raises(worker_lib.RolloutWorkerError) as info:
         trainer.run()
@@ -193,6 +196,8 @@ def test_each_async_rollout_field_reaches_the_worker(tmp_path, monkeypatch):
             "rollout.reward_workers": 2,
             "rollout.reward_timeout_s": 1.0,
             "task.reward_fn": f"{__name__}:slow_first_reward",
+            "mesh.rollout_devices": 1,
+            "mesh.data": 1,
         }
     )
     trainer = trainer_lib.Trainer(cfg, tmp_path)
@@ -219,7 +224,8 @@ def test_a_stalled_worker_ends_the_run_after_worker_timeout_s(tmp_path, monkeypa
         return real(self, index, version, params)
 
     monkeypatch.setattr(async_rollouts.AsyncRollouts, "generate", stalls_at_batch_0)
-    cfg = async_config(**{"total_steps": 3, "rollout.worker_timeout_s": 1.5})
+    one_each = {"mesh.rollout_devices": 1, "mesh.data": 1}
+    cfg = async_config(**{"total_steps": 3, "rollout.worker_timeout_s": 1.5, **one_each})
     trainer = trainer_lib.Trainer(cfg, tmp_path)
     try:
         with pytest.raises(
