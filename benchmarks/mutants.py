@@ -1101,6 +1101,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "closing the agent leaves the shared tool pool's threads running",
     ),
     Mutant(
+        "agent-loop-check-unlocked",
+        "m2po_jax/rollout/episodes.py",
+        "        with self._loop_lock:\n            if self._loop is None:\n"
+        "                self._loop = env_lib.EnvLoop()\n            return self._loop\n",
+        "        if self._loop is None:\n            self._loop = env_lib.EnvLoop()\n"
+        "        return self._loop\n",
+        (T("tests/rollout/episodes_test.py", "one_event_loop"),),
+        "two threads that reach the agent's loop first both start one: one is left running",
+    ),
+    Mutant(
         "trainer-never-closes-the-agent",
         "m2po_jax/trainer/loop.py",
         "                    stack.callback(self.setup.agent.close)\n",

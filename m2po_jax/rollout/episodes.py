@@ -261,14 +261,16 @@ class Agent:
         self.pool = env_lib.WorkerPool(max(int(workers), 1), "m2po-env")
         self.pools = tuple(pools)
         self._loop: env_lib.EnvLoop | None = None
+        self._loop_lock = threading.Lock()  # the rollout worker and an evaluation may race
         self._warned_long = False
 
     @property
     def loop(self) -> env_lib.EnvLoop:
         """The event loop of the environments' async methods (started on first use)."""
-        if self._loop is None:
-            self._loop = env_lib.EnvLoop()
-        return self._loop
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = env_lib.EnvLoop()
+            return self._loop
 
     def masked(self, status: str) -> bool:
         """Whether an episode that ended with `status` is out of the loss."""
@@ -282,9 +284,10 @@ class Agent:
         self.pool.shutdown()
         for pool in self.pools:
             pool.shutdown()
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        with self._loop_lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
 
 class _StepTimeout(Exception):

@@ -719,3 +719,36 @@ def test_async_environments_share_one_loop_and_overlap():
     assert sampled.episodes.status_B == ("done",) * 8
     np.testing.assert_array_equal(sampled.episodes.env_reward_B, 1.0)
     assert elapsed < 8 * 0.3 / 2, elapsed
+
+
+def test_the_agent_starts_one_event_loop_however_many_threads_ask_first(monkeypatch):
+    """The loop starts on first use, and two threads that ask at once (the async rollout
+    worker, an evaluation on the main thread) get the same one: no loop left behind
+    running. The loop's start is slowed to widen the race an unlocked check would lose."""
+    import threading
+
+    made = []
+
+    class SlowLoop(environments.EnvLoop):
+        def __init__(self):
+            time.sleep(0.2)
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(environments, "EnvLoop", SlowLoop)
+    agent = episodes_lib.Agent(environments.Environment, TASK.chat_format())
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(agent.loop)) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(5.0)
+        assert len(made) == 1 and got == [made[0], made[0]]
+    finally:
+        agent.close()
+        for loop in made:
+            loop.close()
+    assert all(loop.loop.is_closed() for loop in made)
+    assert agent.loop is not made[0]  # closed: the next use starts a fresh loop
+    agent.close()
