@@ -1038,6 +1038,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "a signal to one process of a run: the others exit with SIGTERM's code, not its own",
     ),
     Mutant(
+        "stopping-no-notifier-stops-alone",
+        "m2po_jax/trainer/stopping.py",
+        "        wanted = multihost_utils.process_allgather(np.int32(self.requested is not None))\n"
+        "        return bool(np.any(wanted))\n",
+        "        return self.requested is not None\n",
+        (T("tests/parallel/distributed_test.py", "without_the_preemption_notifier"),),
+        "without the runtime's preemption notifier each process checks only its own request: "
+        "the signalled one stops alone, the others need a signal each (issue 65, item 3)",
+    ),
+    Mutant(
         "peer-watch-leaving-ignored",
         "m2po_jax/parallel/distributed.py",
         "            missing = [i for i in ids if i not in live and not _left(state.client, i)]",

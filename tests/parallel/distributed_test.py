@@ -1,7 +1,9 @@
-"""Multi-host helpers: one process starts nothing; two processes build one global batch."""
+"""Multi-host helpers: one process starts nothing; two processes build one global batch (and
+agree on a stop without the runtime's preemption notifier)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,11 +71,15 @@ def test_initialize_distributed_single_process(monkeypatch):
 
 _WORKER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, signal, sys
     import numpy as np
     import jax
+    from jax.experimental import multihost_utils
     from m2po_jax import distributed, sharding
+    from m2po_jax.trainer import stopping
     pid, port = int(sys.argv[1]), sys.argv[2]
+    # No preemption service, so no notifier: the stop is agreed on by a collective per step.
+    jax.config.update("jax_enable_preemption_service", False)
     assert distributed.initialize_distributed(f"localhost:{port}", 2, pid)
     assert distributed.initialize_distributed()  # idempotent
     mesh = sharding.make_mesh({"data": 2, "fsdp": -1})
@@ -81,15 +87,37 @@ _WORKER = textwrap.dedent(
     full = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     batch = distributed.global_batch_from_local({"x": full[rows]}, mesh, global_batch=8)
     total = jax.jit(lambda b: b["x"].sum(), out_shardings=sharding.replicated(mesh))(batch)
+    try:
+        multihost_utils.reached_preemption_sync_point(0)
+        notifier = True
+    except RuntimeError:  # "Preemption sync manager has not been initialized"
+        notifier = False
+    stop, stop_at = stopping.RunStop(), None
+    with stop.signals():
+        for step in range(6):
+            if pid == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # process 1 only
+            if stop.agreed():
+                stop_at = step
+                break
     print(json.dumps({"pid": pid, "rows": [rows.start, rows.stop],
                       "shape": list(batch["x"].shape), "total": float(total),
-                      "devices": jax.device_count()}))
+                      "devices": jax.device_count(), "notifier": notifier,
+                      "stop_at": stop_at, "stop_signal": stop.signal}))
+    distributed.leaving()
     """
 )
 
 
-def test_two_process_global_batch(tmp_path):
-    """Two CPU processes (2 devices each) build one global batch over gloo."""
+def test_two_process_global_batch_and_a_stop_without_the_preemption_notifier(tmp_path):
+    """Two CPU processes (2 devices each) build one global batch over gloo. Then, with no
+    preemption service (so no runtime notifier to tell the other process), a SIGINT to
+    process 1 alone stops both at the step it arrived before (`RunStop.agreed`'s
+    collective), and both exit with process 1's signal. A process that checked only its
+    own request would stop process 1 alone (in a run, process 0 would go on into
+    collectives its peer never joins). The stop's whole-run test, on the notifier's path
+    and with the resume, is in tests/parallel/parallel_test.py; this one shares the two
+    processes above (about a CPU-second more)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -127,6 +155,9 @@ def test_two_process_global_batch(tmp_path):
     assert [r["rows"] for r in results] == [[0, 4], [4, 8]]
     for r in results:
         assert r["devices"] == 4 and r["shape"] == [8, 3] and r["total"] == total
+    assert [(r["notifier"], r["stop_at"], r["stop_signal"]) for r in results] == [
+        (False, 2, signal.SIGINT)
+    ] * 2
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-5"])
