@@ -471,6 +471,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a streamed batch is handed on when its first sequence ends, not its last",
     ),
     Mutant(
+        "worker-pause-before-scored",
+        "m2po_jax/rollout/worker.py",
+        "                if self._drained():\n                    self._idle.set()\n",
+        "                self._idle.set()\n",
+        (T("tests/rollout/worker_test.py", "pause"),),
+        "pause returns while the scorer still scores the last batch made: the checkpoint's "
+        "buffer lacks it, its next index counts it (a resumed run never trains those prompts)",
+    ),
+    Mutant(
         "worker-stream-failure-discards-one-batch",
         "m2po_jax/rollout/worker.py",
         'self.admission.discard((count - done) * self.batch_size, "worker error")',
@@ -1048,6 +1057,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "the signalled one stops alone, the others need a signal each (issue 65, item 3)",
     ),
     Mutant(
+        "stopping-handlers-not-restored",
+        "m2po_jax/trainer/stopping.py",
+        "signal.signal(sig, python_handler if python_handler is not None else signal.SIG_DFL)",
+        "signal.signal(sig, signal.SIG_DFL)",
+        (T("tests/trainer/stopping_test.py", "restores"),),
+        "a run leaves SIGTERM / SIGINT at the default: after Trainer.run in a notebook or a "
+        "host program, Ctrl-C kills it (no KeyboardInterrupt) and its own handlers are gone",
+    ),
+    Mutant(
         "peer-watch-leaving-ignored",
         "m2po_jax/parallel/distributed.py",
         "            missing = [i for i in ids if i not in live and not _left(state.client, i)]",
@@ -1101,6 +1119,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         (T("tests/common/workers_test.py", "holds_threads"),),
         "shutdown forgets its threads without ending them: each run leaves its pool's idle",
+    ),
+    Mutant(
+        "pool-abandoned-thread-rejoins",
+        "m2po_jax/common/workers.py",
+        "            with self._lock:\n"
+        "                if job.abandoned:  # replaced already: this thread leaves the pool\n"
+        "                    return\n",
+        "",
+        (T("tests/common/workers_test.py", "leaves_the_pool"),),
+        "a timed-out call's thread, replaced already, comes back to serve when its call "
+        "returns: the pool grows by a thread per timeout, and a shutdown leaves them running",
     ),
     Mutant(
         "agent-close-leaves-the-tool-pool",

@@ -90,3 +90,23 @@ def test_a_pool_holds_threads_only_between_its_first_call_and_its_shutdown_then_
     assert pool.abandon(hung) and pool.stuck == 1
     release.set()
     assert _ended("m2po-test-life")  # the idle ones at the shutdown, the hung one after it
+
+
+def test_a_timed_out_call_leaves_the_pool_with_its_thread_when_it_returns():
+    """A call past its timeout gets a fresh thread in its place; when the call returns at
+    last, its thread ends instead of serving again (the pool keeps `workers` threads, and
+    a shutdown ends them all)."""
+    pool = WorkerPool(1, "m2po-test-leave")
+    release = threading.Event()
+    hung = pool.submit(release.wait, 5.0)
+    with pytest.raises(TimeoutError, match="ran past"):
+        pool.wait(hung, 0.05)
+    assert pool.wait(pool.submit(lambda: 3), 1.0) == 3  # the replacement serves
+    assert len(_threads("m2po-test-leave")) == 2 and pool.stuck == 1
+    release.set()
+    end = time.monotonic() + 2.0
+    while pool.stuck and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pool.stuck == 0 and len(_threads("m2po-test-leave")) == 1
+    pool.shutdown()
+    assert _ended("m2po-test-leave")

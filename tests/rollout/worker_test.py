@@ -118,6 +118,8 @@ def test_a_stuck_worker_is_named_after_the_timeout():
 
 
 def test_pause_lets_the_batch_in_flight_finish_and_holds_the_worker():
+    """A pause waits for the batch being generated and then for its scoring: what a
+    checkpoint stores then holds every batch before the worker's next index."""
     started = threading.Event()
     release = threading.Event()
 
@@ -127,7 +129,12 @@ def test_pause_lets_the_batch_in_flight_finish_and_holds_the_worker():
             release.wait(30)
         return fake_batch(index, version, params)
 
-    worker, weights, buffer, _ = make_worker(5, slow, end=4)
+    def slow_score_of_batch_1(batch):
+        if int(batch.group_id_B[0]) == B:
+            time.sleep(0.2)  # still being scored when the worker could first hold
+        return batch
+
+    worker, weights, buffer, _ = make_worker(5, slow, end=4, score=slow_score_of_batch_1)
     worker.start()
     assert started.wait(10)
     pausing = threading.Thread(target=worker.pause, args=(10,))
