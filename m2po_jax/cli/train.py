@@ -257,11 +257,12 @@ def main(argv) -> None:
             distributed.wait_if_peer_lost(distributed.heartbeat_timeout_s() + 15)
         raise
     distributed.leaving()  # every process ends here together: no lost peer
-    _print_result(result)
+    _print_result(result, cfg.actor.m2_threshold)
 
 
-def _print_result(result) -> None:
-    """What the run did, in two lines; exits 128 + the signal when it was interrupted."""
+def _print_result(result, tau: float | None = None) -> None:
+    """What the run did: where it stopped, the held-out accuracy by step and what the M2PO
+    mask did; exits 128 + the signal when it was interrupted."""
     metrics_file = result.workdir / "metrics.jsonl"
     if result.already_finished:
         print(
@@ -277,6 +278,8 @@ def _print_result(result) -> None:
         steps = ", ".join(f"{s}: {a:.3f}" for s, a in accuracy)
         scored = f" (scored by {result.scored_by})" if result.scored_by else ""
         print(f"m2po-train: held-out accuracy by step: {steps}{scored}")
+    for line in _mask_summary(metrics_file, tau):
+        print(f"m2po-train: {line}")
     if result.interrupted:
         sys.stdout.flush()
         sys.exit(128 + (result.signal or 15))
@@ -285,6 +288,17 @@ def _print_result(result) -> None:
 def _collective_failure(error: BaseException) -> bool:
     text = f"{type(error).__name__} {error}".lower()
     return any(w in text for w in ("gloo", "connection", "peer", "unavailable", "collective"))
+
+
+def _mask_summary(metrics_file, tau: float | None) -> list[str]:
+    """The closing lines on the M2PO mask, over every step of the workdir's run."""
+    from m2po_jax.run import metrics as metrics_lib
+
+    try:
+        rows = metrics_lib.read_metrics(metrics_file)
+    except (OSError, ValueError):
+        return []
+    return metrics_lib.mask_summary(rows, tau)
 
 
 def _accuracy_by_step(metrics_file, this_run: list) -> list[tuple[int, float]]:

@@ -247,6 +247,57 @@ def say(message: str) -> None:
     _log.info(message)
 
 
+# The study whose figure shows a mask holding a stale run near on-policy (README, "The
+# default run"): the final paper's rule at 256 updates stale, against stale GRPO.
+STALE_STUDY_COMMAND = (
+    "m2po-study --staleness=256 --methods=grpo,stale_grpo,m2po,paper_final --lrs=3e-4 "
+    "--seeds=0,1,2 --steps=150 --config.rollout.batch_size=32"
+)
+
+
+def mask_summary(rows: list[dict], tau: float | None, phases: int = 3) -> list[str]:
+    """What the M2PO mask did over a run, for its closing lines: the share of the trained
+    tokens it masked, and the mean m2 before and after it against tau in each of `phases`
+    equal spans of the steps; and, when it dropped almost nothing because m2 stayed below
+    tau, that the rollouts were not stale enough and which run shows it at work. [] when
+    no step recorded the mask (M2PO off, no RL step).
+
+    Args:
+      rows: `read_metrics` rows (one per step; those without "m2po/m2_before" skipped).
+      tau: `actor.m2_threshold` of the run.
+      phases: how many spans of steps to report.
+    """
+    steps = [r for r in rows if is_number(r.get("m2po/m2_before")) and is_number(r.get("step"))]
+    if tau is None or not steps:
+        return []
+    steps.sort(key=lambda r: r["step"])
+    masked = sum(float(r.get("m2po/masked_tokens") or 0) for r in steps)
+    tokens = sum(float(r.get("train/tokens") or 0) for r in steps)
+    share = masked / tokens if tokens else 0.0
+    by_phase = []
+    for span in np.array_split(np.arange(len(steps)), min(phases, len(steps))):
+        part = [steps[i] for i in span]
+        before = np.mean([r["m2po/m2_before"] for r in part])
+        after = np.mean([r.get("m2po/m2_after", r["m2po/m2_before"]) for r in part])
+        by_phase.append(f"steps {part[0]['step']}-{part[-1]['step']} {before:.4f} -> {after:.4f}")
+    acted = sum(1 for r in steps if float(r.get("m2po/masked_tokens") or 0) > 0)
+    lines = [
+        f"the M2PO mask (tau={tau:g}) masked {100 * share:.2f}% of the trained tokens "
+        f"({int(masked):,} of {int(tokens):,}) and acted on {acted} of {len(steps)} steps; "
+        "mean m2 before -> after it: " + ", ".join(by_phase)
+    ]
+    below = sum(1 for r in steps if r["m2po/m2_before"] < tau)
+    if share < 1e-3 and below >= 0.9 * len(steps):
+        stale = np.mean([float(r.get("staleness/mean") or 0.0) for r in steps])
+        lines.append(
+            f"m2 was below tau before the mask on {below} of {len(steps)} steps: rollouts "
+            f"{stale:.1f} updates stale on average are not stale enough here for it to act; "
+            f"`{STALE_STUDY_COMMAND}` shows masking at work on 256-update-stale rollouts "
+            "(docs/stale_study.md)"
+        )
+    return lines
+
+
 class ProgressBar:
     """A tqdm bar showing the step, reward/mean, the latest eval/accuracy and the mask rate.
 

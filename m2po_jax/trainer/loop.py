@@ -344,11 +344,6 @@ class Trainer:
                         resume_step=start if resumed else 0,
                     )
                 )
-                progress = stack.enter_context(
-                    metrics_lib.ProgressBar(
-                        cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
-                    )
-                )
                 stack.enter_context(self.stop.signals(self._where_saved))
                 if self.setup.rewards is not None:  # its worker processes end with the run
                     stack.callback(self.setup.rewards.close)
@@ -359,6 +354,12 @@ class Trainer:
                 end = cfg.total_steps if stop_after is None else start + stop_after
                 end = min(end, cfg.total_steps)
                 if not interrupted:
+                    # opened after the warm-up, whose lines are its own (no bar at 0/N)
+                    progress = stack.enter_context(
+                        metrics_lib.ProgressBar(
+                            cfg.total_steps, initial=start, enabled=cfg.logging.progress and primary
+                        )
+                    )
                     if cfg.rollout.mode == "async":
                         stack.push(self._stop_async)
                         self._start_async()

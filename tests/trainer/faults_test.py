@@ -139,6 +139,9 @@ def test_sigterm_exits_143_after_its_checkpoint_and_the_same_command_resumes(tmp
     line = next(x for x in resumed.stdout.splitlines() if "held-out accuracy by step" in x)
     assert [int(part.split(":")[0]) for part in line.split("step: ")[1].split(", ")] == evaluated
     assert evaluated[0] == 0
+    # What the mask did, over the steps before the resume too
+    mask = next(x for x in resumed.stdout.splitlines() if "the M2PO mask (tau=" in x)
+    assert mask.startswith("m2po-train: ") and " of 4 steps; mean m2 before -> after" in mask
     again = _child(tmp_path)
     assert again.returncode == 0, again.stderr[-500:]
     assert "finished at step 4 already; nothing to do" in again.stdout

@@ -196,6 +196,43 @@ def test_progress_bar_shows_metrics(capsys):
     assert capsys.readouterr().err == ""
 
 
+def _mask_rows(m2_before, masked, tokens=100, stale=4.0):
+    return [
+        {
+            "step": i,
+            "m2po/m2_before": b,
+            "m2po/m2_after": b if m == 0 else b / 2,
+            "m2po/masked_tokens": m,
+            "train/tokens": tokens,
+            "staleness/mean": stale,
+        }
+        for i, (b, m) in enumerate(zip(m2_before, masked, strict=True))
+    ]
+
+
+def test_the_mask_summary_says_what_the_mask_did_by_phase():
+    # 6 steps in 3 phases of 2; steps 4 and 5 masked 10 and 30 of their 100 tokens
+    rows = _mask_rows([0.01, 0.03, 0.02, 0.04, 0.2, 0.6], [0, 0, 0, 0, 10, 30])
+    rows.insert(2, {"step": 99, "eval/accuracy": 0.5})  # a row without the mask: skipped
+    (line,) = M.mask_summary(rows, tau=0.04)
+    assert "tau=0.04" in line and "masked 6.67% of the trained tokens (40 of 600)" in line
+    assert "acted on 2 of 6 steps" in line
+    # phase means of m2 before -> after (after = before / 2 on the masked steps)
+    want = "steps 0-1 0.0200 -> 0.0200, steps 2-3 0.0300 -> 0.0300, steps 4-5 0.4000 -> 0.2000"
+    assert want in line
+    assert M.mask_summary(rows, tau=None) == [] and M.mask_summary([{"step": 0}], 0.04) == []
+
+
+def test_the_mask_summary_says_why_a_mask_that_dropped_nothing_did_so():
+    idle = M.mask_summary(_mask_rows([0.01] * 9 + [0.05], [0] * 10, stale=4.0), tau=0.04)
+    assert len(idle) == 2 and "masked 0.00%" in idle[0]
+    assert "below tau before the mask on 9 of 10 steps" in idle[1]
+    assert "4.0 updates stale" in idle[1] and M.STALE_STUDY_COMMAND in idle[1]
+    # above tau on most steps but nothing masked (another rule): no staleness excuse
+    busy = M.mask_summary(_mask_rows([0.05] * 10, [0] * 10), tau=0.04)
+    assert len(busy) == 1
+
+
 def _synthetic_run(path, steps=40, collapse=False):
     rng = np.random.default_rng(0)
     with open(path, "w") as f:

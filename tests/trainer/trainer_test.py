@@ -131,9 +131,15 @@ def test_sigterm_in_the_warmup_stops_after_that_warmup_step_and_the_resume_conti
         return real_batch(run, start, count)
 
     monkeypatch.setattr(sft, "sft_batch", batch_then_sigterm)
+    bars = []  # warm-up batches made when the RL progress bar opened: after the warm-up only
+    real_bar = metrics_lib.ProgressBar
+    monkeypatch.setattr(
+        metrics_lib, "ProgressBar", lambda *a, **k: bars.append(len(calls)) or real_bar(*a, **k)
+    )
     first = trainer_lib.Trainer(cfg, tmp_path)
     result = first.run()
     assert result.interrupted and result.signal == signal.SIGTERM and result.final_step == 0
+    assert bars == []  # stopped in the warm-up: no RL bar was drawn under its lines
     assert len(calls) == 2 and first.sft_steps == 2
     assert first.checkpointer.all_steps() == [0]
     assert first.checkpointer.meta(0)["warmup_unfinished"] is True
@@ -144,6 +150,7 @@ def test_sigterm_in_the_warmup_stops_after_that_warmup_step_and_the_resume_conti
     result = resumed.run()
     assert not result.interrupted and result.final_step == 4
     assert calls == [2 * cfg.sft.batch_size, 3 * cfg.sft.batch_size]  # steps 3 and 4 only
+    assert bars == [2]  # the bar opened once, after both warm-up steps
     assert resumed.sft_steps == straight.sft_steps and resumed.sft_log == straight.sft_log
     assert strip_times(read(tmp_path)) == strip_times(read(straight_dir))
     for a, b in zip(
