@@ -11,6 +11,8 @@ torch's default ("thr"). Times are medians in ms; "agree" compares the masks.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import time
 
 import jax
@@ -103,12 +105,50 @@ def time_one_size(num_tokens: int, reps: int) -> dict:
     return row
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_setup() -> list[str]:
+    """What the machine and libraries bring to the times: the CPU, the cores this process
+    may use, the thread settings in the environment, torch's parallel backend and BLAS,
+    and XLA's flags, so a reader can tell the machine's share of a ratio from the method's."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    env = {k: os.environ[k] for k in threads if k in os.environ}
+    info = torch.__config__.parallel_info().splitlines()
+    backend = next((x.split(":", 1)[1].strip() for x in info if "parallel backend" in x), "?")
+    built = torch.__config__.show()
+    blas = built.split("BLAS_INFO=", 1)[1].split(",", 1)[0] if "BLAS_INFO=" in built else "?"
+    return [
+        f"host: {_cpu_model()}, {cores} cores usable of {os.cpu_count()}; "
+        f"thread env {env or 'unset'}",
+        f"torch {torch.__version__}: {torch.get_num_threads()} intra-op threads, "
+        f"{torch.get_num_interop_threads()} inter-op, parallel backend {backend}, BLAS {blas}",
+        f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices), "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4096,16384,65536,262144,1048576")
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    for line in host_setup():
+        print(line)
+    print(
+        "inputs: [tokens / 1024, 1024] float32 (a flat [tokens] below 1024), 10% padding, "
+        "log-ratios 0.13 x Student-t(3)"
+    )
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"(default {torch.get_num_threads()} threads), tau={M2_THRESHOLD}, median of {args.reps} reps, ms"
