@@ -218,6 +218,7 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("task.prompt_template", "Solve it.", r"task.prompt_template: expected a '\{problem\}'"),
         ("task.name", "nope_pkg:Task", r"task.name 'nope_pkg:Task': module 'nope_pkg' not found"),
         ("rollout.reward_timeout_s", -1.0, r"rollout.reward_timeout_s=-1.0 is out of range"),
+        ("rollout.page_size", 0, r"rollout.page_size=0 is out of range; allowed \[1"),
         ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
         (
             "model.model_type",
