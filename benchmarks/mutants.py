@@ -1493,6 +1493,51 @@ MUTANTS: tuple[Mutant, ...] = (
         (T("tests/rollout/paged_engine_test.py", "slow_answer"),),
         "the paged engine applies answers only once every held turn is answered (blocking)",
     ),
+    # ---- config knobs: the paged engine's sizes (issue 65, items 6, 10, 11)
+    Mutant(
+        "knob-page-size-low-off-by-one",
+        "m2po_jax/common/config_schema.py",
+        '    page_size: int = knob(16, "paged: tokens per page (refused on another engine)", low=1)',
+        '    page_size: int = knob(16, "paged: tokens per page (refused on another engine)", low=0)',
+        (T("tests/config/config_test.py", "out_of_range_values"),),
+        "rollout.page_size=0 passes validation (a pool of empty pages)",
+    ),
+    Mutant(
+        "knob-page-size-default-changed",
+        "m2po_jax/common/config_schema.py",
+        '    page_size: int = knob(16, "paged: tokens per page (refused on another engine)", low=1)',
+        '    page_size: int = knob(32, "paged: tokens per page (refused on another engine)", low=1)',
+        (T("tests/trainer/engine_pool_test.py", "its_batch_fits"),),
+        "the default page size doubles: every default pool's pages and least pool change",
+    ),
+    Mutant(
+        "paged-from-config-drops-kv-pages",
+        "m2po_jax/rollout/engines/paged.py",
+        "            pages=rollout.kv_pages,\n",
+        "",
+        (T("tests/trainer/engine_pool_test.py", "its_batch_fits"),),
+        "rollout.kv_pages stops reaching the paged engine: it always takes its default pool",
+    ),
+    Mutant(
+        "setup-paged-sizes-unchecked",
+        "m2po_jax/trainer/setup.py",
+        "    check_engine_sizes(\n"
+        "        cfg, model_config, placement, rollout_placement, cfg.rollout.batch_size // processes\n"
+        "    )\n",
+        "",
+        (T("tests/trainer/engine_pool_test.py", "refused_at_setup"),),
+        "the run's setup no longer checks the paged sizes: a pool too small for a batch, or "
+        "slots / pages not dividing over the shards, fail in the warm-up's first evaluation",
+    ),
+    Mutant(
+        "compile-only-budget-from-the-rollouts-config",
+        "m2po_jax/trainer/compile_only.py",
+        "    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement, limit)",
+        "    engine = setup_lib.build_engine(cfg, rollout_config, decoding, sampler_placement, limit)",
+        (T("tests/trainer/engine_pool_test.py", "cheaper_rollout_weights"),),
+        "--compile_only sizes the rollouts' pool from the rollouts' weights (int8: the train "
+        "state counted at a quarter, a pool too large)",
+    ),
 )
 
 

@@ -127,7 +127,8 @@ class ModelSection:
     router_aux_loss_coef: float = knob(
         0.0,
         "a mixture of experts: weight of the load-balancing loss added to the training "
-        "loss (HF's name; Qwen3-MoE pretraining used 0.001, RL recipes turn it off)",
+        "loss (HF's name; Qwen3-MoE pretraining used 0.001, RL recipes turn it off); "
+        "refused on a dense model",
         low=0.0,
     )
     lora: LoraSection = section(
@@ -304,20 +305,29 @@ class RolloutSection:
         "static below, continuous for multi-turn episodes (agent.env)",
         choices=("auto", "continuous", "paged", "static"),
     )
-    engine_slots: int = knob(0, "continuous, paged: slots (0 = one per row it makes)", low=0)
+    engine_slots: int = knob(
+        0,
+        "continuous, paged: slots (0 = one per row it makes; paged: the total, dividing "
+        "over the batch shards); refused on the static engine",
+        low=0,
+    )
     insert_lanes: int = knob(
         0,
-        "continuous, paged: sequences started per step (0 = slots / 4)",
+        "continuous, paged: sequences started per step (0 = slots / 4); refused on the "
+        "static engine",
         low=0,
     )
     kv_pages: int = knob(
         0,
-        "paged: pages in the pool; 0 = every prompt and every slot's whole completion, at "
-        "most what the memory plan leaves of 90% of the device's memory (where it reports "
-        "it, or mesh.device_memory_gib)",
+        "paged: pages in the rollouts' pool (the evaluation's takes at least its batch's "
+        "prompts and one whole completion); 0 = every prompt and every slot's whole "
+        "completion, at most what the memory plan leaves of 90% of the device's memory "
+        "(where it reports it, or mesh.device_memory_gib). Refused at start-up below a "
+        "batch's prompts and one completion, not dividing over the batch shards, or on "
+        "another engine",
         low=0,
     )
-    page_size: int = knob(16, "paged: tokens per page", low=1)
+    page_size: int = knob(16, "paged: tokens per page (refused on another engine)", low=1)
     kv_dtype: str = knob(
         "",
         'the rollout engines\' KV cache (static, continuous, paged): "" (model.dtype) | '
@@ -327,20 +337,22 @@ class RolloutSection:
     )
     inflight_updates: bool = knob(
         False,
-        "async + continuous: between decode calls of `chunk_steps` steps, take newer "
-        "weights; sequences in flight go on under them and each token records its version",
+        "async + continuous or paged: between decode calls of `chunk_steps` steps, take "
+        "newer weights; sequences in flight go on under them and each token records its "
+        "version",
     )
     chunk_steps: int = knob(
         32,
-        "async + continuous with inflight_updates: decode steps per call (newer weights "
-        "are taken between calls)",
+        "continuous, paged: decode steps per call where the engine works between calls: "
+        "newer weights (async with inflight_updates), streamed batches (stream_batches > "
+        "1) and, on the paged engine, multi-turn episodes (the environment's answers)",
         low=1,
     )
     stream_batches: int = knob(
         1,
-        "async + continuous: batches the worker admits at once (each by the admission "
-        "rule) and generates through the same slots, each handed to training as soon as "
-        "it ends",
+        "async + continuous or paged: batches the worker admits at once (each by the "
+        "admission rule) and generates through the same slots, each handed to training as "
+        "soon as it ends",
         low=1,
     )
 
@@ -688,7 +700,8 @@ class MeshSection:
     expert_axis: str = knob(
         "",
         'a mixture of experts\' experts split over this axis ("" = every device holds every '
-        'expert; "fsdp" / "data": tokens exchanged over it instead of weights gathered)',
+        'expert; "fsdp" / "data": tokens exchanged over it instead of weights gathered); '
+        "refused on a dense model",
         choices=("", "data", "fsdp"),
     )
     rollout_devices: int = knob(
@@ -723,8 +736,8 @@ class Config:
         "Multi-turn tool use (m2po_jax/rollout/episodes.py): each rollout row is an "
         "episode whose assistant turns end at a stop token; the environment answers "
         "(tools run on the host) and its answer's tokens are appended to the live "
-        "sequence (never re-rendered); only the assistant's tokens are trained. Needs the "
-        "continuous engine (auto picks it).",
+        "sequence (never re-rendered); only the assistant's tokens are trained. Runs on "
+        "the continuous engine (auto picks it) or the paged one.",
     )
     actor: ActorSection = section(ActorSection)
     eval: EvalSection = section(EvalSection)

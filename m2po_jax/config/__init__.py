@@ -32,7 +32,7 @@ from m2po_jax.config.overrides import apply_dotted, apply_overrides, load_overri
 from m2po_jax.config.validate import (
     DERIVED,
     build_library_objects,
-    check_router_replay,
+    check_moe_settings,
     from_configdict,
     rollout_engine,
     rollout_weight_dtype,
@@ -65,7 +65,7 @@ __all__ = [
     "apply_dotted",
     "apply_overrides",
     "build_library_objects",
-    "check_router_replay",
+    "check_moe_settings",
     "from_configdict",
     "load_overrides",
     "rollout_engine",

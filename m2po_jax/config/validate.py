@@ -218,6 +218,33 @@ def _check_rollout(cfg: Config, engine: str) -> None:
             "rollout.inflight_updates=True needs rollout.mode=async and "
             f"rollout.engine=continuous or paged ({got})"
         )
+    _check_engine_fields(r, engine)
+
+
+# The rollout fields that size an engine, and the engines they size: set on another
+# engine they reach nothing.
+_ENGINE_FIELDS = {
+    "engine_slots": ("continuous", "paged"),
+    "insert_lanes": ("continuous", "paged"),
+    "kv_pages": ("paged",),
+    "page_size": ("paged",),
+}
+
+
+def _check_engine_fields(r, engine: str) -> None:
+    """Refuses an engine's size set (off its declared default) for a run on another
+    engine."""
+    defaults = {f.name: f.default for f in dataclasses.fields(r)}
+    for name, sized in _ENGINE_FIELDS.items():
+        value = getattr(r, name)
+        if engine in sized or value == defaults[name]:
+            continue
+        resolved = f" (rollout.engine=auto -> {engine}: by gconfig.max_new_tokens)"
+        raise ConfigError(
+            f"rollout.{name}={value} sizes the {' or '.join(sized)} engine; this run's "
+            f"engine is {engine}{resolved if r.engine == 'auto' else ''}: set "
+            f"rollout.engine={sized[-1]} or leave rollout.{name} at {defaults[name]}"
+        )
 
 
 def _check_batching(cfg: Config) -> None:
@@ -287,19 +314,33 @@ def _check_model(cfg: Config) -> None:
     _check_experts(cfg.model, families.family(cfg.model.model_type).mlp == "moe")
     if not cfg.model.path:  # a new model's family is known now; a checkpoint's at load (`setup`)
         moe = families.family(cfg.model.model_type).mlp == "moe"
-        check_router_replay(cfg, cfg.model.model_type, moe)
+        check_moe_settings(cfg, cfg.model.model_type, moe)
     for axis in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, axis)
         if value == 0 or value < -1:
             raise ConfigError(f"mesh.{axis}={value} must be a positive size or -1 (fill)")
 
 
-def check_router_replay(cfg, model_type: str, is_moe: bool) -> None:
-    """Refuses routing replay on a dense model (no router to replay)."""
-    if cfg.actor.router_replay != "off" and not is_moe:
+def check_moe_settings(cfg, model_type: str, is_moe: bool) -> None:
+    """Refuses the mixture-of-experts settings on a dense model, where they reach nothing:
+    routing replay (no router to replay), `mesh.expert_axis` (no experts to split),
+    `model.router_aux_loss_coef` (no router to balance)."""
+    if is_moe:
+        return
+    if cfg.actor.router_replay != "off":
         raise ConfigError(
             f"actor.router_replay={cfg.actor.router_replay}: {model_type} is a dense model "
             "(no router to replay); use off"
+        )
+    if cfg.mesh.expert_axis:
+        raise ConfigError(
+            f"mesh.expert_axis={cfg.mesh.expert_axis!r}: {model_type} is a dense model (no "
+            "experts to split); leave it ''"
+        )
+    if cfg.model.router_aux_loss_coef:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef}: {model_type} is a "
+            "dense model (no router to balance); leave it 0"
         )
 
 

@@ -502,6 +502,8 @@ def _placements(cfg: Config, model_config, devices: list):
             devices = devices[:size]  # as `Placement.from_shape`: a mesh on the first devices
         placement = placement_lib.Placement(sharding.make_mesh(mesh_shape, devices), model_config)
     setup_lib.check_rows(cfg, placement, rollout_placement)
+    prompts = _sampled_prompts(cfg, rollout_placement is not None, devices)
+    setup_lib.check_engine_sizes(cfg, model_config, placement, rollout_placement, prompts)
     return placement, rollout_placement
 
 
@@ -577,7 +579,7 @@ def _sampling_programs(cfg, model_config, rollout_config, placements, sample_par
     prompt_len = cfg.task.max_prompt_len
     rows = cfg.rollout.batch_size * cfg.gconfig.n_samples
     seq_len = prompt_len + cfg.gconfig.max_new_tokens
-    engine = setup_lib.build_engine(cfg, rollout_config, decoding, sampler_placement, limit)
+    engine = setup_lib.build_engine(cfg, model_config, decoding, sampler_placement, limit)
     max_append = cfg.agent.max_append_tokens if cfg.agent.env else 0
     started = [
         add(p)

@@ -86,6 +86,10 @@ def build(cfg: Config) -> RunSetup:
     else:
         placement = placement_lib.Placement.from_shape(mesh_shape, model_config)
     check_rows(cfg, placement, rollout_placement)
+    processes = jax.process_count() if rollout_placement is not None else 1
+    check_engine_sizes(
+        cfg, model_config, placement, rollout_placement, cfg.rollout.batch_size // processes
+    )
     decoding = sampling_config(cfg, task.tokenizer)
     return RunSetup(
         cfg=cfg,
@@ -97,9 +101,7 @@ def build(cfg: Config) -> RunSetup:
         sampling_config=decoding,
         memory_plan=check_memory(cfg, model_config, placement),
         rollout_placement=rollout_placement,
-        engine=build_engine(
-            cfg, rollout_model_config(cfg, model_config), decoding, rollout_placement or placement
-        ),
+        engine=build_engine(cfg, model_config, decoding, rollout_placement or placement),
         rewards=rewards_lib.RewardScorer(
             task, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
         ),
@@ -172,13 +174,18 @@ def build_engine(
     """The rollout engine of `rollout.engine` ("auto" resolved by the budget) with
     `decoding`, over `placement`'s batch shards, running the rollouts' weights
     (`rollout_model_config` of the trainer's `model_config`), or with `trained_weights`
-    (the evaluation) `model_config` itself; its KV takes what the memory plan leaves of
-    `limit` bytes per device (default `device_limit(cfg)`; `kv_budget`)."""
+    (the evaluation) `model_config` itself and its own pool (`eval_pool_pages`); its KV
+    takes what the memory plan leaves of `limit` bytes per device (default
+    `device_limit(cfg)`; `kv_budget`). `model_config` is the trainer's, never the
+    rollouts' (refused: the budget would count the train state at the rollouts' bytes)."""
     engine = engines.engine_class(config_lib.rollout_engine(cfg))
     limit = device_limit(cfg) if limit is None else limit
     budget = kv_budget(cfg, model_config, placement, limit)
     runs = model_config if trained_weights else rollout_model_config(cfg, model_config)
-    return engine.from_config(cfg.rollout, runs, decoding, placement.mesh, budget)
+    rollout = cfg.rollout
+    if trained_weights:
+        rollout = dataclasses.replace(rollout, kv_pages=eval_pool_pages(cfg, placement))
+    return engine.from_config(rollout, runs, decoding, placement.mesh, budget)
 
 
 def rollout_model_config(
@@ -225,12 +232,87 @@ def kv_budget(
     evaluation's trained config; a pool's pages take its engine's `cache_dtype`). Under async rollouts
     the plan is the train devices' (an upper bound on the rollout devices', which hold no
     train state)."""
+    _check_trained(cfg, model_config)
     if limit is None or cfg.rollout.kv_pages or config_lib.rollout_engine(cfg) != "paged":
         return 0
     shards = _engine_shards(placement.mesh)
     one_page = _page_bytes(cfg, model_config, placement)
     plan = _memory_plan(cfg, model_config, placement, pages=shards, eval_pages=shards)[0]
     return max(int(POOL_MEMORY_FRACTION * limit) - (plan.sampling - one_page), 1)
+
+
+def _check_trained(cfg: Config, model_config: model_config_lib.ModelConfig) -> None:
+    """Refuses the rollouts' model config (`rollout_model_config`: KV in `rollout.kv_dtype`,
+    weights in `rollout.weight_dtype`) where the trainer's is expected: a budget made from
+    it counts the train state at the rollouts' bytes (int8: a quarter) and oversizes the
+    pool."""
+    dtype = config_lib.rollout_weight_dtype(cfg)
+    converted = model_config.weight_quant or (dtype and model_config.param_dtype == dtype)
+    if model_config.kv_dtype or converted:
+        raise ValueError(
+            "setup: expected the trainer's model config, got the rollouts' "
+            f"(kv_dtype={model_config.kv_dtype!r}, weight_quant={model_config.weight_quant!r}, "
+            f"param_dtype={model_config.param_dtype!r}); pass the trained config: the "
+            "rollouts' is derived from it (`rollout_model_config`)"
+        )
+
+
+def least_pool_pages(cfg: Config, prompts: int, shards: int) -> int:
+    """The least pool the paged engine runs `prompts` prompts of `task.max_prompt_len`
+    tokens with, on `shards` batch shards: each shard's prompts' pages and one whole
+    completion (`PagedEngine.sizes`: one sequence at a time)."""
+    page = cfg.rollout.page_size
+    own = engines.own_pages(cfg.gconfig.max_new_tokens, page)
+    return shards * (prompts // shards * -(-cfg.task.max_prompt_len // page) + own)
+
+
+def eval_pool_pages(cfg: Config, placement: placement_lib.Placement) -> int:
+    """The evaluation's paged pool: `rollout.kv_pages` (sized for the rollouts; 0: its own
+    default), but at least the least pool of an evaluation batch (`eval.batch_size`
+    prompts, `least_pool_pages`): a pool set for fewer or shorter rollout prompts would
+    refuse the evaluation's. Multi-turn episodes run one pool over the whole mesh."""
+    pages = cfg.rollout.kv_pages
+    if not pages:
+        return 0
+    shards = 1 if cfg.agent.env else _engine_shards(placement.mesh)
+    return max(pages, least_pool_pages(cfg, cfg.eval.batch_size, shards))
+
+
+def check_engine_sizes(
+    cfg: Config,
+    model_config: model_config_lib.ModelConfig,
+    placement: placement_lib.Placement,
+    rollout_placement: placement_lib.Placement | None,
+    prompts: int,
+) -> None:
+    """The paged engines' sizes against the batches they run, before any program: the
+    rollouts' engine (on `rollout_placement`, else `placement`; `prompts` a call, each
+    process's share of `rollout.batch_size`, times `rollout.stream_batches` prefilled at
+    once) and the evaluation's (on `placement`, `eval.batch_size`): slots and pages divide
+    over the batch shards, and the rollouts' pool holds its prompts and one whole
+    completion (the evaluation's takes what its batch needs, `eval_pool_pages`). Raises
+    ValueError naming the field, in one line."""
+    if config_lib.rollout_engine(cfg) != "paged":
+        return
+    r, width, turns = cfg.rollout, cfg.task.max_prompt_len, bool(cfg.agent.env)
+    decoding = sampling.from_gconfig(cfg.gconfig)  # sizes only
+    evaluator = build_engine(cfg, model_config, decoding, placement, trained_weights=True)
+    evaluator.sizes(cfg.eval.batch_size, width, cfg.eval.n_samples, turns)  # divisibility
+    engine = build_engine(cfg, model_config, decoding, rollout_placement or placement)
+    size = engine.sizes(prompts * r.stream_batches, width, cfg.gconfig.n_samples, turns)
+    least = least_pool_pages(cfg, prompts * r.stream_batches, size["shards"])
+    if size["pages"] * size["shards"] >= least:
+        return
+    streamed = f" x rollout.stream_batches={r.stream_batches}" if r.stream_batches > 1 else ""
+    share = "" if prompts == r.batch_size else f" ({prompts} a process)"
+    shards = f", on each of {size['shards']} batch shards" if size["shards"] > 1 else ""
+    raise ValueError(
+        f"rollout.kv_pages={r.kv_pages}: the rollouts' pool must hold every prompt "
+        f"(rollout.batch_size={r.batch_size}{share}{streamed} of task.max_prompt_len={width} "
+        f"tokens, {size['prompt']} pages of rollout.page_size={r.page_size} each) and one "
+        f"whole completion (gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}: "
+        f"{size['own']} pages){shards}: at least {least}"
+    )
 
 
 def _page_bytes(cfg: Config, model_config, placement) -> int:
@@ -333,7 +415,7 @@ def build_model(cfg: Config, vocab_size: int):
             expert_axis=cfg.mesh.expert_axis,
             **lora_fields(m),
         )
-        config_lib.check_router_replay(cfg, model_config.model_type, model_config.is_moe)
+        config_lib.check_moe_settings(cfg, model_config.model_type, model_config.is_moe)
         return model_config, tokenizer_lib.load_tokenizer(m.path, model_config)
     fields = [f.name for f in dataclasses.fields(model_config_lib.ModelConfig)]
     with _named_as_in_the_config({name: f"model.{name}" for name in fields}):
@@ -445,7 +527,7 @@ def memory_plan(
     arguments it was made with (for `memory_check.remedies`); a paged engine's default pool
     as it sizes it within `limit` bytes per device (`kv_budget`; None: uncapped): the
     rollouts' in `rollout.kv_dtype`, the evaluation's in the compute dtype."""
-    pages = eval_pages = cfg.rollout.kv_pages
+    pages, eval_pages = cfg.rollout.kv_pages, eval_pool_pages(cfg, placement)
     rollout = rollout_model_config(cfg, model_config)
     if budget := kv_budget(cfg, model_config, placement, limit):
         cap = budget // _page_bytes(cfg, rollout, placement)

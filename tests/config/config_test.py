@@ -218,6 +218,7 @@ def test_unknown_key_names_itself_and_the_closest_valid_key():
         ("task.prompt_template", "Solve it.", r"task.prompt_template: expected a '\{problem\}'"),
         ("task.name", "nope_pkg:Task", r"task.name 'nope_pkg:Task': module 'nope_pkg' not found"),
         ("rollout.reward_timeout_s", -1.0, r"rollout.reward_timeout_s=-1.0 is out of range"),
+        ("rollout.page_size", 0, r"rollout.page_size=0 is out of range; allowed \[1"),
         ("model.model_type", "gpt2", r"model.model_type='gpt2' is not one of \['llama'"),
         (
             "model.model_type",
@@ -748,3 +749,122 @@ def test_the_agent_is_built_with_its_settings_from_the_config():
     defaults = build()
     assert defaults.agent.mask_failed_episodes and not defaults.agent.mask_truncated_episodes
     assert defaults.agent.step_timeout_s > defaults.agent.tool_timeout_s
+
+
+# A config field as an error message names it: `rollout.kv_pages`, `model.lora.rank`.
+_FIELD_IN_TEXT = r"\b({sections})\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+
+
+def _raised_texts(tree):
+    """(line, text) of every string literal (an f-string's literal parts joined, each
+    placeholder as "{}") in what a `raise` raises or a `check_*` call is given."""
+    import ast
+
+    def text(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(v) if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        return None
+
+    for node in ast.walk(tree):
+        where = None
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            where = node.exc
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")
+                                                    ).startswith("check_"):  # fmt: skip
+            where = node
+        if where is None:
+            continue
+        for sub in ast.walk(where):
+            found = text(sub)
+            if found:
+                yield sub.lineno, found
+
+
+def test_every_config_field_an_error_message_names_exists():
+    """Each `section.field` in a raised message (or a `check_*` call's name) of the
+    package is a field of `config_schema`: a message that names `rollout.paged.pages`
+    sends the user to a knob that does not exist."""
+    import ast
+    import re
+
+    from m2po_jax.common import knobs
+    from m2po_jax.common.config_schema import Config
+
+    paths = {path for path, _ in knobs.fields(Config)}
+    sections = sorted({path.split(".")[0] for path in paths if "." in path})
+    pattern = re.compile(_FIELD_IN_TEXT.format(sections="|".join(sections)))
+    wrong = set()
+    for source in sorted((REPO / "m2po_jax").rglob("*.py")):
+        tree = ast.parse(source.read_text())
+        for line, found in _raised_texts(tree):
+            for match in pattern.finditer(found):
+                dotted = match.group(0).rstrip(".")
+                # "model.path's", "task.eval_sets()": the longest prefix that is a field
+                parts = dotted.split(".")
+                if not any(".".join(parts[:n]) in paths for n in range(2, len(parts) + 1)):
+                    wrong.add(f"{source.relative_to(REPO)}:{line}: {dotted}")
+    assert not wrong, "messages name fields config_schema does not declare:\n" + "\n".join(
+        sorted(wrong)
+    )
+
+
+# A setting that reaches nothing in the run it configures: refused in one line, naming it.
+UNREACHED = [
+    ({"rollout.engine": "static", "rollout.kv_pages": 64}, r"^rollout\.kv_pages=64 sizes the paged engine; this run's engine is static"),
+    ({"rollout.engine": "continuous", "rollout.page_size": 8}, r"^rollout\.page_size=8 sizes the paged engine; this run's engine is continuous"),
+    ({"rollout.kv_pages": 64}, r"^rollout\.kv_pages=64 .* is static \(rollout\.engine=auto -> static"),
+    ({"rollout.engine": "static", "rollout.engine_slots": 4}, r"^rollout\.engine_slots=4 sizes the continuous or paged engine"),
+    ({"rollout.engine": "static", "rollout.insert_lanes": 2}, r"^rollout\.insert_lanes=2 sizes"),
+    ({"mesh.expert_axis": "fsdp"}, r"^mesh\.expert_axis='fsdp': llama is a dense model \(no experts to split\)"),
+    ({"model.router_aux_loss_coef": 0.01}, r"^model\.router_aux_loss_coef=0\.01: llama is a dense model \(no router"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("changes, message", UNREACHED)
+def test_a_setting_that_reaches_nothing_is_refused(changes, message):
+    with pytest.raises(config_lib.ConfigError, match=message) as err:
+        build(**changes)
+    assert "\n" not in str(err.value)
+
+
+def test_the_same_settings_are_accepted_where_they_reach():
+    moe = {"model.model_type": "qwen3_moe", "model.num_experts": 4,
+           "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 16}  # fmt: skip
+    build(**moe, **{"mesh.expert_axis": "fsdp", "model.router_aux_loss_coef": 0.01})
+    build(**{"rollout.engine": "paged", "rollout.kv_pages": 64, "rollout.page_size": 8})
+    build(**{"gconfig.max_new_tokens": 128, "rollout.kv_pages": 64})  # auto -> paged
+    build(**{"rollout.engine": "continuous", "rollout.engine_slots": 4, "rollout.insert_lanes": 2})
+    # a checkpoint's model is known once loaded: setup checks it there, by the same rule
+    cfg = build(**{"model.router_aux_loss_coef": 0.01, "model.model_type": "qwen3_moe",
+                   **{k: v for k, v in moe.items() if k != "model.model_type"}})  # fmt: skip
+    with pytest.raises(config_lib.ConfigError, match=r"^model\.router_aux_loss_coef=0\.01: llama"):
+        config_lib.check_moe_settings(cfg, "llama", False)
+    config_lib.check_moe_settings(cfg, "qwen3_moe", True)
+
+
+def test_the_manual_says_which_engines_the_in_flight_fields_need():
+    """Validation accepts the paged engine for multi-turn episodes, weights in flight and
+    streamed batches (and the paged engine uses them): the field docs the manual is made
+    from say so, not "continuous" alone."""
+    from m2po_jax.common import knobs
+    from m2po_jax.common.config_schema import Config
+
+    docs = {
+        path: f.metadata.get("knob", f.metadata.get("section")) for path, f in knobs.fields(Config)
+    }
+    docs = {path: getattr(doc, "doc", doc) for path, doc in docs.items()}
+    paged = {"rollout.mode": "async", "rollout.engine": "paged"}
+    build(**paged, **{"rollout.inflight_updates": True, "rollout.chunk_steps": 4})
+    build(**paged, **{"rollout.stream_batches": 2})
+    build(**{"gconfig.max_new_tokens": 24, "agent.max_append_tokens": 8, **CALC,
+             "rollout.engine": "paged"})  # fmt: skip
+    for path in (
+        "agent",
+        "rollout.inflight_updates",
+        "rollout.chunk_steps",
+        "rollout.stream_batches",
+    ):
+        assert "paged" in docs[path], (path, docs[path])
+    assert "Needs the continuous engine" not in docs["agent"]

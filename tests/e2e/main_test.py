@@ -250,3 +250,17 @@ def test_an_areal_experiment_file_runs_with_its_launcher_keys_listed_and_flags_w
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [x for x in result.stderr.splitlines() if x.startswith("m2po-train: setup error")]
     assert errors == ["m2po-train: setup error: /no/model: checkpoint directory does not exist"]
+
+
+def test_a_paged_pool_too_small_for_a_batch_is_refused_before_any_work(tmp_path):
+    """rollout.kv_pages below a batch's prompts and one completion: the setup's one line and
+    exit 2 before the warm-up (it was a traceback and exit 1 at its first accuracy check)."""
+    workdir = tmp_path / "run"
+    paged = ["--config.rollout.engine=paged", "--config.rollout.kv_pages=5"]
+    _one_line(
+        _cli(*TINY, *paged, f"--workdir={workdir}"),
+        "setup error",
+        "rollout.kv_pages=5: the rollouts' pool must hold every prompt",
+        "at least 6",
+    )
+    assert not workdir.exists()

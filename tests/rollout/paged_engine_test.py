@@ -127,9 +127,9 @@ def test_weights_taken_in_flight_are_recorded_per_token(params):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(pages=16), r"rollout.paged.pages=16: the pool must hold every prompt \(17 pages "),
-        (dict(page_size=0), r"rollout.paged.page_size: must be an int >= 1, got 0"),
-        (dict(slots=-1), r"rollout.paged.slots: must be an int >= 0, got -1"),
+        (dict(pages=16), r"rollout.kv_pages=16: the pool must hold every prompt \(17 pages "),
+        (dict(page_size=0), r"rollout.page_size: must be an int >= 1, got 0"),
+        (dict(slots=-1), r"rollout.engine_slots: must be an int >= 0, got -1"),
     ],
 )
 def test_bad_settings_are_named(params, sampled, kwargs, match):

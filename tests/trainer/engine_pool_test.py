@@ -40,8 +40,7 @@ def _placement(cfg, shape=None):
 def _pool(cfg, placement, limit):
     """(pages of the engine the run builds, per shard, for its rollouts; the plan's)."""
     decoding = sampling.from_gconfig(cfg.gconfig, (0,), 0)
-    rollout = setup_lib.rollout_model_config(cfg, MODEL)
-    engine = setup_lib.build_engine(cfg, rollout, decoding, placement, limit)
+    engine = setup_lib.build_engine(cfg, MODEL, decoding, placement, limit)
     size = engine.sizes(cfg.rollout.batch_size, cfg.task.max_prompt_len, cfg.gconfig.n_samples)
     plan, kwargs = setup_lib.memory_plan(cfg, MODEL, placement, limit)
     return engine, size, plan, kwargs
@@ -186,3 +185,121 @@ def test_a_narrower_kv_dtype_gets_more_pages_from_the_same_budget():
         kv_dtype="float8_e4m3fn"
     )
     assert evaluate._engine(run, run.sampling_config).model_config == run.model_config
+
+
+def _least(cfg, prompts, shards=1):
+    """The least pool of `prompts` prompts on `shards` batch shards: each shard's prompts'
+    pages and one whole completion (the prompt's copied tail and gconfig.max_new_tokens)."""
+    page = cfg.rollout.page_size
+    own = -(-(cfg.gconfig.max_new_tokens + page - 1) // page)
+    return shards * (prompts // shards * -(-cfg.task.max_prompt_len // page) + own)
+
+
+@pytest.mark.parametrize("more", [0, 30])
+def test_the_evaluation_takes_a_pool_its_batch_fits_beside_a_set_kv_pages(more):
+    """rollout.kv_pages sized for the rollouts (8 prompts: 13 pages, the least) and an
+    evaluation of 16 prompts (21 pages at least): the evaluation's engine takes the pool its
+    batch needs, the rollouts' keeps the config's, and the plan counts both; a kv_pages
+    above the evaluation's least is the evaluation's too. (Before, the evaluation ran in
+    the rollouts' 13 pages and the run died at its first evaluation.)"""
+    import numpy as np
+
+    from m2po_jax.trainer import evaluate
+
+    probe = _cfg(**{"eval.batch_size": 16})
+    rollouts, evaluation = _least(probe, 8), _least(probe, 16)
+    assert (rollouts, evaluation) == (13, 21)
+    cfg = _cfg(**{"eval.batch_size": 16, "rollout.kv_pages": rollouts + more})
+    run = setup_lib.build(cfg)
+    width, n = cfg.task.max_prompt_len, cfg.gconfig.n_samples
+    assert run.engine.sizes(8, width, n)["pages"] == rollouts + more
+    engine = evaluate._engine(run, evaluate.decoding(run))
+    size = engine.sizes(16, width, cfg.eval.n_samples)
+    assert size["pages"] == max(evaluation, rollouts + more)
+    engine._check_pool(np.ones((16, width), bool), size)  # what the first evaluation checks
+    _, kwargs = setup_lib.memory_plan(cfg, run.model_config, run.placement)
+    held = dict(
+        prompt_len=width, max_new=cfg.gconfig.max_new_tokens, slots=0, page_size=16,
+        insert_lanes=0,
+    )  # fmt: skip
+    assert kwargs["kv_cache_bytes"] == max(
+        memory.engine_bytes(run.model_config, "paged", prompts=8, n_samples=n,
+                            pages=rollouts + more, **held),
+        memory.engine_bytes(run.model_config, "paged", prompts=16, n_samples=1,
+                            pages=size["pages"], **held),
+    )  # fmt: skip
+
+
+PAGED_SIZES_REFUSED = [
+    ({"rollout.kv_pages": 12}, r"^rollout\.kv_pages=12: the rollouts' pool must hold .* at least 13$"),
+    (
+        {"mesh.data": 2, "rollout.engine_slots": 3},
+        r"^rollout\.engine_slots=3: must divide over the mesh's 2 batch shards",
+    ),
+    (
+        {"mesh.data": 2, "rollout.kv_pages": 27},
+        r"^rollout\.kv_pages=27: must divide over the mesh's 2 batch shards",
+    ),
+    (
+        {"rollout.stream_batches": 2, "rollout.mode": "async", "mesh.rollout_devices": 1,
+         "rollout.kv_pages": 20},
+        r"^rollout\.kv_pages=20: the rollouts' pool must hold .*rollout\.stream_batches=2.* "
+        r"at least 21$",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("changes, message", PAGED_SIZES_REFUSED)
+def test_the_paged_engines_sizes_are_refused_at_setup(changes, message):
+    """Sizes the paged engine cannot run are refused by `setup.build` (the trainer's
+    setup: the CLI's one line and exit 2) in one line naming the field, before any
+    program runs, not when the engine first generates (inside the warm-up's first
+    accuracy check, a traceback)."""
+    from m2po_jax.trainer import compile_only
+
+    cfg = _cfg(**changes)
+    with pytest.raises(ValueError, match=message) as err:
+        setup_lib.build(cfg)
+    assert "\n" not in str(err.value)
+    # --compile_only refuses it as the run does, before its first compile
+    with pytest.raises(ValueError, match=message):
+        compile_only._placements(cfg, MODEL, jax.devices()[:2])
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16"])
+def test_the_pool_budget_counts_the_trainers_weights_under_cheaper_rollout_weights(
+    monkeypatch, weight_dtype
+):
+    """rollout.weight_dtype int8 / bfloat16: the budget of the rollouts' pool is what the
+    plan of the trainer's config (float32 params and optimizer state) leaves, in the run
+    (`setup.build`) and in `--compile_only` (its engines); the rollouts' config passed as
+    the trainer's is refused (it counted the train state at the rollouts' bytes: a pool
+    1.3-1.4x too large on an 80 GiB device)."""
+    from m2po_jax.trainer import compile_only
+
+    limit_gib = 1 / 64
+    cfg = _cfg(**{"rollout.weight_dtype": weight_dtype, "mesh.device_memory_gib": limit_gib})
+    run = setup_lib.build(cfg)
+    limit = int(limit_gib * 2**30)
+    rollout = setup_lib.rollout_model_config(cfg, run.model_config)
+    assert rollout != run.model_config
+    want = setup_lib.kv_budget(cfg, run.model_config, run.placement, limit)
+    plan, _ = setup_lib.memory_plan(cfg, run.model_config, run.placement, limit)
+    n_params = sum(x.size for x in jax.tree.leaves(sharding.param_shapes(run.model_config)))
+    assert plan.params == 4 * n_params  # the trained float32 params, not the rollouts'
+    assert 0 < want and run.engine.kv_budget == want
+    assert run.engine.model_config == rollout
+    with pytest.raises(ValueError, match="the trainer's model config"):
+        setup_lib.kv_budget(cfg, rollout, run.placement, limit)
+    built = []
+    monkeypatch.setattr(
+        compile_only, "_compile_engine", lambda engine, *a, **k: built.append(engine) or []
+    )
+    monkeypatch.setattr(compile_only, "_compile_decode", lambda *a: None)
+    shapes = sharding.param_shapes(run.model_config)
+    compile_only._sampling_programs(
+        cfg, run.model_config, rollout, (run.placement, run.placement), None, shapes,
+        cfg.rollout.batch_size, limit, ((0,), 0), lambda program: program,
+    )  # fmt: skip
+    assert [e.kv_budget for e in built] == [want, want]
+    assert [e.model_config for e in built] == [rollout, run.model_config]

@@ -408,7 +408,7 @@ def test_the_continuous_and_paged_engines_train_as_the_static_sampler_with_greed
     want = read(tmp_path / "static")
     assert max(abs(r["loss"]) for r in want) > 0  # the updates are not all zero
     # The paged engine with a pool short of one whole batch: sequences are preempted.
-    paged = {"rollout.kv_pages": 18, "rollout.page_size": 2, "eval.batch_size": 4}
+    paged = {"rollout.kv_pages": 19, "rollout.page_size": 2, "eval.batch_size": 4}
     for engine, extra in (("continuous", {}), ("paged", paged)):
         other = trainer_lib.Trainer(
             tiny_config(

@@ -181,16 +181,16 @@ class PagedEngine(RolloutEngine):
         mesh: jax.sharding.Mesh | None = None,
     ):
         super().__init__(model_config, sampling_config, mesh=mesh)
-        for name, value, low in (
-            ("slots", slots, 0),
-            ("pages", pages, 0),
-            ("page_size", page_size, 1),
-            ("insert_lanes", insert_lanes, 0),
-            ("chunk_steps", chunk_steps, 1),
+        for name, value, low in (  # each under the config field that sets it
+            ("rollout.engine_slots", slots, 0),
+            ("rollout.kv_pages", pages, 0),
+            ("rollout.page_size", page_size, 1),
+            ("rollout.insert_lanes", insert_lanes, 0),
+            ("rollout.chunk_steps", chunk_steps, 1),
             ("kv_budget", kv_budget, 0),
         ):
             if isinstance(value, bool) or int(value) != value or int(value) < low:
-                raise ValueError(f"rollout.paged.{name}: must be an int >= {low}, got {value!r}")
+                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
         self.slots, self.pages, self.page_size = int(slots), int(pages), int(page_size)
         self.insert_lanes, self.chunk_steps = int(insert_lanes), int(chunk_steps)
         self.kv_budget = int(kv_budget)
@@ -317,11 +317,13 @@ class PagedEngine(RolloutEngine):
         the whole mesh): slots, lanes, own pages per sequence, prompt pages per prompt,
         pool pages and sequences (jobs)."""
         shards = 1 if turns else self.shards
-        for name, value in (("prompts", prompts), ("slots", self.slots), ("pages", self.pages)):
+        named = (("prompts", prompts), ("rollout.engine_slots", self.slots),
+                 ("rollout.kv_pages", self.pages))  # fmt: skip
+        for name, value in named:
             if value % shards:
                 raise ValueError(
-                    f"rollout.paged: {name}={value} must divide over the mesh's {shards} "
-                    "batch shards"
+                    f"{name}={value}: must divide over the mesh's {shards} batch shards "
+                    "(the paged engine runs one pool per shard)"
                 )
         pg, new = self.page_size, self.sampling.max_new_tokens
         local = prompts // shards
@@ -409,7 +411,7 @@ class PagedEngine(RolloutEngine):
         shards = size["shards"]
         if prompts % shards:
             raise ValueError(
-                f"rollout.paged: a unit's {prompts} prompts must divide over the mesh's "
+                f"rollout.batch_size: a unit's {prompts} prompts must divide over the mesh's "
                 f"{shards} batch shards"
             )
         # Shard-major layout: shard d holds its share of every unit, unit after unit.
@@ -590,7 +592,7 @@ class PagedEngine(RolloutEngine):
         if size["pages"] < prompt_pages + size["own"]:
             shard = "" if shards == 1 else f" (per batch shard: {shards} of them)"
             raise ValueError(
-                f"rollout.paged.pages={size['pages'] * shards}: the pool{shard} must hold "
+                f"rollout.kv_pages={size['pages'] * shards}: the pool{shard} must hold "
                 f"every prompt ({prompt_pages} pages of {self.page_size} tokens) and one whole "
                 f"completion ({size['own']} pages): at least "
                 f"{(prompt_pages + size['own']) * shards}"
